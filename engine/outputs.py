@@ -1,0 +1,65 @@
+"""The messages passed inside one engine step, and out of it.
+
+    Scheduler --SchedulerOutput--> ModelRunner --ModelRunnerOutput--> Scheduler
+                                                         --list[EngineCoreOutput]--> caller
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request: Request
+    num_new_tokens: int  # tokens to compute, from request.num_computed_tokens on
+    block_ids: list[int]  # the request's whole block table after this step's allocation
+    num_samples: int  # 0: a prefill chunk short of the end; n: a prompt forking n samples; else 1
+
+
+@dataclass
+class SchedulerOutput:
+    """What to run this step. Decodes and prefill chunks share one list."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    # Copy-on-write block copies (src, dst) that must happen before the forward.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Requests that ended since the last step: the runner drops their state (seeded RNGs).
+    finished_request_ids: set[str] = field(default_factory=set)
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens for each request that reached the end of its tokens this step."""
+
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)  # n tokens for a forking prompt, else 1
+    logprobs: list[list[dict[int, float] | None]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """New tokens of one sample of one request, as the engine reports them each step."""
+
+    request_id: str  # the caller's id
+    sample_index: int
+    new_token_ids: list[int]
+    new_logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_token_id: int | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

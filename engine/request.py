@@ -1,0 +1,100 @@
+"""The engine's view of one sequence being generated."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+_arrival_counter = itertools.count()
+
+
+def sample_request_id(parent_id: str, index: int) -> str:
+    """The engine-internal id of sample `index` of an n>1 request."""
+    return f"{parent_id}/{index}"
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2  # waiting again, to be recomputed
+    FINISHED_STOPPED = 3  # eos or a stop token
+    FINISHED_LENGTH = 4  # max_tokens or max_model_len
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence. A prompt with `n > 1` starts as one Request; after its
+    prefill the scheduler forks `n - 1` siblings that share its prompt blocks."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # lower runs first under the "priority" policy
+    arrival_time: float = field(default_factory=time.monotonic)
+    # Breaks ties between equal priorities in arrival order, and makes a
+    # preempted request sort before everything that arrived after it.
+    arrival_seq: int = field(default_factory=lambda: next(_arrival_counter))
+    parent_id: str | None = None  # the caller's id for the n samples of one prompt
+    sample_index: int = 0  # which of the n samples this is
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
+    num_preemptions: int = 0
+    stop_token_id: int | None = None  # the eos/stop token that finished it
+    # Seeds are per sample: sample i of a seeded request uses seed + i.
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.seed is None and self.sampling_params.seed is not None:
+            self.seed = self.sampling_params.seed + self.sample_index
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival_seq)
+
+    @property
+    def needs_fork(self) -> bool:
+        """The first sample of an n>1 prompt, before its siblings exist."""
+        return self.sampling_params.n > 1 and self.sample_index == 0 and not self.output_token_ids
+
+    def append_output(self, token_id: int, logprobs: dict[int, float] | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)

@@ -1,0 +1,103 @@
+"""Per-request sampling parameters, with vLLM's field names and validation.
+
+Every public field is checked in `__post_init__`; a bad value raises a
+`ValueError` that names the field and the allowed range, so the frontend can
+hand the message straight back to the caller as INVALID_ARGUMENT.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Temperatures below this are treated as greedy, as vLLM does: dividing logits
+# by a tiny temperature only overflows.
+GREEDY_EPS = 1e-5
+MAX_N = 64
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+MAX_SEED = 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next token and when to stop. Defaults follow vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: until the model's max length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per token; 0 = sampled token only
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def _validate(self) -> None:
+        _int("n", self.n, 1, MAX_N)
+        _float("temperature", self.temperature, 0.0, 100.0)
+        _float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _int("top_k", self.top_k, 0, 2**31 - 1, hint=" (0 or -1 disables it)")
+        _float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _int("seed", self.seed, 0, MAX_SEED)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens, 1, 2**31 - 1)
+        _int("min_tokens", self.min_tokens, 0, self.max_tokens or 2**31 - 1,
+             hint=" (and at most max_tokens)")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids", t, 0, 2**31 - 1)
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+
+
+def _int(name: str, value: object, low: int, high: int, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an integer in [{low}, {high}]{hint}, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name}: must be in [{low}, {high}]{hint}, got {value}")
+
+
+def _float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+    bracket = "(" if low_open else "["
+    if value > high or value < low or (low_open and value == low):
+        raise ValueError(f"{name}: must be in {bracket}{low}, {high}], got {value}")

@@ -1,0 +1,193 @@
+"""Iteration-level scheduler: which tokens of which requests run in the next step.
+
+Every request has `num_computed_tokens` (KV in the cache) catching up with
+`num_tokens` (prompt + outputs). Each step hands out at most
+`max_num_batched_tokens`: running requests first (decodes and unfinished
+prefill chunks), then waiting ones in priority/arrival order. A prompt longer
+than what is left of the budget is chunked. When the KV pool runs dry, the
+newest (lowest-priority) running request is preempted by recompute.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.request import Request, RequestStatus, sample_request_id
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.requests: dict[str, Request] = {}  # every unfinished request, by request id
+        self.waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap on the sort key
+        self.running: list[Request] = []
+        self.finished_request_ids: set[str] = set()
+        self.num_preemptions = 0  # total since start, for metrics
+
+    # -- admission ---------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already running")
+        self.requests[request.request_id] = request
+        self._push_waiting(request)
+
+    def remove_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
+        """Take requests out wherever they are, free their blocks, mark them finished."""
+        removed = [self.requests[r] for r in request_ids if r in self.requests]
+        gone = {id(r) for r in removed}
+        if not gone:
+            return []
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting = [e for e in self.waiting if id(e[1]) not in gone]
+        heapq.heapify(self.waiting)
+        for request in removed:
+            self._finish(request, status)
+        return removed
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # -- scheduling --------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self.finished_request_ids)
+        self.finished_request_ids = set()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.num_preempted:  # after a preemption the pool is too tight to admit more
+            self._schedule_waiting(out, budget)
+        out.blocks_to_copy = self._live_copies(out)
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.append_slots(
+                    request.request_id, request.all_token_ids, request.num_computed_tokens + num_new):
+                victim = max(self.running, key=lambda r: (*r.sort_key, r.sample_index))
+                budget += self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(self._scheduled(request, num_new))
+                budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0:
+            request = self.waiting[0][1]
+            seats = request.sampling_params.n if request.needs_fork else 1
+            if self.running and len(self.running) + seats > self.config.max_num_seqs:
+                break
+            cached_blocks, num_cached = self.block_manager.get_computed_blocks(request.all_token_ids)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate(request.request_id, request.all_token_ids,
+                                               num_cached + num_new, cached_blocks):
+                break  # the head waits for blocks; nobody overtakes it
+            heapq.heappop(self.waiting)
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+    # -- update ------------------------------------------------------------------
+
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput
+                           ) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled ones, fork n>1 prompts, finish stopped requests."""
+        for s in sched.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        outputs = []
+        for request_id, tokens, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
+            request = self.requests[request_id]
+            samples = [request] + (self._fork(request, len(tokens) - 1) if len(tokens) > 1 else [])
+            for sample, token, token_logprobs in zip(samples, tokens, logprobs):
+                sample.append_output(token, token_logprobs)
+                status = self._check_stop(sample, token)
+                if status is not None:
+                    self.running.remove(sample)
+                    self._finish(sample, status)
+                outputs.append(EngineCoreOutput(
+                    request_id=sample.parent_id or sample.request_id, sample_index=sample.sample_index,
+                    new_token_ids=[token], new_logprobs=None if token_logprobs is None else [token_logprobs],
+                    finish_reason=sample.status.finish_reason, stop_token_id=sample.stop_token_id,
+                    num_prompt_tokens=sample.num_prompt_tokens, num_cached_tokens=sample.num_cached_tokens))
+        return outputs
+
+    def _fork(self, parent: Request, count: int) -> list[Request]:
+        """Siblings 1..count of an n>1 prompt, sharing its blocks copy-on-write."""
+        siblings = []
+        for index in range(1, count + 1):
+            child = Request(
+                request_id=sample_request_id(parent.parent_id, index),
+                prompt_token_ids=parent.prompt_token_ids, sampling_params=parent.sampling_params,
+                eos_token_ids=parent.eos_token_ids, priority=parent.priority,
+                arrival_time=parent.arrival_time, arrival_seq=parent.arrival_seq,
+                parent_id=parent.parent_id, sample_index=index, status=RequestStatus.RUNNING,
+                num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens)
+            self.block_manager.fork(parent.request_id, child.request_id)
+            self.requests[child.request_id] = child
+            self.running.append(child)
+            siblings.append(child)
+        return siblings
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
+                request.stop_token_id = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        reaches_end = request.num_computed_tokens + num_new == request.num_tokens
+        num_samples = 0 if not reaches_end else request.sampling_params.n if request.needs_fork else 1
+        return ScheduledRequest(request, num_new, self.block_manager.block_table(request.request_id),
+                                num_samples)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+        """Free the victim's blocks and requeue it; returns budget given back."""
+        self.running.remove(victim)
+        self.block_manager.free(victim.request_id)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.num_preempted += 1
+        self._push_waiting(victim)
+        for k, s in enumerate(out.scheduled):
+            if s.request is victim:  # already scheduled this step: take it back
+                del out.scheduled[k]
+                return s.num_new_tokens
+        return 0
+
+    def _live_copies(self, out: SchedulerOutput) -> list[tuple[int, int]]:
+        # A copy into a block that a preempted request gave back is moot.
+        live = {b for s in out.scheduled for b in s.block_ids}
+        return [(src, dst) for src, dst in self.block_manager.take_blocks_to_copy() if dst in live]
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self.waiting, ((*request.sort_key, request.sample_index), request))
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.block_manager.free(request.request_id)
+        del self.requests[request.request_id]
+        self.finished_request_ids.add(request.request_id)
