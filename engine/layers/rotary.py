@@ -41,8 +41,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = compute_inv_freq(head_dim, theta, scaling)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.build(None)
+
+    def build(self, device: str | torch.device | None) -> None:
+        """(Re)compute the fp32 cos/sin table, e.g. after the model was built on the meta device."""
+        inv_freq = compute_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
+        freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)

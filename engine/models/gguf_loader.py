@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +29,9 @@ _GLOBAL_NAMES = {
 _PERMUTED_ARCHS = ("llama", "mistral")
 
 
+@functools.lru_cache(maxsize=2)
 def _reader(path: Path):
+    # Parsing the metadata (the whole vocabulary) takes seconds: do it once per file.
     import gguf
     return gguf.GGUFReader(str(path))
 
@@ -72,8 +75,8 @@ def iter_gguf_weights(path: Path, cfg: ModelArchConfig) -> Iterator[tuple[str, t
     reader = _reader(path)
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
-        array = dequantize(tensor.data, tensor.tensor_type).astype(np.float32, copy=False)
-        weight = torch.from_numpy(np.ascontiguousarray(array))
+        array = dequantize(tensor.data, tensor.tensor_type)
+        weight = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
         if cfg.model_type in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
             weight = _unpermute_rotary(weight, heads)

@@ -7,6 +7,9 @@ With no model named, the bundled SmolLM2-135M-Instruct GGUF from the
 from __future__ import annotations
 
 import importlib.metadata
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,8 +79,10 @@ def load_model(path: Path, dtype: str, device: str, max_positions: int) -> Llama
     previous = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[dtype])
     try:
-        with torch.device(device):
+        with torch.device("meta"):  # no time spent on random init of weights we overwrite
             model = LlamaForCausalLM(cfg, max_positions)
+        model = model.to_empty(device=device)
+        model.init_non_persistent(device)
     finally:
         torch.set_default_dtype(previous)
     weights = tqdm(iter_weights(path, cfg), desc=f"loading {path.name}", unit="tensor",
@@ -91,5 +96,36 @@ def load_tokenizer(path: Path, tokenizer: str | None = None):
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
     if is_gguf(path):
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return _gguf_tokenizer(path)
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _gguf_tokenizer(path: Path):
+    """Converting a GGUF vocabulary takes seconds; keep the result in a cache folder."""
+    from transformers import AutoTokenizer
+    stat = path.stat()
+    cache = cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if (cache / "tokenizer_config.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cache))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:  # the cache is optional: a read-only home, or another process won the race
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=_mkdir(cache.parent)))
+    except OSError:
+        return tok
+    try:
+        tok.save_pretrained(str(staging))
+        staging.rename(cache)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+    return tok
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve")
+    return Path(root)
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,312 @@
+"""Paged KV-cache block manager: reference counts, prefix caching, copy-on-write fork.
+
+Pure Python over ints: it hands out block ids and the model runner turns them
+into tensors. A sequence's block table maps token positions to blocks:
+
+    token position:  0 ........ 15 | 16 ....... 31 | 32 .. 36
+    block table:     [    7        ,      3        ,    12    ]   block_size = 16
+                      full, cached   full, cached   partial (written next)
+
+Prefix caching keys every full block by a chained hash
+``hash((parent_hash, block_tokens, extra_keys))`` so a block's key covers the
+whole prefix before it. Blocks whose ref count drops to 0 go to an LRU free
+queue but keep their hash, so they can still be hit until they are popped for
+reuse. Free queue order (front is popped first):
+
+    [never used 0..N-1 ...] [freed: seq A last block, ..., seq A first block] ...
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# Parent hash of a sequence's first block.
+ROOT_HASH = None
+
+
+def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple) -> int:
+    """Chained content hash of one full block. Module-level so tests can force collisions."""
+    return hash((parent_hash, token_ids, extra_keys))
+
+
+class Block:
+    """One KV-cache block. `block_hash` is set only while the block is in the prefix cache;
+    the key parts are kept so a hit can be verified rather than trusted to the hash."""
+
+    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids", "extra_keys")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+        self.parent_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+        self.extra_keys: tuple = ()
+
+    def matches(self, parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple) -> bool:
+        return (self.token_ids == token_ids and self.parent_hash == parent_hash
+                and self.extra_keys == extra_keys)
+
+
+@dataclass(slots=True)
+class _SeqBlocks:
+    """Per-sequence state: its block table and the hashes of its full blocks so far."""
+
+    block_ids: list[int]
+    extra_keys: tuple
+    num_tokens: int = 0  # tokens the table was last grown to cover (their KV is written)
+    block_hashes: list[int] = field(default_factory=list)
+    # False after a hash collision: later blocks' chain would be ambiguous, so stop caching them.
+    hashable: bool = True
+
+
+class BlockManager:
+    """Allocates fixed-size KV blocks to sequences keyed by id. Not thread-safe; the
+    scheduler is its only caller."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.num_cache_hits = 0  # of those, tokens served from cache
+        # (src, dst) block copies the model runner must do before the next forward.
+        self.blocks_to_copy: list[tuple[int, int]] = []
+        self._blocks = [Block(i) for i in range(num_blocks)]
+        # Ref-0 blocks; O(1) pop-front, append and removal from the middle.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block_hash -> block_id
+        self._seqs: dict[str, _SeqBlocks] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks allocatable now, including evictable cached blocks with ref 0."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return list(self._seq(seq_id).block_ids)
+
+    def has_seq(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_count
+
+    def take_blocks_to_copy(self) -> list[tuple[int, int]]:
+        """Return and clear the pending copy-on-write copies."""
+        copies, self.blocks_to_copy = self.blocks_to_copy, []
+        return copies
+
+    def get_computed_blocks(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> tuple[list[int], int]:
+        """Longest cached prefix of full blocks: (block_ids, num_cached_tokens).
+
+        Never covers the last token, so the model computes >= 1 token and yields logits.
+        Takes no references. Returns ([], 0) and counts nothing when caching is off.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        bs = self.block_size
+        block_ids: list[int] = []
+        parent = ROOT_HASH
+        for i in range(max(0, (len(token_ids) - 1) // bs)):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            block_hash = hash_block(parent, tokens, extra_keys)
+            block_id = self._cached.get(block_hash)
+            if block_id is None or not self._blocks[block_id].matches(parent, tokens, extra_keys):
+                break
+            block_ids.append(block_id)
+            parent = block_hash
+        self.num_cache_queries += len(token_ids)
+        self.num_cache_hits += len(block_ids) * bs
+        return block_ids, len(block_ids) * bs
+
+    def can_allocate(self, num_tokens: int, computed_block_ids: Sequence[int] = ()) -> bool:
+        """Whether `allocate` with these arguments would find enough free blocks."""
+        num_new = self.num_blocks_needed(num_tokens) - len(computed_block_ids)
+        num_revived = sum(1 for b in computed_block_ids if self._blocks[b].ref_count == 0)
+        return max(0, num_new) + num_revived <= self.num_free_blocks
+
+    def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int,
+                 computed_block_ids: Sequence[int] = (), extra_keys: tuple = ()) -> bool:
+        """First allocation for a sequence (new, or resumed after preemption).
+
+        Takes references on `computed_block_ids` (from get_computed_blocks) and adds fresh
+        blocks so the table covers `num_tokens` (cached + scheduled) tokens. Returns False
+        and changes nothing if blocks run short. Registers blocks that become full.
+        """
+        if seq_id in self._seqs and self._seqs[seq_id].block_ids:
+            raise ValueError(f"sequence {seq_id!r} already has blocks; use append_slots")
+        computed = list(computed_block_ids)
+        if num_tokens < len(computed) * self.block_size:
+            raise ValueError(f"num_tokens={num_tokens} is less than the {len(computed)} computed blocks cover")
+        self._check_computed(token_ids, computed, extra_keys)
+        if not self.can_allocate(num_tokens, computed):
+            return False
+        for block_id in computed:
+            self._take_ref(block_id)
+        num_new = self.num_blocks_needed(num_tokens) - len(computed)
+        state = _SeqBlocks(block_ids=computed + [self._pop_free_block() for _ in range(num_new)],
+                           extra_keys=extra_keys, num_tokens=num_tokens,
+                           block_hashes=[self._blocks[b].block_hash for b in computed])
+        self._seqs[seq_id] = state
+        self._register_full_blocks(state, token_ids)
+        return True
+
+    def append_slots(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> bool:
+        """Grow a sequence's table to cover `num_tokens` tokens (token_ids: all its tokens).
+
+        If the last block is partial, about to be written and shared, it is copied first
+        (recorded in `blocks_to_copy`). Returns False and changes nothing if blocks run short.
+        """
+        state = self._seq(seq_id)
+        if num_tokens < state.num_tokens:
+            raise ValueError(f"num_tokens={num_tokens} < {state.num_tokens} already covered for {seq_id!r}")
+        num_new = self.num_blocks_needed(num_tokens) - len(state.block_ids)
+        needs_copy = (num_tokens > state.num_tokens and state.num_tokens % self.block_size != 0
+                      and self._blocks[state.block_ids[-1]].ref_count > 1)
+        if num_new + needs_copy > self.num_free_blocks:
+            return False
+        if needs_copy:
+            src = state.block_ids[-1]
+            dst = self._pop_free_block()
+            self._blocks[src].ref_count -= 1  # was > 1, so src stays owned by another sequence
+            self.blocks_to_copy.append((src, dst))
+            state.block_ids[-1] = dst
+        state.block_ids.extend(self._pop_free_block() for _ in range(num_new))
+        state.num_tokens = num_tokens
+        self._register_full_blocks(state, token_ids)
+        return True
+
+    def free(self, seq_id: str) -> None:
+        """Drop a sequence's references; unknown ids are a no-op.
+
+        Blocks reaching ref 0 join the free queue's tail in reverse table order, so a
+        sequence's last blocks are evicted before its (more shareable) prefix blocks.
+        """
+        state = self._seqs.pop(seq_id, None)
+        if state is None:
+            return
+        for block_id in reversed(state.block_ids):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give `child_id` the parent's block table, sharing every block (copy-on-write)."""
+        parent = self._seq(parent_id)
+        if child_id in self._seqs:
+            raise ValueError(f"cannot fork into existing sequence {child_id!r}")
+        for block_id in parent.block_ids:
+            self._blocks[block_id].ref_count += 1
+        self._seqs[child_id] = _SeqBlocks(
+            block_ids=list(parent.block_ids), extra_keys=parent.extra_keys, num_tokens=parent.num_tokens,
+            block_hashes=list(parent.block_hashes), hashable=parent.hashable)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (False) while any block is in use, since a
+        running sequence's chain would then point at blocks no longer in the cache."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block_id in self._cached.values():
+            self._uncache(self._blocks[block_id])
+        self._cached.clear()
+        return True
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if internal bookkeeping is inconsistent (for tests)."""
+        table_refs = [0] * self.num_blocks
+        for seq_id, state in self._seqs.items():
+            _expect(len(state.block_ids) == self.num_blocks_needed(state.num_tokens),
+                    f"{seq_id}: table length does not match num_tokens={state.num_tokens}")
+            for block_id in state.block_ids:
+                table_refs[block_id] += 1
+        for block in self._blocks:
+            _expect(block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}")
+            _expect(block.ref_count == table_refs[block.block_id],
+                    f"block {block.block_id}: ref_count {block.ref_count} != {table_refs[block.block_id]} tables")
+            _expect((block.ref_count == 0) == (block.block_id in self._free),
+                    f"block {block.block_id}: free queue membership disagrees with ref_count")
+            if block.block_hash is not None:
+                _expect(self._cached.get(block.block_hash) == block.block_id,
+                        f"block {block.block_id} has a hash but is not in the cache map")
+        for block_hash, block_id in self._cached.items():
+            _expect(self._blocks[block_id].block_hash == block_hash, f"map entry for block {block_id} is stale")
+        for src, dst in self.blocks_to_copy:
+            _expect(0 <= src < self.num_blocks and 0 <= dst < self.num_blocks, f"bad copy {(src, dst)}")
+
+    def _seq(self, seq_id: str) -> _SeqBlocks:
+        state = self._seqs.get(seq_id)
+        if state is None:
+            raise ValueError(f"unknown sequence {seq_id!r}")
+        return state
+
+    def _check_computed(self, token_ids: Sequence[int], computed: list[int], extra_keys: tuple) -> None:
+        """Computed blocks must still be cached with these tokens: a stale list (another
+        allocation evicted them since get_computed_blocks) would serve wrong KV."""
+        bs = self.block_size
+        parent = ROOT_HASH
+        for i, block_id in enumerate(computed):
+            block = self._blocks[block_id]
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            if block.block_hash is None or not block.matches(parent, tokens, extra_keys):
+                raise ValueError(f"computed block {block_id} is no longer cached for these tokens")
+            parent = block.block_hash
+
+    def _take_ref(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _pop_free_block(self) -> int:
+        """Take the least recently freed block, evicting its cached hash if it has one."""
+        block_id, _ = self._free.popitem(last=False)
+        block = self._blocks[block_id]
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            self._uncache(block)
+        block.ref_count = 1
+        return block_id
+
+    @staticmethod
+    def _uncache(block: Block) -> None:
+        block.block_hash = block.parent_hash = None
+        block.token_ids = block.extra_keys = ()
+
+    def _register_full_blocks(self, state: _SeqBlocks, token_ids: Sequence[int]) -> None:
+        """Cache each block that is now full. Safe before its KV exists: this step's forward
+        writes it before any later step can read it."""
+        if not self.enable_prefix_caching or not state.hashable:
+            return
+        bs = self.block_size
+        for i in range(len(state.block_hashes), min(state.num_tokens, len(token_ids)) // bs):
+            parent = state.block_hashes[-1] if state.block_hashes else ROOT_HASH
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            block_hash = hash_block(parent, tokens, state.extra_keys)
+            cached_id = self._cached.get(block_hash)
+            if cached_id is None:
+                block = self._blocks[state.block_ids[i]]
+                block.block_hash, block.parent_hash = block_hash, parent
+                block.token_ids, block.extra_keys = tokens, state.extra_keys
+                self._cached[block_hash] = block.block_id
+            elif not self._blocks[cached_id].matches(parent, tokens, state.extra_keys):
+                state.hashable = False  # collision: keep the first block, cache nothing after
+                return
+            state.block_hashes.append(block_hash)
+
+
+def _expect(condition: bool, message: str) -> None:
+    if not condition:
+        raise AssertionError(message)

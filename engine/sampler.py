@@ -1,0 +1,213 @@
+"""Turn a batch of logits rows into next tokens, following vLLM's semantics.
+
+Order of work per step (each stage runs only if some row needs it):
+
+    raw logits [B, V] ──► logprobs (log_softmax of the raw logits)
+        │
+        ├─► min_tokens: mask eos + stop_token_ids to -inf
+        ├─► penalties: repetition (prompt ∪ output), frequency, presence (output)
+        ├─► greedy rows: argmax
+        └─► random rows: / temperature ─► top_k ─► top_p ─► min_p ─► exponential race
+
+Sampling uses the exponential race, argmax(p / q) with q ~ Exp(1), which draws
+from p without a cumsum or a renormalisation. A seeded row draws its q from its
+own generator, so its tokens do not depend on the rest of the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One logits row to sample from."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # generated so far, before this step
+    generator: torch.Generator | None  # seeded per request; None: the global RNG
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """What one sampler step produced, one entry per row."""
+
+    token_ids: list[int]
+    # None where params.logprobs is None; else the sampled token plus the top-N.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    """Samples one token per row. Stateless apart from the eos ids."""
+
+    def __init__(self, eos_token_ids: Sequence[int]):
+        self.eos_token_ids = list(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if _is_plain_greedy(rows):
+            # Hot path. argmax on bf16/fp16 equals argmax after an exact upcast,
+            # so skip the float32 copy.
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+        # A copy: the stages below write in place and the caller keeps its logits.
+        logits = logits.to(torch.float32, copy=True)
+        logprob_idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        raw_logprobs = (torch.log_softmax(logits[_index(logprob_idx, logits)], dim=-1)
+                        if logprob_idx else None)
+        self._mask_min_tokens(logits, rows)
+        penalty_idx = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+        if penalty_idx:
+            index = _index(penalty_idx, logits)
+            logits[index] = _apply_penalties(logits[index], [rows[i] for i in penalty_idx])
+        token_ids = _sample(logits, rows)
+        logprobs = _collect_logprobs(raw_logprobs, logprob_idx, token_ids, rows)
+        return SamplerOutput(token_ids, logprobs)
+
+    def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Forbid every way of stopping until a row has min_tokens outputs."""
+        vocab_size = logits.shape[-1]
+        row_idx: list[int] = []
+        token_idx: list[int] = []
+        for i, r in enumerate(rows):
+            if len(r.output_token_ids) >= r.params.min_tokens:
+                continue
+            # Ids past the vocab (a tokenizer larger than the lm head) cannot be sampled.
+            banned = {t for t in (*self.eos_token_ids, *r.params.stop_token_ids) if t < vocab_size}
+            row_idx.extend([i] * len(banned))
+            token_idx.extend(banned)
+        if row_idx:
+            logits[_index(row_idx, logits), _index(token_idx, logits)] = float("-inf")
+
+
+def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
+    return all(r.params.greedy and not r.params.uses_penalties and r.params.logprobs is None
+               and len(r.output_token_ids) >= r.params.min_tokens for r in rows)
+
+
+def _index(ids: list[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long, device=like.device)
+
+
+def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """A [B, 1] column of per-row parameters, to broadcast against [B, V]."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+
+
+def _padded(seqs: list[list[int]], pad: int, like: torch.Tensor) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    return _index([s + [pad] * (width - len(s)) for s in seqs], like).view(len(seqs), width)
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """vLLM penalties on [P, V] logits of the rows that use them."""
+    num_rows, vocab_size = logits.shape
+    # Pad with vocab_size: scatter into one spare column, then drop it.
+    output_ids = _padded([r.output_token_ids for r in rows], vocab_size, logits)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
+    counts = counts[:, :vocab_size]
+    prompt_ids = _padded([r.prompt_token_ids for r in rows], vocab_size, logits)
+    seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+    seen.scatter_(1, prompt_ids, True)
+    seen = seen[:, :vocab_size] | (counts > 0)
+
+    repetition = _per_row([r.params.repetition_penalty for r in rows], logits)
+    # Dividing a positive logit and multiplying a negative one both push it down.
+    penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalised, logits)
+    frequency = _per_row([r.params.frequency_penalty for r in rows], logits)
+    presence = _per_row([r.params.presence_penalty for r in rows], logits)
+    return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
+
+
+def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    greedy_idx = [i for i, r in enumerate(rows) if r.params.greedy]
+    random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+    if greedy_idx:
+        index = _index(greedy_idx, logits)
+        token_ids[index] = logits[index].argmax(dim=-1)
+    if random_idx:
+        index = _index(random_idx, logits)
+        random_rows = [rows[i] for i in random_idx]
+        probs = _filtered_probs(logits[index], random_rows)
+        token_ids[index] = _race(probs, [r.generator for r in random_rows])
+    return token_ids.tolist()
+
+
+def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, then top_k, top_p and min_p; returns unnormalised probs."""
+    vocab_size = logits.shape[-1]
+    logits = logits / _per_row([r.params.temperature for r in rows], logits)
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    min_p = [r.params.min_p for r in rows]
+    if any(m > 0.0 for m in min_p):
+        threshold = probs.amax(dim=-1, keepdim=True) * _per_row(min_p, probs)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    # The race below needs no renormalisation: argmax(p / q) scales out.
+    return probs
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """One descending sort serves both filters; k = V and p = 1 keep every token."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    kth = sorted_logits.gather(1, _index(top_k, logits).unsqueeze(1) - 1)
+    # Ties with the k-th logit stay, as in vLLM.
+    sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    p = _per_row(top_p, logits)
+    # Keep a token while the mass before it is short of p (the top token's is
+    # exactly 0, and p > 0, so it always stays); p = 1 is exempt so that float
+    # error in the cumsum cannot clip the tail of a disabled row.
+    drop = (mass_before >= p) & (p < 1.0)
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return logits.scatter_(1, order, sorted_logits)
+
+
+def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """argmax(p / q), q ~ Exp(1): a draw from p with one random vector per row."""
+    q = torch.empty_like(probs)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if len(unseeded) == len(generators):
+        q.exponential_()
+    else:
+        # One [V] draw per seeded row, so the row's stream ignores its neighbours.
+        for i, g in enumerate(generators):
+            if g is not None:
+                q[i].exponential_(generator=g)
+        if unseeded:
+            q[_index(unseeded, q)] = torch.empty(len(unseeded), probs.shape[-1],
+                                                 device=probs.device).exponential_()
+    # q == 0 would give 0/0 = nan for a filtered token, and argmax would pick it.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+def _collect_logprobs(raw_logprobs: torch.Tensor | None, logprob_idx: list[int],
+                      token_ids: list[int], rows: list[SamplingRow]) -> list[dict[int, float] | None]:
+    """Per row: the sampled token's raw logprob plus the top-N, as plain floats."""
+    out: list[dict[int, float] | None] = [None] * len(rows)
+    if raw_logprobs is None:
+        return out
+    sampled = _index([token_ids[i] for i in logprob_idx], raw_logprobs).unsqueeze(1)
+    sampled_lp = raw_logprobs.gather(1, sampled).squeeze(1).tolist()
+    max_n = min(max(rows[i].params.logprobs for i in logprob_idx), raw_logprobs.shape[-1])
+    top_lp, top_ids = raw_logprobs.topk(max_n, dim=-1)  # k = 0 gives empty rows
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    for j, i in enumerate(logprob_idx):
+        n = rows[i].params.logprobs
+        # Sampled token first, as vLLM orders them; a top-N copy has the same value.
+        entry = {token_ids[i]: sampled_lp[j]}
+        entry.update(zip(top_ids[j][:n], top_lp[j][:n]))
+        out[i] = entry
+    return out

@@ -1,0 +1,77 @@
+"""Shared test utilities: HF references, tiny random models, leak checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512, vocab_size=512,
+                   initializer_range=0.2)
+
+
+def tiny_hf_config(model_type: str):
+    """Small random-weight configs for every architecture we implement, with each one's quirk."""
+    from transformers import AutoConfig
+    extra = {
+        "llama": dict(tie_word_embeddings=False, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}),
+        "qwen2": dict(tie_word_embeddings=True),
+        "qwen3": dict(tie_word_embeddings=False, head_dim=32),
+        "mistral": dict(tie_word_embeddings=False, sliding_window=512),
+    }[model_type]
+    return AutoConfig.for_model(model_type, **TINY_COMMON, **extra)
+
+
+def build_tiny_model(model_type: str, folder: Path, tokenizer) -> Path:
+    """Save a random-weight HF model (safetensors) plus a tokenizer into `folder`."""
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(model_type), dtype=torch.float32)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tokenizer.save_pretrained(str(folder))
+    return folder
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, top_logprobs: int = 5):
+    """HF greedy generation, one prompt at a time (no padding), with top-N logprobs per step."""
+    results = []
+    for ids in prompts:
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        tokens = out.sequences[0, len(ids):].tolist()
+        logprobs = [dict(zip(*[t.tolist() for t in reversed(torch.log_softmax(step[0].float(), -1)
+                                                          .topk(top_logprobs))]))
+                    for step in out.logits]
+        results.append((tokens, logprobs))
+    return results
+
+
+def check_outputs_match(ours: list[tuple[list[int], list[dict]]], ref: list[tuple[list[int], list[dict]]]
+                        ) -> int:
+    """Token-for-token equality; where fp32 near-ties make that impossible, accept the first
+    divergence only if each side's token is in the other's top logprobs there (vLLM's
+    check_logprobs_close), and stop comparing that prompt. Returns how many prompts diverged."""
+    diverged = 0
+    for i, ((a_tok, a_lp), (b_tok, b_lp)) in enumerate(zip(ours, ref)):
+        assert len(a_tok) == len(b_tok), f"prompt {i}: {len(a_tok)} tokens vs {len(b_tok)}"
+        for pos, (a, b) in enumerate(zip(a_tok, b_tok)):
+            if a == b:
+                continue
+            assert a in b_lp[pos] and b in a_lp[pos], (
+                f"prompt {i} diverges at token {pos}: ours {a} (top {a_lp[pos]}) vs HF {b} (top {b_lp[pos]})")
+            diverged += 1
+            break
+    return diverged
+
+
+def assert_no_leak(llm) -> None:
+    """After all requests end: every KV block free, nothing running or waiting."""
+    stats = llm.engine.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0, stats
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks, f"leaked KV blocks: {stats}"
+    llm.engine.block_manager.check_invariants()
