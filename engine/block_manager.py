@@ -1,19 +1,17 @@
 """Paged KV-cache block manager: reference counts, prefix caching, copy-on-write fork.
 
-Pure Python over ints: it hands out block ids and the model runner turns them
-into tensors. A sequence's block table maps token positions to blocks:
+Pure Python over ints: it hands out block ids and the model runner turns them into tensors.
+A sequence's block table maps token positions to blocks:
 
     token position:  0 ........ 15 | 16 ....... 31 | 32 .. 36
     block table:     [    7        ,      3        ,    12    ]   block_size = 16
                       full, cached   full, cached   partial (written next)
 
-Prefix caching keys every full block by a chained hash
-``hash((parent_hash, block_tokens, extra_keys))`` so a block's key covers the
-whole prefix before it. Blocks whose ref count drops to 0 go to an LRU free
-queue but keep their hash, so they can still be hit until they are popped for
-reuse. Free queue order (front is popped first):
+Prefix caching keys each full block by a chained hash, hash((parent_hash, tokens, extra_keys)),
+so a key covers the whole prefix before it. Blocks dropping to ref 0 join an LRU free queue but
+keep their hash, and can be hit until popped for reuse. Free queue, front popped first:
 
-    [never used 0..N-1 ...] [freed: seq A last block, ..., seq A first block] ...
+    [never used ...] [seq A's last block, ..., seq A's first block] [seq B's ...]
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-# Parent hash of a sequence's first block.
-ROOT_HASH = None
+ROOT_HASH = None  # parent hash of a sequence's first block
 
 
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple) -> int:
@@ -31,19 +28,17 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: 
     return hash((parent_hash, token_ids, extra_keys))
 
 
+@dataclass(slots=True)
 class Block:
     """One KV-cache block. `block_hash` is set only while the block is in the prefix cache;
     the key parts are kept so a hit can be verified rather than trusted to the hash."""
 
-    __slots__ = ("block_id", "ref_count", "block_hash", "parent_hash", "token_ids", "extra_keys")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_count = 0
-        self.block_hash: int | None = None
-        self.parent_hash: int | None = None
-        self.token_ids: tuple[int, ...] = ()
-        self.extra_keys: tuple = ()
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    extra_keys: tuple = ()
 
     def matches(self, parent_hash: int | None, token_ids: tuple[int, ...], extra_keys: tuple) -> bool:
         return (self.token_ids == token_ids and self.parent_hash == parent_hash
@@ -58,13 +53,15 @@ class _SeqBlocks:
     extra_keys: tuple
     num_tokens: int = 0  # tokens the table was last grown to cover (their KV is written)
     block_hashes: list[int] = field(default_factory=list)
+    # Hashes whose KV was written before the latest allocate/append_slots (see free).
+    num_written_hashes: int = 0
     # False after a hash collision: later blocks' chain would be ambiguous, so stop caching them.
     hashable: bool = True
 
 
 class BlockManager:
-    """Allocates fixed-size KV blocks to sequences keyed by id. Not thread-safe; the
-    scheduler is its only caller."""
+    """Allocates fixed-size KV blocks to sequences keyed by id. Not thread-safe: the scheduler is its
+    only caller."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -149,7 +146,7 @@ class BlockManager:
             raise ValueError(f"sequence {seq_id!r} already has blocks; use append_slots")
         computed = list(computed_block_ids)
         if num_tokens < len(computed) * self.block_size:
-            raise ValueError(f"num_tokens={num_tokens} is less than the {len(computed)} computed blocks cover")
+            raise ValueError(f"num_tokens={num_tokens} < the {len(computed)} computed blocks' tokens")
         self._check_computed(token_ids, computed, extra_keys)
         if not self.can_allocate(num_tokens, computed):
             return False
@@ -158,7 +155,8 @@ class BlockManager:
         num_new = self.num_blocks_needed(num_tokens) - len(computed)
         state = _SeqBlocks(block_ids=computed + [self._pop_free_block() for _ in range(num_new)],
                            extra_keys=extra_keys, num_tokens=num_tokens,
-                           block_hashes=[self._blocks[b].block_hash for b in computed])
+                           block_hashes=[self._blocks[b].block_hash for b in computed],
+                           num_written_hashes=len(computed))
         self._seqs[seq_id] = state
         self._register_full_blocks(state, token_ids)
         return True
@@ -171,7 +169,7 @@ class BlockManager:
         """
         state = self._seq(seq_id)
         if num_tokens < state.num_tokens:
-            raise ValueError(f"num_tokens={num_tokens} < {state.num_tokens} already covered for {seq_id!r}")
+            raise ValueError(f"{seq_id!r}: num_tokens={num_tokens} < {state.num_tokens} already covered")
         num_new = self.num_blocks_needed(num_tokens) - len(state.block_ids)
         needs_copy = (num_tokens > state.num_tokens and state.num_tokens % self.block_size != 0
                       and self._blocks[state.block_ids[-1]].ref_count > 1)
@@ -185,18 +183,28 @@ class BlockManager:
             state.block_ids[-1] = dst
         state.block_ids.extend(self._pop_free_block() for _ in range(num_new))
         state.num_tokens = num_tokens
+        state.num_written_hashes = len(state.block_hashes)  # the previous step has run
         self._register_full_blocks(state, token_ids)
         return True
 
-    def free(self, seq_id: str) -> None:
+    def free(self, seq_id: str, step_discarded: bool = False) -> None:
         """Drop a sequence's references; unknown ids are a no-op.
 
         Blocks reaching ref 0 join the free queue's tail in reverse table order, so a
         sequence's last blocks are evicted before its (more shareable) prefix blocks.
+        Pass `step_discarded=True` when the step that ran the latest allocate/append_slots
+        for this sequence will not execute (preempted in the same step): blocks that call
+        cached would never get their KV written, so they leave the cache.
         """
         state = self._seqs.pop(seq_id, None)
         if state is None:
             return
+        if step_discarded:
+            for i in range(state.num_written_hashes, len(state.block_hashes)):
+                block = self._blocks[state.block_ids[i]]
+                if block.block_hash == state.block_hashes[i]:  # not a duplicate of another block
+                    del self._cached[block.block_hash]
+                    self._uncache(block)
         for block_id in reversed(state.block_ids):
             block = self._blocks[block_id]
             block.ref_count -= 1
@@ -212,7 +220,8 @@ class BlockManager:
             self._blocks[block_id].ref_count += 1
         self._seqs[child_id] = _SeqBlocks(
             block_ids=list(parent.block_ids), extra_keys=parent.extra_keys, num_tokens=parent.num_tokens,
-            block_hashes=list(parent.block_hashes), hashable=parent.hashable)
+            block_hashes=list(parent.block_hashes), hashable=parent.hashable,
+            num_written_hashes=parent.num_written_hashes)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use, since a
@@ -235,16 +244,14 @@ class BlockManager:
         for block in self._blocks:
             _expect(block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}")
             _expect(block.ref_count == table_refs[block.block_id],
-                    f"block {block.block_id}: ref_count {block.ref_count} != {table_refs[block.block_id]} tables")
+                    f"block {block.block_id}: ref_count {block.ref_count} != {table_refs[block.block_id]}")
             _expect((block.ref_count == 0) == (block.block_id in self._free),
                     f"block {block.block_id}: free queue membership disagrees with ref_count")
             if block.block_hash is not None:
                 _expect(self._cached.get(block.block_hash) == block.block_id,
                         f"block {block.block_id} has a hash but is not in the cache map")
         for block_hash, block_id in self._cached.items():
-            _expect(self._blocks[block_id].block_hash == block_hash, f"map entry for block {block_id} is stale")
-        for src, dst in self.blocks_to_copy:
-            _expect(0 <= src < self.num_blocks and 0 <= dst < self.num_blocks, f"bad copy {(src, dst)}")
+            _expect(self._blocks[block_id].block_hash == block_hash, f"stale map entry for {block_id}")
 
     def _seq(self, seq_id: str) -> _SeqBlocks:
         state = self._seqs.get(seq_id)

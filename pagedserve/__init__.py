@@ -1,0 +1,1 @@
+"""The pagedserve command line."""

@@ -1,0 +1,72 @@
+"""What every benchmark shares: the machine it ran on, result files, tables."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def machine_info(device: str = "cpu") -> dict:
+    import torch
+    info = {
+        "hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "cpu": _cpu_model(), "num_cpus": os.cpu_count(),
+        "memory_gb": _memory_gb(), "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _memory_gb() -> float | None:
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        return round(kb / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def write_result(name: str, payload: dict, out_dir: Path | None = None) -> Path:
+    out_dir = Path(out_dir or RESULTS_DIR)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    payload = {"benchmark": name, "created_utc": stamp, **payload}
+    path = out_dir / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def print_table(headers: list[str], rows: list[list[object]]) -> None:
+    cells = [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    print(line)
+    print("-" * len(line))
+    for r in cells:
+        print("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.2f}"
+    return str(value)

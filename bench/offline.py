@@ -1,0 +1,137 @@
+"""`pagedserve bench offline`: engine throughput on a fixed workload, against HF transformers.
+
+Workload (defaults): 64 prompts of 128 random token ids, 128 output tokens each,
+greedy, eos ignored so every request produces exactly --output-len tokens.
+Measured, each a median over --repeats runs:
+  - engine aggregate output throughput (all prompts in one `generate`)
+  - engine single-request decode rate (one prompt alone, excluding its prefill)
+  - with --compare-hf: HF `generate` on the same prompts, one by one (bs 1) and in static
+    batches of --hf-batch-size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+from bench.common import machine_info, median, print_table, write_result
+from engine.arg_utils import add_engine_args, engine_config_from_args
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=64, help="prompts in the workload (default: 64)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per prompt (default: 128)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default: 3)")
+    p.add_argument("--seed", type=int, default=0, help="seed for the random prompts (default: 0)")
+    p.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate")
+    p.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size (default: 32)")
+    p.add_argument("--hf-sequential-prompts", type=int, default=None,
+                   help="prompts for the HF bs-1 run (default: all; its rate does not depend on it)")
+    p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
+    add_engine_args(p, dtype="bfloat16")
+
+
+def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Skip the lowest ids: special tokens live there in most vocabularies.
+    return [[rng.randrange(100, vocab_size) for _ in range(length)] for _ in range(n)]
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+    config = engine_config_from_args(args)
+    llm = LLM(**vars(config))
+    prompts = random_prompts(args.num_prompts, args.input_len, llm.engine.vocab_size, args.seed)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    results = {"engine_batch": _time_engine_batch(llm, prompts, params, args.repeats),
+               "engine_single": _time_engine_single(llm, prompts[0], args.output_len, args.repeats)}
+    if args.compare_hf:
+        results.update(_time_hf(llm, prompts, args))
+    ratios = _ratios(results)
+    _report(results, ratios)
+    path = write_result("offline", {
+        "machine": machine_info(config.device), "engine_config": vars(config),
+        "workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "seed",
+                                                   "repeats", "hf_batch_size")},
+        "results": results, "ratios": ratios}, args.output_dir)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def _time_engine_batch(llm, prompts, params, repeats: int) -> dict:
+    times = []
+    for _ in tqdm(range(repeats), desc="engine, all prompts", unit="run"):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        times.append(time.perf_counter() - start)
+        assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
+    tokens = len(prompts) * params.max_tokens
+    return {"output_tokens": tokens, "seconds": times, "output_tok_s": tokens / median(times)}
+
+
+def _time_engine_single(llm, prompt: list[int], output_len: int, repeats: int) -> dict:
+    """Decode rate of one request alone: tokens after the first over the time after it."""
+    from engine import SamplingParams
+    core, rates, ttfts = llm.engine, [], []
+    for i in tqdm(range(repeats), desc="engine, one request", unit="run"):
+        core.add_request(f"bench-single-{i}", prompt,
+                         SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+        start, first = time.perf_counter(), None
+        while core.has_unfinished_requests():
+            core.step()
+            first = first or time.perf_counter()
+        end = time.perf_counter()
+        ttfts.append(first - start)
+        rates.append((output_len - 1) / (end - first))
+    return {"decode_tok_s": median(rates), "decode_tok_s_runs": rates, "ttft_s": median(ttfts)}
+
+
+@torch.inference_mode()
+def _time_hf(llm, prompts, args) -> dict:
+    from transformers import AutoModelForCausalLM
+    from engine.models.loader import DTYPES, is_gguf
+    path = llm.engine.model_path
+    kwargs = {"gguf_file": path.name} if is_gguf(path) else {}
+    folder = path.parent if is_gguf(path) else path
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs)
+    model = model.to(DTYPES[args.dtype]).eval()
+    out = {}
+    seq_prompts = prompts[:args.hf_sequential_prompts] if args.hf_sequential_prompts else prompts
+    out["hf_sequential"] = _time_hf_batches(model, seq_prompts, 1, args.output_len, "HF bs=1")
+    out[f"hf_batch{args.hf_batch_size}"] = _time_hf_batches(
+        model, prompts, args.hf_batch_size, args.output_len, f"HF bs={args.hf_batch_size}")
+    return out
+
+
+def _time_hf_batches(model, prompts, batch_size: int, output_len: int, label: str) -> dict:
+    start = time.perf_counter()
+    for i in tqdm(range(0, len(prompts), batch_size), desc=label, unit="batch"):
+        batch = torch.tensor(prompts[i:i + batch_size])  # equal lengths: no padding needed
+        model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
+                       min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    seconds = time.perf_counter() - start
+    tokens = len(prompts) * output_len
+    return {"output_tokens": tokens, "seconds": [seconds], "output_tok_s": tokens / seconds}
+
+
+def _ratios(results: dict) -> dict:
+    engine = results["engine_batch"]["output_tok_s"]
+    return {f"engine_vs_{k}": engine / v["output_tok_s"] for k, v in results.items()
+            if k.startswith("hf_")}
+
+
+def _report(results: dict, ratios: dict) -> None:
+    rows = [[name, r.get("output_tok_s", r.get("decode_tok_s")), median(r.get("seconds", [float("nan")]))]
+            for name, r in results.items()]
+    print()
+    print_table(["run", "output tok/s", "seconds (median)"], rows)
+    print(f"\nsingle-request decode: {results['engine_single']['decode_tok_s']:.1f} tok/s, "
+          f"TTFT {results['engine_single']['ttft_s'] * 1000:.0f} ms")
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f}x")

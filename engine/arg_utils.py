@@ -1,0 +1,48 @@
+"""One place that maps command-line flags onto `EngineConfig`."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, fields
+
+from engine.config import EngineConfig
+
+HELP = {
+    "model": "HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+    "tokenizer": "tokenizer folder (default: the model's own)",
+    "dtype": "weight and KV-cache dtype",
+    "device": "cpu or cuda[:N]",
+    "block_size": "tokens per KV-cache block",
+    "num_kv_blocks": "KV-cache blocks (default: from --kv-cache-memory-gb)",
+    "kv_cache_memory_gb": "KV-cache size in GiB when --num-kv-blocks is not given",
+    "max_model_len": "longest prompt + output, in tokens (default: the model's, at most 8192)",
+    "max_num_batched_tokens": "token budget per engine step; longer prompts are chunked",
+    "max_num_seqs": "most sequences running at once",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "scheduling_policy": "fcfs, or priority (lower value first)",
+    "attention_backend": "torch (CPU/GPU reference) or cupy (GPU kernels)",
+    "num_threads": "CPU threads for torch (default: all cores)",
+}
+CHOICES = {"dtype": ["float32", "bfloat16", "float16"], "scheduling_policy": ["fcfs", "priority"],
+           "attention_backend": ["torch", "cupy"]}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None:
+    """Add a --flag for every EngineConfig field; `defaults` override the dataclass's."""
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        default = defaults.get(f.name, f.default if f.default is not MISSING else None)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
+                               help=HELP[f.name])
+            continue
+        kind = {"int": int, "float": float}.get(type(f.default).__name__, str)
+        if f.name in ("num_kv_blocks", "max_model_len", "num_threads"):
+            kind = int
+        group.add_argument(flag, default=default, type=kind, choices=CHOICES.get(f.name),
+                           help=f"{HELP[f.name]} (default: {default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
