@@ -8,7 +8,7 @@ import torch
 
 TINY_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=512, vocab_size=512,
-                   initializer_range=0.2)
+                   initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def tiny_hf_config(model_type: str):
