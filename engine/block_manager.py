@@ -51,10 +51,9 @@ class _SeqBlocks:
 
     block_ids: list[int]
     extra_keys: tuple
-    num_tokens: int = 0  # tokens the table was last grown to cover (their KV is written)
+    num_tokens: int = 0  # tokens the table covers; the latest call's step writes KV up to here
     block_hashes: list[int] = field(default_factory=list)
-    # Hashes whose KV was written before the latest allocate/append_slots (see free).
-    num_written_hashes: int = 0
+    num_written_hashes: int = 0  # hashes whose KV existed before the latest call (see free)
     # False after a hash collision: later blocks' chain would be ambiguous, so stop caching them.
     hashable: bool = True
 
@@ -113,20 +112,10 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return [], 0
-        bs = self.block_size
-        block_ids: list[int] = []
-        parent = ROOT_HASH
-        for i in range(max(0, (len(token_ids) - 1) // bs)):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            block_hash = hash_block(parent, tokens, extra_keys)
-            block_id = self._cached.get(block_hash)
-            if block_id is None or not self._blocks[block_id].matches(parent, tokens, extra_keys):
-                break
-            block_ids.append(block_id)
-            parent = block_hash
+        block_ids = self._cached_prefix(token_ids, extra_keys, (len(token_ids) - 1) // self.block_size)
         self.num_cache_queries += len(token_ids)
-        self.num_cache_hits += len(block_ids) * bs
-        return block_ids, len(block_ids) * bs
+        self.num_cache_hits += len(block_ids) * self.block_size
+        return block_ids, len(block_ids) * self.block_size
 
     def can_allocate(self, num_tokens: int, computed_block_ids: Sequence[int] = ()) -> bool:
         """Whether `allocate` with these arguments would find enough free blocks."""
@@ -147,7 +136,9 @@ class BlockManager:
         computed = list(computed_block_ids)
         if num_tokens < len(computed) * self.block_size:
             raise ValueError(f"num_tokens={num_tokens} < the {len(computed)} computed blocks' tokens")
-        self._check_computed(token_ids, computed, extra_keys)
+        if computed and self._cached_prefix(token_ids, extra_keys, len(computed)) != computed:
+            # Another allocation evicted them since get_computed_blocks: they hold other KV now.
+            raise ValueError(f"computed blocks {computed} are no longer cached for these tokens")
         if not self.can_allocate(num_tokens, computed):
             return False
         for block_id in computed:
@@ -237,19 +228,15 @@ class BlockManager:
         """Raise AssertionError if internal bookkeeping is inconsistent (for tests)."""
         table_refs = [0] * self.num_blocks
         for seq_id, state in self._seqs.items():
-            _expect(len(state.block_ids) == self.num_blocks_needed(state.num_tokens),
-                    f"{seq_id}: table length does not match num_tokens={state.num_tokens}")
+            _expect(len(state.block_ids) == self.num_blocks_needed(state.num_tokens), f"{seq_id}: table size")
             for block_id in state.block_ids:
                 table_refs[block_id] += 1
         for block in self._blocks:
-            _expect(block.ref_count >= 0, f"block {block.block_id} has ref_count {block.ref_count}")
-            _expect(block.ref_count == table_refs[block.block_id],
-                    f"block {block.block_id}: ref_count {block.ref_count} != {table_refs[block.block_id]}")
-            _expect((block.ref_count == 0) == (block.block_id in self._free),
-                    f"block {block.block_id}: free queue membership disagrees with ref_count")
-            if block.block_hash is not None:
-                _expect(self._cached.get(block.block_hash) == block.block_id,
-                        f"block {block.block_id} has a hash but is not in the cache map")
+            name = f"block {block.block_id}"
+            _expect(block.ref_count == table_refs[block.block_id] >= 0, f"{name}: ref_count != table refs")
+            _expect((block.ref_count == 0) == (block.block_id in self._free), f"{name}: free iff ref 0")
+            _expect(block.block_hash is None or self._cached.get(block.block_hash) == block.block_id,
+                    f"{name}: has a hash but is not in the cache map")
         for block_hash, block_id in self._cached.items():
             _expect(self._blocks[block_id].block_hash == block_hash, f"stale map entry for {block_id}")
 
@@ -259,17 +246,20 @@ class BlockManager:
             raise ValueError(f"unknown sequence {seq_id!r}")
         return state
 
-    def _check_computed(self, token_ids: Sequence[int], computed: list[int], extra_keys: tuple) -> None:
-        """Computed blocks must still be cached with these tokens: a stale list (another
-        allocation evicted them since get_computed_blocks) would serve wrong KV."""
+    def _cached_prefix(self, token_ids: Sequence[int], extra_keys: tuple, max_blocks: int) -> list[int]:
+        """Cached blocks for up to `max_blocks` leading full blocks, each hit verified."""
         bs = self.block_size
+        block_ids: list[int] = []
         parent = ROOT_HASH
-        for i, block_id in enumerate(computed):
-            block = self._blocks[block_id]
+        for i in range(max_blocks):
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            if block.block_hash is None or not block.matches(parent, tokens, extra_keys):
-                raise ValueError(f"computed block {block_id} is no longer cached for these tokens")
-            parent = block.block_hash
+            block_hash = hash_block(parent, tokens, extra_keys)
+            block_id = self._cached.get(block_hash)
+            if block_id is None or not self._blocks[block_id].matches(parent, tokens, extra_keys):
+                break
+            block_ids.append(block_id)
+            parent = block_hash
+        return block_ids
 
     def _take_ref(self, block_id: int) -> None:
         block = self._blocks[block_id]

@@ -164,19 +164,19 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Free the victim's blocks and requeue it; returns budget given back."""
+        taken_back = next((k for k, s in enumerate(out.scheduled) if s.request is victim), None)
         self.running.remove(victim)
-        self.block_manager.free(victim.request_id)
+        # Blocks it filled this step were cached, but their KV will never be written: uncache them.
+        self.block_manager.free(victim.request_id, step_discarded=taken_back is not None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.num_preempted += 1
         self._push_waiting(victim)
-        for k, s in enumerate(out.scheduled):
-            if s.request is victim:  # already scheduled this step: take it back
-                del out.scheduled[k]
-                return s.num_new_tokens
-        return 0
+        if taken_back is None:
+            return 0
+        return out.scheduled.pop(taken_back).num_new_tokens  # give its budget back
 
     def _live_copies(self, out: SchedulerOutput) -> list[tuple[int, int]]:
         # A copy into a block that a preempted request gave back is moot.
