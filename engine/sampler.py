@@ -51,9 +51,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if _is_plain_greedy(rows):
-            # Hot path. argmax on bf16/fp16 equals argmax after an exact upcast,
-            # so skip the float32 copy.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            # Hot path. The upcast is exact, and CPU argmax over bf16 is ~5x slower than
+            # upcast + argmax over fp32.
+            return SamplerOutput(logits.float().argmax(dim=-1).tolist(), [None] * len(rows))
         # A copy: the stages below write in place and the caller keeps its logits.
         logits = logits.to(torch.float32, copy=True)
         logprob_idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]

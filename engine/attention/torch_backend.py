@@ -36,6 +36,7 @@ class TorchAttentionBackend:
             # [1, B, 1, L]: True where the key position lies past the context.
             mask = positions[None, :] >= meta.decode_context_lens[:, None]
             meta.backend_state["decode_mask"] = mask[None, :, None, :]
+            meta.backend_state["decode_blocks"] = tables.flatten()
         masks = []
         for chunk in meta.prefills:
             start = chunk.context_len - chunk.num_tokens
@@ -63,11 +64,10 @@ class TorchAttentionBackend:
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        batch = q.shape[0]
-        tables = meta.decode_block_tables
-        # [Hkv, B, blocks, block_size, D] -> [Hkv, B, L, D]
-        k = kv_cache[0][:, tables].flatten(2, 3)
-        v = kv_cache[1][:, tables].flatten(2, 3)
+        batch, width = meta.decode_block_tables.shape
+        k, v = self._gather(kv_cache, meta.backend_state["decode_blocks"])
+        k = k.view(self.num_kv_heads, batch, -1, self.head_dim)  # [Hkv, B, L, D]
+        v = v.view(self.num_kv_heads, batch, -1, self.head_dim)
         q = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [Hkv, B, G, L]
         scores.masked_fill_(meta.backend_state["decode_mask"], float("-inf"))
@@ -75,11 +75,18 @@ class TorchAttentionBackend:
         out = torch.matmul(probs, v)  # [Hkv, B, G, D]
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
 
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these blocks, in order: two [Hkv, len(blocks), block_size, D] tensors.
+        One index_select over K and V together: much faster on CPU than advanced indexing."""
+        two, heads, num_blocks, block_size, dim = kv_cache.shape
+        both = kv_cache.view(two * heads, num_blocks, block_size, dim).index_select(1, blocks)
+        return both[:heads], both[heads:]
+
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
                  mask: torch.Tensor | None) -> torch.Tensor:
         n = chunk.context_len
-        k = kv_cache[0][:, chunk.block_table].flatten(1, 2)[:, :n]  # [Hkv, n, D]
-        v = kv_cache[1][:, chunk.block_table].flatten(1, 2)[:, :n]
+        k, v = self._gather(kv_cache, chunk.block_table)
+        k, v = k.flatten(1, 2)[:, :n], v.flatten(1, 2)[:, :n]  # [Hkv, n, D]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
             attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)
