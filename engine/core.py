@@ -68,6 +68,7 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            self.model_runner.release(sched.finished_request_ids)
             return []
         result = self.model_runner.execute(sched)
         return self.scheduler.update_from_output(sched, result)

@@ -59,10 +59,14 @@ class ModelRunner:
         bytes_per_block = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.block_size * itemsize
         return max(1, int(memory_gb * 2**30) // bytes_per_block)
 
+    def release(self, request_ids: set[str]) -> None:
+        """Forget finished requests' state (their seeded RNGs)."""
+        for request_id in request_ids:
+            self.generators.pop(request_id, None)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for request_id in sched.finished_request_ids:
-            self.generators.pop(request_id, None)
+        self.release(sched.finished_request_ids)
         self.backend.copy_blocks(self.kv_caches, sched.blocks_to_copy)
         # Single-token rows run the batched decode path; put them first.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)

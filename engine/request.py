@@ -85,8 +85,9 @@ class Request:
         return len(self.output_token_ids)
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        return (self.priority, self.arrival_seq)
+    def num_seats(self) -> int:
+        """Sequences this request will occupy: n for a prompt that has yet to fork."""
+        return self.sampling_params.n if self.needs_fork else 1
 
     @property
     def needs_fork(self) -> bool:

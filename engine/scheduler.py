@@ -74,7 +74,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.block_manager.append_slots(
                     request.request_id, request.all_token_ids, request.num_computed_tokens + num_new):
-                victim = max(self.running, key=lambda r: (*r.sort_key, r.sample_index))
+                victim = max(self.running, key=self._order)
                 budget += self._preempt(victim, out)
                 if victim is request:
                     break
@@ -86,8 +86,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
             request = self.waiting[0][1]
-            seats = request.sampling_params.n if request.needs_fork else 1
-            if self.running and len(self.running) + seats > self.config.max_num_seqs:
+            seats = sum(r.num_seats for r in self.running)
+            if self.running and seats + request.num_seats > self.config.max_num_seqs:
                 break
             cached_blocks, num_cached = self.block_manager.get_computed_blocks(request.all_token_ids)
             num_new = min(request.num_tokens - num_cached, budget)
@@ -184,7 +184,12 @@ class Scheduler:
         return [(src, dst) for src, dst in self.block_manager.take_blocks_to_copy() if dst in live]
 
     def _push_waiting(self, request: Request) -> None:
-        heapq.heappush(self.waiting, ((*request.sort_key, request.sample_index), request))
+        heapq.heappush(self.waiting, (self._order(request), request))
+
+    def _order(self, request: Request) -> tuple[int, int, int]:
+        """Who goes first (smallest) and who is preempted first (largest)."""
+        priority = request.priority if self.config.policy == "priority" else 0
+        return (priority, request.arrival_seq, request.sample_index)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status

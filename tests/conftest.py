@@ -26,3 +26,21 @@ def bundled_hf_model(bundled_path):
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(str(bundled_path.parent), gguf_file=bundled_path.name,
                                                 dtype=torch.float32).eval()
+
+
+@pytest.fixture(autouse=True)
+def no_kv_leak(monkeypatch):
+    """Every engine a test builds must end the test with all KV blocks free and no request left."""
+    from engine.core import EngineCore
+    from helpers import assert_engine_idle
+    created: list[EngineCore] = []
+    original = EngineCore.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        created.append(self)
+
+    monkeypatch.setattr(EngineCore, "__init__", tracking_init)
+    yield
+    for core in created:
+        assert_engine_idle(core)

@@ -71,7 +71,11 @@ def check_outputs_match(ours: list[tuple[list[int], list[dict]]], ref: list[tupl
 
 def assert_no_leak(llm) -> None:
     """After all requests end: every KV block free, nothing running or waiting."""
-    stats = llm.engine.stats()
+    assert_engine_idle(llm.engine)
+
+
+def assert_engine_idle(core) -> None:
+    stats = core.stats()
     assert stats.num_running == 0 and stats.num_waiting == 0, stats
     assert stats.num_free_kv_blocks == stats.num_kv_blocks, f"leaked KV blocks: {stats}"
-    llm.engine.block_manager.check_invariants()
+    core.block_manager.check_invariants()
