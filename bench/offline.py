@@ -30,10 +30,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed for the random prompts (default: 0)")
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate")
     p.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size (default: 32)")
+    p.add_argument("--hf-dtypes", default="float32,bfloat16", type=_dtype_list,
+                   help="comma-separated dtypes to run HF in (default: float32,bfloat16; "
+                        "float32 is what HF loads a GGUF as)")
     p.add_argument("--hf-sequential-prompts", type=int, default=None,
-                   help="prompts for the HF bs-1 run (default: all; its rate does not depend on it)")
+                   help="run HF bs=1 on only the first N prompts (default: all; the rate barely "
+                        "depends on N)")
     p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
     add_engine_args(p, dtype="bfloat16")
+
+
+def _dtype_list(text: str) -> list[str]:
+    dtypes = [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16", "float16")]
+    if bad or not dtypes:
+        raise argparse.ArgumentTypeError(f"dtypes must be float32, bfloat16 or float16, got {text!r}")
+    return dtypes
 
 
 def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -58,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     path = write_result("offline", {
         "machine": machine_info(config.device), "engine_config": vars(config),
         "workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "seed",
-                                                   "repeats", "hf_batch_size")},
+                                                   "repeats", "hf_batch_size", "hf_dtypes")},
         "results": results, "ratios": ratios}, args.output_dir)
     print(f"\nwrote {path}")
     return 0
@@ -67,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
 def _time_engine_batch(llm, prompts, params, repeats: int) -> dict:
     times = []
     for _ in tqdm(range(repeats), desc="engine, all prompts", unit="run"):
+        llm.reset_prefix_cache()  # each run pays for its prefills, as the first one did
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         times.append(time.perf_counter() - start)
@@ -80,6 +93,7 @@ def _time_engine_single(llm, prompt: list[int], output_len: int, repeats: int) -
     from engine import SamplingParams
     core, rates, ttfts = llm.engine, [], []
     for i in tqdm(range(repeats), desc="engine, one request", unit="run"):
+        core.reset_prefix_cache()
         core.add_request(f"bench-single-{i}", prompt,
                          SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
         start, first = time.perf_counter(), None
@@ -99,13 +113,16 @@ def _time_hf(llm, prompts, args) -> dict:
     path = llm.engine.model_path
     kwargs = {"gguf_file": path.name} if is_gguf(path) else {}
     folder = path.parent if is_gguf(path) else path
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs)
-    model = model.to(DTYPES[args.dtype]).eval()
     out = {}
     seq_prompts = prompts[:args.hf_sequential_prompts] if args.hf_sequential_prompts else prompts
-    out["hf_sequential"] = _time_hf_batches(model, seq_prompts, 1, args.output_len, "HF bs=1")
-    out[f"hf_batch{args.hf_batch_size}"] = _time_hf_batches(
-        model, prompts, args.hf_batch_size, args.output_len, f"HF bs={args.hf_batch_size}")
+    for dtype in args.hf_dtypes:
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs)
+        model = model.to(DTYPES[dtype]).eval()
+        out[f"hf_{dtype}_sequential"] = _time_hf_batches(
+            model, seq_prompts, 1, args.output_len, f"HF {dtype} bs=1")
+        out[f"hf_{dtype}_batch{args.hf_batch_size}"] = _time_hf_batches(
+            model, prompts, args.hf_batch_size, args.output_len, f"HF {dtype} bs={args.hf_batch_size}")
+        del model
     return out
 
 
@@ -127,8 +144,8 @@ def _ratios(results: dict) -> dict:
 
 
 def _report(results: dict, ratios: dict) -> None:
-    rows = [[name, r.get("output_tok_s", r.get("decode_tok_s")), median(r.get("seconds", [float("nan")]))]
-            for name, r in results.items()]
+    rows = [[name, r["output_tok_s"], median(r["seconds"])]
+            for name, r in results.items() if "output_tok_s" in r]
     print()
     print_table(["run", "output tok/s", "seconds (median)"], rows)
     print(f"\nsingle-request decode: {results['engine_single']['decode_tok_s']:.1f} tok/s, "

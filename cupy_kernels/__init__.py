@@ -1,0 +1,1 @@
+"""CUDA paged-attention kernels compiled with CuPy, each with a torch reference (later issue)."""

@@ -73,6 +73,10 @@ class EngineCore:
         result = self.model_runner.execute(sched)
         return self.scheduler.update_from_output(sched, result)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. between benchmark runs); False while requests hold blocks."""
+        return self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

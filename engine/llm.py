@@ -105,6 +105,10 @@ class LLM:
         self._run(samples, use_tqdm)
         return list(results.values())
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (and nothing done) while requests are running."""
+        return self.engine.reset_prefix_cache()
+
     def _add(self, prompt: Prompt, params: SamplingParams, results: dict, samples: dict) -> None:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = str(next(self._ids))

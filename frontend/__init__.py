@@ -1,0 +1,1 @@
+"""The gRPC frontend: tokenization, validation, streaming, health (next issue)."""

@@ -53,13 +53,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
                 ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        heads = self.num_heads + 2 * self.num_kv_heads
+        qk, v = self.qkv_proj(x).view(-1, heads, self.head_dim).split(
+            [self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, *rope)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        # q and k rotate together: one set of elementwise ops instead of two.
+        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
