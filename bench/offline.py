@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import machine_info, median, print_table, write_result
+from bench.plots import plot_offline
 from engine.arg_utils import add_engine_args, engine_config_from_args
 
 
@@ -27,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per prompt (default: 128)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default: 3)")
+    p.add_argument("--single-repeats", type=int, default=7,
+                   help="runs of the single-request decode measurement; cheap, and noisier than "
+                        "the batch, so more of them (default: 7)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random prompts (default: 0)")
     p.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate")
     p.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size (default: 32)")
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     results = {"engine_batch": _time_engine_batch(llm, prompts, params, args.repeats),
-               "engine_single": _time_engine_single(llm, prompts[0], args.output_len, args.repeats)}
+               "engine_single": _time_engine_single(llm, prompts[0], args.output_len, args.single_repeats)}
     if args.compare_hf:
         results.update(_time_hf(llm, prompts, args))
     ratios = _ratios(results)
@@ -70,9 +74,11 @@ def run(args: argparse.Namespace) -> int:
     path = write_result("offline", {
         "machine": machine_info(config.device), "engine_config": vars(config),
         "workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "seed",
-                                                   "repeats", "hf_batch_size", "hf_dtypes")},
+                                                   "repeats", "single_repeats", "hf_batch_size", "hf_dtypes")},
         "results": results, "ratios": ratios}, args.output_dir)
-    print(f"\nwrote {path}")
+    chart = plot_offline(results, f"offline, {args.num_prompts} prompts x {args.input_len} in / "
+                         f"{args.output_len} out, engine {config.dtype}", path.with_suffix(".png"))
+    print(f"\nwrote {path} and {chart.name}")
     return 0
 
 
