@@ -7,13 +7,13 @@ positions, slot mappings and block tables, runs the model, and samples.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.config import EngineConfig
+from engine.cpu_tuning import tune_cpu
 from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, load_model, read_arch_config
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -28,8 +28,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
-            torch.set_flush_denormal(True)  # denormals make some models 5x slower on CPU
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+            tune_cpu(config.num_threads)
         self.arch = read_arch_config(model_path)
         self.max_model_len = self._max_model_len()
         self.model = load_model(model_path, config.dtype, config.device, self.max_model_len)
