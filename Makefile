@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test bench clean
+.PHONY: setup test serve bench protos clean
 
 setup: $(STAMP)
 
@@ -22,6 +22,15 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# Engine + gRPC frontend on the bundled model; `grpc listening on HOST:PORT` when ready.
+serve: setup
+	$(BIN)/pagedserve serve $(ARGS)
+
+# Regenerate the Python stubs from protos/ (they are committed; a test checks they match).
+protos: setup
+	$(BIN)/python -m grpc_tools.protoc -I protos --python_out=. --pyi_out=. --grpc_python_out=. \
+		protos/pagedserve/v1/*.proto
 
 bench: setup
 	$(BIN)/pagedserve bench offline --compare-hf

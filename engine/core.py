@@ -17,6 +17,7 @@ from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus, sample_request_id
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.validation import PromptLimits, check_prompt
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class EngineCore:
         self.vocab_size = self.model_runner.arch.vocab_size
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
+        self.limits = PromptLimits(self.vocab_size, self.max_model_len, self.block_manager.num_blocks,
+                                   config.block_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, policy=config.scheduling_policy), self.block_manager)
@@ -64,6 +67,10 @@ class EngineCore:
         internal = [r.request_id for r in self.scheduler.requests.values()
                     if r.request_id in wanted or r.parent_id in wanted]
         self.scheduler.remove_requests(internal, RequestStatus.FINISHED_ABORTED)
+
+    def abort_requests_with_prefix(self, prefix: str) -> None:
+        """Abort every request whose id starts with `prefix` (a vanished client's namespace)."""
+        self.abort_requests([r for r in self.scheduler.requests if r.startswith(prefix)])
 
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
@@ -89,24 +96,7 @@ class EngineCore:
             num_prefix_cache_queries=bm.num_cache_queries, num_prefix_cache_hits=bm.num_cache_hits)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        if not prompt:
-            raise ValueError("prompt: must contain at least one token")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-        bad = next((t for t in params.stop_token_ids if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {self.vocab_size})")
-        total = len(prompt) + (params.max_tokens or 1)
-        if total > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                f"the model's maximum length of {self.max_model_len} tokens; shorten the prompt or "
-                f"lower max_tokens")
-        if self.block_manager.num_blocks_needed(total) > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt + max_tokens = {total} tokens can never fit in the KV cache "
-                f"({self.block_manager.num_blocks} blocks of {self.config.block_size} tokens)")
+        check_prompt(prompt, params, self.limits)
         if request_id in self.scheduler.requests or any(
                 r.parent_id == request_id for r in self.scheduler.requests.values()):
             raise ValueError(f"request_id {request_id!r} is already in use")

@@ -15,7 +15,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from engine.models.loader import load_tokenizer, resolve_model_path
+from engine.models.loader import eos_token_ids, load_tokenizer, resolve_model_path
 from engine.outputs import EngineCoreOutput
 from engine.request import sample_request_id
 from engine.sampling_params import SamplingParams
@@ -83,7 +83,7 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **engine_config)
         path = resolve_model_path(self.config.model)
         self.tokenizer = load_tokenizer(path, self.config.tokenizer)
-        self.engine = EngineCore(self.config, _eos_ids(self.tokenizer))
+        self.engine = EngineCore(self.config, eos_token_ids(self.tokenizer))
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -135,8 +135,3 @@ class LLM:
 
 def _is_token_list(x: object) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)
-
-
-def _eos_ids(tokenizer) -> tuple[int, ...]:
-    eos = tokenizer.eos_token_id
-    return () if eos is None else (eos,)

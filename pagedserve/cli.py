@@ -10,6 +10,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pagedserve", description="pagedserve: an LLM serving engine with a paged KV cache.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from engine.main import add_arguments as add_engine
+    from frontend.main import add_arguments as add_frontend
+    from pagedserve.serve import add_arguments as add_serve
+    add_serve(commands.add_parser(
+        "serve", help="engine + gRPC frontend as two processes (the bundled model by default)",
+        description="Start the engine and the gRPC frontend as two processes, on the bundled "
+                    "SmolLM2 unless --model is given. Ctrl-C or SIGTERM stops both."))
+    add_engine(commands.add_parser(
+        "engine", help="the engine process alone, serving frontends over ZeroMQ",
+        description="Run the engine alone: it binds a ZeroMQ endpoint that frontends connect to."))
+    add_frontend(commands.add_parser(
+        "frontend", help="the gRPC frontend alone, connected to a running engine",
+        description="Run the gRPC frontend alone, connected to an engine over ZeroMQ."))
     bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from bench.offline import add_arguments as add_offline
@@ -21,7 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from pagedserve.serve import run
+        return run(args, argv[1:])
+    if args.command == "engine":
+        from engine.main import run
+        return run(args)
+    if args.command == "frontend":
+        from frontend.main import run
+        return run(args)
     if args.command == "bench" and args.bench == "offline":
         from bench.offline import run
         return run(args)

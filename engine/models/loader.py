@@ -100,6 +100,16 @@ def load_tokenizer(path: Path, tokenizer: str | None = None):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def eos_token_ids(tokenizer) -> tuple[int, ...]:
+    eos = tokenizer.eos_token_id
+    return () if eos is None else (eos,)
+
+
+def model_name(path: Path) -> str:
+    """A display name: the GGUF file's stem, or the HF folder's name."""
+    return path.stem if is_gguf(path) else path.name
+
+
 def _gguf_tokenizer(path: Path):
     """Converting a GGUF vocabulary takes seconds; keep the result in a cache folder."""
     from transformers import AutoTokenizer

@@ -1,0 +1,58 @@
+"""Protobuf <-> engine dataclasses: the one place where the engine's messages are converted.
+
+The frontend uses `sampling_params_from_proto` too, so a request is validated by exactly
+the same code on both sides of the socket.
+"""
+
+from __future__ import annotations
+
+from engine.outputs import EngineCoreOutput
+from engine.sampling_params import SamplingParams
+from pagedserve.v1 import engine_ipc_pb2 as ipc
+from pagedserve.v1 import generation_pb2 as gen
+
+# SamplingParams fields that proto3 marks `optional` (their default is not zero).
+_OPTIONAL = ("n", "temperature", "top_p", "seed", "max_tokens", "logprobs", "repetition_penalty")
+_PLAIN = ("top_k", "min_p", "min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty")
+
+
+def sampling_params_from_proto(msg: gen.SamplingParams, *, skip_special_tokens: bool = True,
+                               include_stop_str_in_output: bool = False) -> SamplingParams:
+    """Raises ValueError naming the field, as SamplingParams does."""
+    kwargs: dict = {name: getattr(msg, name) for name in _PLAIN}
+    kwargs.update({name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)})
+    kwargs["stop"] = list(msg.stop)
+    kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    return SamplingParams(skip_special_tokens=skip_special_tokens,
+                          include_stop_str_in_output=include_stop_str_in_output, **kwargs)
+
+
+def sampling_params_to_proto(params: SamplingParams) -> gen.SamplingParams:
+    msg = gen.SamplingParams(stop=params.stop, stop_token_ids=params.stop_token_ids,
+                             **{name: getattr(params, name) for name in _PLAIN})
+    for name in _OPTIONAL:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def output_to_proto(out: EngineCoreOutput, request_id: str) -> ipc.RequestOutput:
+    msg = ipc.RequestOutput(
+        request_id=request_id, sample_index=out.sample_index, new_token_ids=out.new_token_ids,
+        finish_reason=out.finish_reason or "", num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens)
+    if out.stop_token_id is not None:
+        msg.stop_token_id = out.stop_token_id
+    for token_id, logprobs in zip(out.new_token_ids, out.new_logprobs or ()):
+        msg.logprobs.append(logprobs_to_proto(token_id, logprobs))
+    return msg
+
+
+def logprobs_to_proto(token_id: int, logprobs: dict[int, float]) -> gen.PositionLogprobs:
+    """The sampled token, then the others most likely first (the dict may hold the sampled
+    token outside the top-N)."""
+    top = sorted(logprobs.items(), key=lambda kv: -kv[1])
+    return gen.PositionLogprobs(
+        sampled=gen.TokenLogprob(token_id=token_id, logprob=logprobs[token_id]),
+        top=[gen.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])

@@ -1,0 +1,227 @@
+"""EngineProc: an EngineCore behind a ZeroMQ ROUTER socket, in its own process.
+
+    frontends (DEALER) ──tcp/ipc──► ROUTER ─ I/O thread ─┬─► input queue ─► main loop: step()
+                                                       ◄─┴── inproc PULL ◄── outputs, per frontend
+
+The I/O thread owns the socket (ZeroMQ sockets are single-threaded): it decodes requests,
+answers Hello and Ping itself (so heartbeats are answered even during a long step), and
+sends what the main loop produced. The main loop only runs steps; torch releases the GIL,
+so socket work overlaps the model. Requests are namespaced by frontend id, so two frontends
+may reuse the same request ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+
+from engine.core import EngineCore
+from engine.ipc import output_to_proto, sampling_params_from_proto
+from engine.outputs import EngineCoreOutput
+from engine.sampling_params import SamplingParams
+from pagedserve.v1 import engine_ipc_pb2 as ipc
+from pagedserve.v1 import info_pb2
+
+log = logging.getLogger("pagedserve.engine")
+
+FRONTEND_TIMEOUT_S = 10.0  # a frontend silent this long is gone: abort its requests
+_OUTPUTS_INPROC = "inproc://engine-outputs"
+
+
+@dataclass
+class _Frontend:
+    identity: bytes
+    address: str
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class _AbortFrontend:
+    """Abort everything a frontend has running (it vanished or restarted)."""
+
+    frontend_id: str
+
+
+@dataclass(slots=True)
+class _Add:
+    core_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+class EngineProc:
+    def __init__(self, core: EngineCore, address: str, model_name: str) -> None:
+        self.core = core
+        self.address = address
+        self.engine_id = uuid.uuid4().hex[:12]
+        self.welcome = self._welcome(model_name)
+        self.inputs: queue.Queue = queue.Queue()
+        self.frontends: dict[str, _Frontend] = {}  # by frontend id; touched by the I/O thread only
+        self.stats = self._stats()  # latest snapshot, replaced (never mutated) by the main loop
+        self.stopping = threading.Event()
+        self.ctx = zmq.Context()
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # drop replies to vanished frontends
+        self.router.bind(address)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind(_OUTPUTS_INPROC)
+        self.push = self.ctx.socket(zmq.PUSH)  # main thread's end
+        self.push.connect(_OUTPUTS_INPROC)
+        self.io_thread = threading.Thread(target=self._io_loop, name="engine-io", daemon=True)
+
+    # -- main thread ---------------------------------------------------------------
+
+    def run(self) -> None:
+        """Serve until `stop()`; returns after closing the sockets."""
+        self.io_thread.start()
+        log.info("engine %s listening on %s", self.engine_id, self.address)
+        try:
+            while not self.stopping.is_set():
+                self._drain_inputs(block=not self.core.has_unfinished_requests())
+                if self.core.has_unfinished_requests():
+                    self._publish(self.core.step())
+                    self.stats = self._stats()
+        finally:
+            self.stopping.set()
+            self.io_thread.join(timeout=5)
+            for sock in (self.push, self.pull, self.router):
+                sock.close(linger=0)
+            self.ctx.term()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.inputs.put(None)  # wake a blocked main loop
+
+    def _drain_inputs(self, block: bool) -> None:
+        try:
+            item = self.inputs.get(timeout=0.5) if block else self.inputs.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            self._apply(item)
+            try:
+                item = self.inputs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, item) -> None:
+        if isinstance(item, _Add):
+            try:
+                self.core.add_request(item.core_id, item.prompt_token_ids, item.params, item.priority)
+            except ValueError as e:  # the frontend validated, so this is rare (e.g. an id clash)
+                self._reject(item.core_id, str(e))
+        elif isinstance(item, _AbortFrontend):
+            self.core.abort_requests_with_prefix(f"{item.frontend_id}:")
+        else:  # a list of engine-side ids to abort
+            self.core.abort_requests(item)
+        self.stats = self._stats()
+
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        batches: dict[str, ipc.OutputBatch] = {}
+        for out in outputs:
+            frontend_id, request_id = out.request_id.split(":", 1)
+            batch = batches.setdefault(frontend_id, ipc.OutputBatch())
+            batch.outputs.append(output_to_proto(out, request_id))
+        stats = self._stats()
+        for frontend_id, batch in batches.items():
+            batch.stats.CopyFrom(stats)
+            self.push.send_multipart([frontend_id.encode(),
+                                      ipc.EngineResponse(outputs=batch).SerializeToString()])
+
+    def _reject(self, core_id: str, message: str) -> None:
+        frontend_id, request_id = core_id.split(":", 1)
+        reply = ipc.EngineResponse(error=ipc.RequestError(request_id=request_id, message=message))
+        self.push.send_multipart([frontend_id.encode(), reply.SerializeToString()])
+
+    def _stats(self) -> ipc.EngineStats:
+        s = self.core.stats()
+        return ipc.EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, kv_blocks_total=s.num_kv_blocks,
+            kv_blocks_free=s.num_free_kv_blocks, num_preemptions=s.num_preemptions,
+            prefix_cache_queries=s.num_prefix_cache_queries, prefix_cache_hits=s.num_prefix_cache_hits)
+
+    def _welcome(self, model_name: str) -> ipc.Welcome:
+        core, cfg = self.core, self.core.config
+        return ipc.Welcome(
+            engine_id=self.engine_id, model_name=model_name,
+            architecture=core.model_runner.arch.model_type, max_model_len=core.max_model_len,
+            vocab_size=core.vocab_size, eos_token_ids=core.eos_token_ids, block_size=cfg.block_size,
+            kv_blocks_total=core.block_manager.num_blocks, dtype=cfg.dtype, device=cfg.device,
+            model_path=str(core.model_path))
+
+    # -- I/O thread ----------------------------------------------------------------
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.pull, zmq.POLLIN)
+        while not self.stopping.is_set():
+            for sock, _ in poller.poll(timeout=200):
+                if sock is self.pull:
+                    self.router.send_multipart(self.pull.recv_multipart())
+                else:
+                    identity, payload = self.router.recv_multipart()
+                    self._on_request(identity, payload)
+            self._expire_frontends()
+
+    def _on_request(self, identity: bytes, payload: bytes) -> None:
+        try:
+            msg = ipc.EngineRequest.FromString(payload)
+        except Exception:  # noqa: BLE001 - garbage on the socket must not kill the engine
+            log.warning("dropped an undecodable message from %r", identity)
+            return
+        frontend_id = identity.decode(errors="replace")
+        kind = msg.WhichOneof("kind")
+        frontend = self.frontends.get(frontend_id)
+        if frontend is not None:
+            frontend.last_seen = time.monotonic()
+        if kind == "hello":
+            self._on_hello(identity, frontend_id, msg.hello)
+        elif kind == "ping":
+            self._reply(identity, ipc.EngineResponse(pong=ipc.Pong(
+                seq=msg.ping.seq, stats=self.stats, engine_id=self.engine_id,
+                frontends=[info_pb2.Peer(id=i, address=f.address) for i, f in self.frontends.items()])))
+        elif frontend is None:
+            log.warning("request from unknown frontend %s ignored (no Hello yet)", frontend_id)
+        elif kind == "add":
+            self._on_add(frontend, frontend_id, msg.add)
+        elif kind == "abort":
+            self.inputs.put([f"{frontend_id}:{r}" for r in msg.abort.request_ids])
+
+    def _on_hello(self, identity: bytes, frontend_id: str, hello: ipc.Hello) -> None:
+        if self.frontends.pop(frontend_id, None) is not None:  # it reconnected: old streams are gone
+            self.inputs.put(_AbortFrontend(frontend_id))
+        self.frontends[frontend_id] = _Frontend(identity, hello.address)
+        log.info("frontend %s connected (%s)", frontend_id, hello.address or "no address")
+        self._reply(identity, ipc.EngineResponse(welcome=self.welcome))
+
+    def _on_add(self, frontend: _Frontend, frontend_id: str, add: ipc.AddRequest) -> None:
+        # ":" separates the namespace; frontends' ids never contain one.
+        core_id = f"{frontend_id}:{add.request_id}"
+        try:
+            params = sampling_params_from_proto(add.sampling)
+        except ValueError as e:
+            self._reply(frontend.identity, ipc.EngineResponse(
+                error=ipc.RequestError(request_id=add.request_id, message=str(e))))
+            return
+        self.inputs.put(_Add(core_id, list(add.prompt_token_ids), params, add.priority))
+
+    def _expire_frontends(self) -> None:
+        now = time.monotonic()
+        for frontend_id, f in list(self.frontends.items()):
+            if now - f.last_seen > FRONTEND_TIMEOUT_S:
+                log.warning("frontend %s silent for %.0fs: aborting its requests",
+                            frontend_id, now - f.last_seen)
+                del self.frontends[frontend_id]
+                self.inputs.put(_AbortFrontend(frontend_id))
+
+    def _reply(self, identity: bytes, msg: ipc.EngineResponse) -> None:
+        self.router.send_multipart([identity, msg.SerializeToString()])

@@ -1,0 +1,158 @@
+"""EngineClient: the frontend's side of the ZeroMQ link to one engine.
+
+It says Hello until the engine answers Welcome (the handshake: model facts, KV capacity),
+then pings every `heartbeat_s`. Silence longer than `timeout_s` means the engine is lost:
+every in-flight stream gets `EngineLost`, `connected` clears, and Hello resumes until an
+engine (the same or a restarted one) answers. Outputs are routed to per-request queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import zmq
+import zmq.asyncio
+
+from pagedserve.v1 import engine_ipc_pb2 as ipc
+
+log = logging.getLogger("pagedserve.frontend")
+
+
+class EngineLost(Exception):
+    """The engine stopped answering; queued into each in-flight stream."""
+
+
+class EngineClient:
+    def __init__(self, address: str, frontend_id: str, grpc_address: str = "",
+                 heartbeat_s: float = 0.5, timeout_s: float = 3.0,
+                 on_state: Callable[[bool], None] | None = None) -> None:
+        self.address = address
+        self.frontend_id = frontend_id
+        self.grpc_address = grpc_address
+        self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
+        self.on_state = on_state or (lambda connected: None)
+        self.welcome: ipc.Welcome | None = None
+        self.stats = ipc.EngineStats()
+        self.peers: list = []  # frontends the engine knows, from the last Pong
+        self.connected = asyncio.Event()
+        self.streams: dict[str, asyncio.Queue] = {}
+        self._last_heard = 0.0
+        self._seq = 0
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, frontend_id.encode())
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for an absent engine
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        self._sock.connect(self.address)
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self.connected.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    # -- requests ------------------------------------------------------------------
+
+    def open_stream(self, request_id: str) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id] = queue
+        return queue
+
+    def close_stream(self, request_id: str) -> None:
+        self.streams.pop(request_id, None)
+
+    async def add(self, add: ipc.AddRequest) -> None:
+        await self._send(ipc.EngineRequest(add=add))
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if request_ids and self.connected.is_set():
+            await self._send(ipc.EngineRequest(abort=ipc.AbortRequests(request_ids=request_ids)))
+
+    async def _send(self, msg: ipc.EngineRequest) -> None:
+        if not self.connected.is_set() and msg.WhichOneof("kind") not in ("hello", "ping"):
+            raise EngineLost("no engine connected")
+        try:
+            await self._sock.send(msg.SerializeToString(), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineLost("engine not reachable") from None
+
+    # -- background tasks ----------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        while True:
+            payload = await self._sock.recv()
+            self._last_heard = time.monotonic()
+            try:
+                msg = ipc.EngineResponse.FromString(payload)
+            except Exception:  # noqa: BLE001 - a bad frame must not kill the frontend
+                log.warning("dropped an undecodable message from the engine")
+                continue
+            self._dispatch(msg)
+
+    def _dispatch(self, msg: ipc.EngineResponse) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "welcome":
+            self._on_welcome(msg.welcome)
+        elif kind == "pong":
+            if self.welcome is not None and msg.pong.engine_id != self.welcome.engine_id:
+                self._lose("a new engine answers at this address")  # it never saw our Hello
+                return
+            self.stats, self.peers = msg.pong.stats, list(msg.pong.frontends)
+        elif kind == "outputs":
+            self.stats = msg.outputs.stats
+            for out in msg.outputs.outputs:
+                queue = self.streams.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+        elif kind == "error":
+            queue = self.streams.get(msg.error.request_id)
+            if queue is not None:
+                queue.put_nowait(ValueError(msg.error.message))
+
+    def _on_welcome(self, welcome: ipc.Welcome) -> None:
+        if self.welcome is not None and welcome.engine_id != self.welcome.engine_id:
+            self._fail_streams("the engine restarted")
+        self.welcome = welcome
+        if not self.connected.is_set():
+            log.info("connected to engine %s at %s (%s)", welcome.engine_id, self.address, welcome.model_name)
+            self.connected.set()
+            self.on_state(True)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            self._seq += 1
+            hello = ipc.Hello(frontend_id=self.frontend_id, address=self.grpc_address)
+            msg = (ipc.EngineRequest(ping=ipc.Ping(seq=self._seq)) if self.connected.is_set()
+                   else ipc.EngineRequest(hello=hello))
+            try:
+                await self._send(msg)
+            except EngineLost:
+                pass  # nobody to talk to yet; the silence check below handles it
+            await asyncio.sleep(self.heartbeat_s)
+            if self.connected.is_set() and time.monotonic() - self._last_heard > self.timeout_s:
+                self._lose("no answer from the engine for %.1fs" % self.timeout_s)
+
+    def _lose(self, reason: str) -> None:
+        log.error("engine lost: %s", reason)
+        self.connected.clear()
+        self.on_state(False)
+        self._fail_streams(reason)
+
+    def _fail_streams(self, reason: str) -> None:
+        for queue in self.streams.values():
+            queue.put_nowait(EngineLost(reason))

@@ -1,0 +1,39 @@
+"""`pagedserve frontend`: the gRPC frontend process on its own."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from engine.main import DEFAULT_ADDRESS
+
+
+def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) -> None:
+    if with_engine_address:
+        p.add_argument("--engine-address", default=DEFAULT_ADDRESS,
+                       help=f"the engine's ZeroMQ endpoint (default: {DEFAULT_ADDRESS})")
+    p.add_argument("--host", default="127.0.0.1", help="gRPC listen host (default: 127.0.0.1)")
+    p.add_argument("--grpc-port", type=int, default=50051,
+                   help="gRPC port; 0 picks a free one (default: 50051)")
+    p.add_argument("--max-concurrent-streams", type=int, default=256,
+                   help="Generate streams at once; more get RESOURCE_EXHAUSTED (default: 256)")
+    p.add_argument("--engine-timeout-s", type=float, default=3.0,
+                   help="engine silence after which it counts as lost (default: 3.0)")
+    if with_engine_address:
+        p.add_argument("--tokenizer", default=None,
+                       help="tokenizer folder (default: the engine's model, learnt in the handshake)")
+        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                       help="log level (default: info)")
+
+
+def config_from_args(args: argparse.Namespace, engine_address: str):
+    from frontend.server import FrontendConfig
+    return FrontendConfig(engine_address=engine_address, host=args.host, grpc_port=args.grpc_port,
+                          tokenizer=args.tokenizer, max_concurrent_streams=args.max_concurrent_streams,
+                          engine_timeout_s=args.engine_timeout_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from frontend.server import run as run_server
+    return run_server(config_from_args(args, args.engine_address))

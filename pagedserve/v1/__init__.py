@@ -1,0 +1,1 @@
+"""Python stubs generated from protos/pagedserve/v1 by `make protos`. Do not edit."""

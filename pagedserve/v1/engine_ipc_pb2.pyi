@@ -1,0 +1,157 @@
+from pagedserve.v1 import generation_pb2 as _generation_pb2
+from pagedserve.v1 import info_pb2 as _info_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EngineRequest(_message.Message):
+    __slots__ = ("hello", "add", "abort", "ping")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    hello: Hello
+    add: AddRequest
+    abort: AbortRequests
+    ping: Ping
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("frontend_id", "address")
+    FRONTEND_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    frontend_id: str
+    address: str
+    def __init__(self, frontend_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class AddRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generation_pb2.SamplingParams
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+
+class AbortRequests(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Ping(_message.Message):
+    __slots__ = ("seq",)
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
+class EngineResponse(_message.Message):
+    __slots__ = ("welcome", "outputs", "pong", "error")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    PONG_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    outputs: OutputBatch
+    pong: Pong
+    error: RequestError
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., outputs: _Optional[_Union[OutputBatch, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("engine_id", "model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "kv_blocks_total", "dtype", "device", "model_path")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    model_name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    kv_blocks_total: int
+    dtype: str
+    device: str
+    model_path: str
+    def __init__(self, engine_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+
+class EngineStats(_message.Message):
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_FREE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    num_running: int
+    num_waiting: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+
+class OutputBatch(_message.Message):
+    __slots__ = ("outputs", "stats")
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
+    stats: EngineStats
+    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
+
+class RequestOutput(_message.Message):
+    __slots__ = ("request_id", "sample_index", "new_token_ids", "logprobs", "finish_reason", "stop_token_id", "num_prompt_tokens", "num_cached_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    sample_index: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.PositionLogprobs]
+    finish_reason: str
+    stop_token_id: int
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+
+class Pong(_message.Message):
+    __slots__ = ("seq", "stats", "frontends", "engine_id")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    FRONTENDS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    stats: EngineStats
+    frontends: _containers.RepeatedCompositeFieldContainer[_info_pb2.Peer]
+    engine_id: str
+    def __init__(self, seq: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., frontends: _Optional[_Iterable[_Union[_info_pb2.Peer, _Mapping]]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("request_id", "message")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    message: str
+    def __init__(self, request_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
