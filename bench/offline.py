@@ -15,7 +15,6 @@ import argparse
 import random
 import time
 
-import torch
 from tqdm import tqdm
 
 from bench.common import machine_info, median, print_table, write_result
@@ -112,8 +111,8 @@ def _time_engine_single(llm, prompt: list[int], output_len: int, repeats: int) -
     return {"decode_tok_s": median(rates), "decode_tok_s_runs": rates, "ttft_s": median(ttfts)}
 
 
-@torch.inference_mode()
 def _time_hf(llm, prompts, args) -> dict:
+    import torch
     from transformers import AutoModelForCausalLM
     from engine.models.loader import DTYPES, is_gguf
     path = llm.engine.model_path
@@ -133,11 +132,13 @@ def _time_hf(llm, prompts, args) -> dict:
 
 
 def _time_hf_batches(model, prompts, batch_size: int, output_len: int, label: str) -> dict:
+    import torch
     start = time.perf_counter()
     for i in tqdm(range(0, len(prompts), batch_size), desc=label, unit="batch"):
         batch = torch.tensor(prompts[i:i + batch_size])  # equal lengths: no padding needed
-        model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
-                       min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        with torch.inference_mode():
+            model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
+                           min_new_tokens=output_len, do_sample=False, pad_token_id=0)
     seconds = time.perf_counter() - start
     tokens = len(prompts) * output_len
     return {"output_tokens": tokens, "seconds": [seconds], "output_tok_s": tokens / seconds}

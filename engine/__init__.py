@@ -6,7 +6,16 @@
 """
 
 from engine.config import EngineConfig
-from engine.llm import LLM, CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
+_LAZY = {"LLM", "RequestOutput", "CompletionOutput"}
+
+
+def __getattr__(name: str):
+    # The offline API pulls in torch and transformers; importing it lazily keeps light
+    # commands (health checks, --help) fast.
+    if name in _LAZY:
+        from engine import llm
+        return getattr(llm, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -23,6 +23,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_frontend(commands.add_parser(
         "frontend", help="the gRPC frontend alone, connected to a running engine",
         description="Run the gRPC frontend alone, connected to an engine over ZeroMQ."))
+    from pagedserve.health import add_health_arguments, add_ping_arguments
+    add_health_arguments(commands.add_parser(
+        "health", help="grpc.health.v1 Check on a frontend; exit 0 if SERVING (a healthcheck)",
+        description="Call grpc.health.v1.Health/Check on a frontend and exit 0 if the service is "
+                    "SERVING, 1 otherwise (printing the status or the error). --service \"\" is the "
+                    "process; pagedserve.v1.Generation means an engine is connected."))
+    add_ping_arguments(commands.add_parser(
+        "ping-engine", help="ping an engine over ZeroMQ; exit 0 if it answers (a healthcheck)",
+        description="Send one Ping to an engine's ZeroMQ endpoint and exit 0 if its Pong arrives "
+                    "within --timeout-s, 1 otherwise."))
     bench = commands.add_parser("bench", help="benchmarks", description="Benchmarks.")
     bench_kinds = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     from bench.offline import add_arguments as add_offline
@@ -30,6 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
         "offline", help="offline throughput of the engine (optionally against HF transformers)",
         description="Offline throughput: the engine in-process on a fixed workload, "
                     "optionally against HF transformers generate on the same prompts."))
+    from bench.serve import add_arguments as add_serve_bench
+    add_serve_bench(bench_kinds.add_parser(
+        "serve", help="latency and throughput of a gRPC server (optionally against offline)",
+        description="Serving benchmark: random token-id prompts streamed through Generate, "
+                    "--max-concurrency at a time, against --target or a server started here; "
+                    "reports TTFT, TPOT, ITL and throughput."))
     return parser
 
 
@@ -45,8 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "frontend":
         from frontend.main import run
         return run(args)
+    if args.command == "health":
+        from pagedserve.health import run_health
+        return run_health(args)
+    if args.command == "ping-engine":
+        from pagedserve.health import run_ping
+        return run_ping(args)
     if args.command == "bench" and args.bench == "offline":
         from bench.offline import run
+        return run(args)
+    if args.command == "bench" and args.bench == "serve":
+        from bench.serve import run
         return run(args)
     return 2
 
