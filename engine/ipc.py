@@ -20,6 +20,7 @@ def sampling_params_from_proto(msg: gen.SamplingParams, *, skip_special_tokens: 
                                include_stop_str_in_output: bool = False) -> SamplingParams:
     """Raises ValueError naming the field, as SamplingParams does."""
     kwargs: dict = {name: getattr(msg, name) for name in _PLAIN}
+    kwargs["max_tokens"] = None  # unset means "until eos or the model's length", not vLLM's 16
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)})
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)

@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from engine.ipc import sampling_params_from_proto, sampling_params_to_proto
+from engine.request import sample_request_id
 from engine.validation import PromptLimits, check_prompt
 from frontend.engine_client import EngineClient, EngineLost
 from frontend.prompts import Prompts
@@ -33,6 +34,7 @@ class FrontendState:
     prompts: Prompts | None  # None until the first handshake told us the model
     max_concurrent_streams: int
     grpc_address: str = ""
+    active: dict[str, str] = field(default_factory=dict)  # caller's request id -> engine-side id
 
     def limits(self) -> PromptLimits:
         w = self.client.welcome
@@ -56,18 +58,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         request_id = request.request_id or uuid.uuid4().hex
-        if request_id in client.streams:
+        if request_id in state.active:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_id {request_id!r} is already in use by a running request")
-        if len(client.streams) >= state.max_concurrent_streams:
+        if len(state.active) >= state.max_concurrent_streams:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"server busy: {len(client.streams)} streams running; retry later")
-        queue = client.open_stream(request_id)
-        stream = Stream(request_id, prompt, params, state.prompts.tokenizer,
-                        set(client.welcome.eos_token_ids), lambda i: _abort_later(client, [
-                            request_id if params.n == 1 else f"{request_id}/{i}"]))
+                                f"server busy: {len(state.active)} streams running; retry later")
+        # The engine sees a fresh id per stream, so a late token of an aborted stream can never
+        # reach a new stream that reuses the caller's id.
+        engine_id = uuid.uuid4().hex
+        state.active[request_id] = engine_id
+        queue = client.open_stream(engine_id)
+        stream = Stream(request_id, prompt, params, state.prompts.tokenizer, set(client.welcome.eos_token_ids),
+                        lambda i: _abort_later(client, [engine_id if params.n == 1 else sample_request_id(engine_id, i)]))
         try:
-            await client.add(ipc.AddRequest(request_id=request_id, prompt_token_ids=prompt,
+            await client.add(ipc.AddRequest(request_id=engine_id, prompt_token_ids=prompt,
                                             sampling=sampling_params_to_proto(params),
                                             priority=request.priority))
             async for response in stream.responses(queue):
@@ -77,9 +82,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except ValueError as e:  # the engine refused it
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
-            client.close_stream(request_id)
+            del state.active[request_id]
+            client.close_stream(engine_id)
             if not stream.done:  # cancelled, disconnected, deadline passed or failed: free its blocks
-                _abort_later(client, [request_id])
+                _abort_later(client, [engine_id])
 
     def _parse(self, request: gen.GenerateRequest):
         if request.request_id and not _REQUEST_ID.fullmatch(request.request_id):
@@ -98,12 +104,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                 f"request_ids: at most {MAX_ABORT_IDS} per call, got {len(request.request_ids)}")
         client, results, running = self.state.client, [], []
         for request_id in request.request_ids:
-            queue = client.streams.get(request_id)
+            engine_id = self.state.active.get(request_id)
+            queue = client.streams.get(engine_id) if engine_id else None
             if queue is None:
                 results.append(gen.AbortResult(request_id=request_id, status=gen.AbortResult.STATUS_NOT_FOUND))
                 continue
             queue.put_nowait(ABORTED)
-            running.append(request_id)
+            running.append(engine_id)
             results.append(gen.AbortResult(request_id=request_id, status=gen.AbortResult.STATUS_ABORTED))
         try:
             await client.abort(running)

@@ -1,0 +1,162 @@
+"""Real processes on loopback: an engine, frontends, generated gRPC stubs."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.v1 import generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+# One torch thread: the machine's few cores are shared, and OpenMP threads that outnumber
+# the free cores slow every step down many times over.
+ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048", "--num-threads", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pagedserve(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pagedserve", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def drain(proc: subprocess.Popen) -> subprocess.Popen:
+    """Keep reading a child's output (a full pipe would block it); the tail stays in `proc.log`."""
+    proc.log = deque(maxlen=500)
+
+    def read() -> None:
+        for line in proc.stdout:
+            proc.log.append(line)
+
+    threading.Thread(target=read, name=f"drain-{proc.pid}", daemon=True).start()
+    return proc
+
+
+def log_tail(proc: subprocess.Popen, lines: int = 40) -> str:
+    return "".join(list(getattr(proc, "log", ()))[-lines:])
+
+
+def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 20) -> int:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def read_grpc_address(proc: subprocess.Popen, timeout_s: float = 60) -> str:
+    """Wait for the frontend's `grpc listening on HOST:PORT` line."""
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen.append(line)
+        match = re.search(r"grpc listening on (\S+:\d+)", line)
+        if match:
+            drain(proc)
+            return match.group(1)
+    raise RuntimeError("frontend did not start:\n" + "".join(seen[-30:]))
+
+
+@dataclass
+class Frontend:
+    proc: subprocess.Popen
+    address: str
+    channel: grpc.Channel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = grpc.insecure_channel(self.address)
+        self.generation = generation_pb2_grpc.GenerationStub(self.channel)
+        self.tokenization = tokenization_pb2_grpc.TokenizationStub(self.channel)
+        self.info = info_pb2_grpc.InfoStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+
+    def health_status(self, service: str = "pagedserve.v1.Generation") -> int:
+        return self.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+    def wait_serving(self, serving: bool = True, timeout_s: float = 120) -> None:
+        want = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if self.health_status() == want:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"frontend {self.address} never became {'SERVING' if serving else 'NOT_SERVING'}")
+
+    def server_info(self) -> info_pb2.ServerInfo:
+        return self.info.GetServerInfo(info_pb2.GetServerInfoRequest(), timeout=5)
+
+    def wait_kv_free(self, timeout_s: float = 10) -> info_pb2.ServerInfo:
+        """Poll until every KV block is free and nothing runs: the leak check over gRPC."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            info = self.server_info()
+            if info.kv_blocks_free == info.kv_blocks_total and not info.num_running and not info.num_waiting:
+                return info
+            if time.monotonic() > deadline:
+                raise AssertionError(f"KV blocks not freed: {info}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self.channel.close()
+        stop(self.proc)
+
+
+def start_engine(address: str, *flags: str) -> subprocess.Popen:
+    return drain(pagedserve("engine", "--address", address, *ENGINE_FLAGS, *flags))
+
+
+def start_frontend(engine_address: str, *flags: str) -> Frontend:
+    proc = pagedserve("frontend", "--engine-address", engine_address, "--grpc-port", "0", *flags)
+    return Frontend(proc, read_grpc_address(proc))
+
+
+@pytest.fixture(scope="module")
+def engine_address():
+    address = f"tcp://127.0.0.1:{free_port()}"
+    engine = start_engine(address)
+    yield address
+    stop(engine)
+
+
+@pytest.fixture(scope="module")
+def frontend(engine_address):
+    fe = start_frontend(engine_address)
+    fe.wait_serving()
+    yield fe
+    fe.close()
+
+
+@pytest.fixture(scope="session")
+def procs():
+    """This module's process helpers, for tests that start their own engines and frontends
+    (a test module cannot import them: two conftest modules share that name)."""
+    return SimpleNamespace(free_port=free_port, pagedserve=pagedserve, stop=stop, drain=drain,
+                           log_tail=log_tail, read_grpc_address=read_grpc_address, Frontend=Frontend,
+                           start_engine=start_engine, start_frontend=start_frontend)
