@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 from tqdm import tqdm
@@ -82,26 +82,37 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the server too
     try:
         address = args.target or server.start()
-        records, duration_s, model = asyncio.run(_run_grpc(address, args, offline))
+        records, duration_s, model = asyncio.run(_run_grpc(address, args))
     finally:
         if server:
             server.stop()
     summary = summarize(records, duration_s)
     ratio = summary["output_tok_s"] / offline["output_tok_s"] if offline else None
-    _report(summary, offline, ratio)
+    ratios = {} if ratio is None else {
+        "grpc_vs_offline_output_tok_s": ratio,
+        "grpc_vs_offline_all_at_once_output_tok_s": summary["output_tok_s"] / offline["all_at_once"]["output_tok_s"]}
+    _report(summary, offline, ratios)
     path = write_result("serve", {
         "machine": machine_info(config.device), "target": args.target, "model": model,
         "engine_config": None if args.target else vars(config),
         "args": {k: v for k, v in vars(args).items() if k not in ("command", "bench")},
         "results": {"grpc": summary, **({"offline": offline} if offline else {})},
-        "ratios": {"grpc_vs_offline_output_tok_s": ratio} if ratio is not None else {},
-        "requests": [{**asdict(r), "num_output_tokens": r.num_output_tokens} for r in records]}, args.output_dir)
+        "ratios": ratios,
+        "requests": [{**asdict(r), "num_output_tokens": r.num_output_tokens} for r in records],
+    }, args.output_dir)
     print(f"\nwrote {path}")
     return 0 if not summary["failed"] else 1
 
 
 def _time_offline(config: EngineConfig, args: argparse.Namespace) -> dict:
-    """engine.LLM on the same prompts, freed before the server starts: they never share cores."""
+    """engine.LLM on the same prompts, freed before the server starts: they never share cores.
+    Twice: capped at --max-concurrency sequences like the gRPC run (what serving costs on top
+    of the engine), and with every prompt at once (the engine's own best)."""
+    same = _time_offline_once(replace(config, max_num_seqs=min(config.max_num_seqs, args.max_concurrency)), args)
+    return {**same, "all_at_once": _time_offline_once(config, args)}
+
+
+def _time_offline_once(config: EngineConfig, args: argparse.Namespace) -> dict:
     from engine import LLM, SamplingParams
     llm = LLM(**vars(config))
     prompts = random_prompts(args.num_prompts, args.input_len, llm.engine.vocab_size, args.seed)
@@ -116,7 +127,8 @@ def _time_offline(config: EngineConfig, args: argparse.Namespace) -> dict:
     del llm, outs
     gc.collect()
     return {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
-            "total_tok_s": (tokens + len(prompts) * args.input_len) / seconds}
+            "total_tok_s": (tokens + len(prompts) * args.input_len) / seconds,
+            "max_num_seqs": config.max_num_seqs}
 
 
 class ServerProcess:
@@ -203,13 +215,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-async def _run_grpc(address: str, args: argparse.Namespace, offline: dict | None):
+async def _run_grpc(address: str, args: argparse.Namespace):
     """Every prompt through Generate, --max-concurrency at a time, after a small warm-up."""
     import grpc
     from pagedserve.v1 import generation_pb2_grpc, info_pb2, info_pb2_grpc
     async with grpc.aio.insecure_channel(address) as channel:
+        info = info_pb2_grpc.InfoStub(channel)
         try:
-            model = await info_pb2_grpc.InfoStub(channel).GetModelInfo(info_pb2.GetModelInfoRequest(), timeout=30)
+            model = await info.GetModelInfo(info_pb2.GetModelInfoRequest(), timeout=30)
         except grpc.aio.AioRpcError as e:
             raise SystemExit(f"GetModelInfo on {address} failed: {e.code().name}: {e.details()}") from e
         prompts = random_prompts(args.num_prompts, args.input_len, model.vocab_size, args.seed)
@@ -230,9 +243,9 @@ async def _run_grpc(address: str, args: argparse.Namespace, offline: dict | None
         records = await asyncio.gather(*(one(p) for p in prompts))
         duration_s = time.perf_counter() - start
         bar.close()
-    info = {"model_name": model.model_name, "architecture": model.architecture,
-            "dtype": model.dtype, "vocab_size": model.vocab_size}
-    return list(records), duration_s, info
+    model_json = {"model_name": model.model_name, "architecture": model.architecture,
+                  "dtype": model.dtype, "vocab_size": model.vocab_size}
+    return list(records), duration_s, model_json
 
 
 async def _generate(stub, prompt: list[int], max_tokens: int) -> RequestRecord:
@@ -292,7 +305,7 @@ def _stats(name: str, values: list[float], which: tuple[str, ...]) -> dict:
     return {f"{stat}_{name}": float(compute[stat](values)) for stat in which}
 
 
-def _report(summary: dict, offline: dict | None, ratio: float | None) -> None:
+def _report(summary: dict, offline: dict | None, ratios: dict) -> None:
     rows = [["completed / failed", f"{summary['completed']} / {summary['failed']}"],
             ["duration (s)", summary["duration_s"]],
             ["request throughput (req/s)", summary["request_throughput"]],
@@ -304,10 +317,13 @@ def _report(summary: dict, offline: dict | None, ratio: float | None) -> None:
             if key in summary:
                 rows.append([f"{label} {stat} (ms)", "n/a" if summary[key] is None else summary[key]])
     if offline:
-        rows.append(["offline output throughput (tok/s)", offline["output_tok_s"]])
+        rows.append([f"offline, {offline['max_num_seqs']} seqs at most (tok/s)", offline["output_tok_s"]])
+        rows.append(["offline, all prompts at once (tok/s)", offline["all_at_once"]["output_tok_s"]])
     print()
     print_table(["metric", "value"], rows)
     if summary["errors"]:
         print(f"\nfailed requests by code: {summary['errors']}")
-    if ratio is not None:
-        print(f"\ngrpc / offline output throughput = {ratio * 100:.1f}%")
+    if ratios:
+        print(f"\ngrpc / offline output throughput = {ratios['grpc_vs_offline_output_tok_s'] * 100:.1f}% "
+              f"(same concurrency); {ratios['grpc_vs_offline_all_at_once_output_tok_s'] * 100:.1f}% "
+              f"of offline with all prompts at once")
