@@ -46,3 +46,13 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                        help="log level (default: info)")
+
+
+def configure_logging(level: str) -> None:
+    import logging
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

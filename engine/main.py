@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 
-from engine.arg_utils import add_engine_args, engine_config_from_args
+from engine.arg_utils import add_engine_args, add_log_level_arg, configure_logging, engine_config_from_args
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5570"
 
@@ -14,13 +13,12 @@ DEFAULT_ADDRESS = "tcp://127.0.0.1:5570"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS,
                    help=f"ZeroMQ endpoint to bind, tcp://HOST:PORT or ipc://PATH (default: {DEFAULT_ADDRESS})")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="log level (default: info)")
+    add_log_level_arg(p)
     add_engine_args(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     from engine.core import EngineCore
     from engine.models.loader import eos_token_ids, load_tokenizer, model_name, resolve_model_path
     from engine.proc import EngineProc

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import logging
 
+from engine.arg_utils import add_log_level_arg, configure_logging
 from engine.main import DEFAULT_ADDRESS
 
 
@@ -22,8 +22,7 @@ def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) 
     if with_engine_address:
         p.add_argument("--tokenizer", default=None,
                        help="tokenizer folder (default: the engine's model, learnt in the handshake)")
-        p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                       help="log level (default: info)")
+        add_log_level_arg(p)
 
 
 def config_from_args(args: argparse.Namespace, engine_address: str):
@@ -34,6 +33,6 @@ def config_from_args(args: argparse.Namespace, engine_address: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     from frontend.server import run as run_server
     return run_server(config_from_args(args, args.engine_address))

@@ -11,7 +11,7 @@ import logging
 import subprocess
 import sys
 
-from engine.arg_utils import add_engine_args
+from engine.arg_utils import add_engine_args, add_log_level_arg, configure_logging
 from engine.main import DEFAULT_ADDRESS
 from frontend.main import add_arguments as add_frontend_args
 from frontend.main import config_from_args
@@ -23,8 +23,7 @@ ENGINE_STOP_TIMEOUT_S = 15
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-address", default=DEFAULT_ADDRESS,
                    help=f"ZeroMQ endpoint between the two processes (default: {DEFAULT_ADDRESS})")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="log level (default: info)")
+    add_log_level_arg(p)
     add_frontend_args(p, with_engine_address=False)
     add_engine_args(p)
 
@@ -48,7 +47,7 @@ def engine_command(args: argparse.Namespace, argv: list[str]) -> list[str]:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     from frontend.server import run as run_frontend
     engine = subprocess.Popen(engine_command(args, argv))
     try:
