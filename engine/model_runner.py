@@ -31,7 +31,7 @@ class ModelRunner:
             tune_cpu(config.num_threads)
         self.arch = read_arch_config(model_path)
         self.max_model_len = self._max_model_len()
-        self.model = load_model(model_path, config.dtype, config.device, self.max_model_len)
+        self.model = load_model(model_path, self.arch, config.dtype, config.device, self.max_model_len)
         self.backend = get_attention_backend(config.attention_backend, self.arch.num_heads,
                                              self.arch.num_kv_heads, self.arch.head_dim)
         self.block_size = config.block_size

@@ -73,9 +73,9 @@ def iter_weights(path: Path, cfg: ModelArchConfig) -> Iterator[tuple[str, torch.
                 yield name, f.get_tensor(name)
 
 
-def load_model(path: Path, dtype: str, device: str, max_positions: int) -> LlamaForCausalLM:
+def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_positions: int
+               ) -> LlamaForCausalLM:
     """Build the model directly on `device` in `dtype`, then copy the weights in."""
-    cfg = read_arch_config(path)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[dtype])
     try:
