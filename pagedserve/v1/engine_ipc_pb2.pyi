@@ -1,6 +1,7 @@
 from pagedserve.v1 import generation_pb2 as _generation_pb2
 from pagedserve.v1 import info_pb2 as _info_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -149,9 +150,19 @@ class Pong(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., frontends: _Optional[_Iterable[_Union[_info_pb2.Peer, _Mapping]]] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class RequestError(_message.Message):
-    __slots__ = ("request_id", "message")
+    __slots__ = ("request_id", "message", "kind")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_INVALID: _ClassVar[RequestError.Kind]
+        KIND_OVERLOADED: _ClassVar[RequestError.Kind]
+        KIND_DRAINING: _ClassVar[RequestError.Kind]
+    KIND_INVALID: RequestError.Kind
+    KIND_OVERLOADED: RequestError.Kind
+    KIND_DRAINING: RequestError.Kind
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     message: str
-    def __init__(self, request_id: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+    kind: RequestError.Kind
+    def __init__(self, request_id: _Optional[str] = ..., message: _Optional[str] = ..., kind: _Optional[_Union[RequestError.Kind, str]] = ...) -> None: ...

@@ -52,7 +52,9 @@ class GenerationServicer:
     def Generate(self, request, context):
         """Generates text for one prompt and streams it back.
         Errors: INVALID_ARGUMENT (bad parameters or prompt, sent before any message),
-        RESOURCE_EXHAUSTED (admission queue full), UNAVAILABLE (no engine, or it was lost).
+        RESOURCE_EXHAUSTED (too many streams or a full queue; trailing metadata
+        `grpc-retry-pushback-ms` says when to retry), UNAVAILABLE (no engine, the engine was
+        lost, or the server is draining for shutdown).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
