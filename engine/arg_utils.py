@@ -18,6 +18,8 @@ HELP = {
     "max_model_len": "longest prompt + output, in tokens (default: the model's, at most 8192)",
     "max_num_batched_tokens": "token budget per engine step; longer prompts are chunked",
     "max_num_seqs": "most sequences running at once",
+    "max_waiting_requests": "most requests waiting for a seat; more get RESOURCE_EXHAUSTED "
+                            "(unset: no limit)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "scheduling_policy": "fcfs, or priority (lower value first)",
     "attention_backend": "torch (CPU/GPU reference) or cupy (GPU kernels)",
@@ -38,10 +40,12 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None
                                help=HELP[f.name])
             continue
         kind = {"int": int, "float": float}.get(type(f.default).__name__, str)
-        if f.name in ("num_kv_blocks", "max_model_len", "num_threads"):
+        if f.name in ("num_kv_blocks", "max_model_len", "num_threads", "max_waiting_requests"):
             kind = int
-        group.add_argument(flag, default=default, type=kind, choices=CHOICES.get(f.name),
-                           help=f"{HELP[f.name]} (default: {default})")
+        text = HELP[f.name]
+        if "default:" not in text and "unset:" not in text:  # the help already says it otherwise
+            text += f" (default: {default})"
+        group.add_argument(flag, default=default, type=kind, choices=CHOICES.get(f.name), help=text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -51,6 +55,11 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                         help="log level (default: info)")
+
+
+def add_drain_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
+                        help=f"{what} (default: 30)")
 
 
 def configure_logging(level: str) -> None:

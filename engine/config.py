@@ -25,6 +25,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill above it)
     max_num_seqs: int = 128
+    max_waiting_requests: int | None = None  # admission: refuse new requests past this many waiting
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
     attention_backend: str = "torch"
@@ -42,6 +43,8 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_waiting_requests is not None:
+            _positive("max_waiting_requests", self.max_waiting_requests)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -7,6 +7,8 @@ out as token ids. The process wrapper (sockets, busy loop) and the offline
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -17,7 +19,10 @@ from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus, sample_request_id
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.validation import PromptLimits, check_prompt
+from engine.stats import IterationStats
+from engine.validation import EngineOverloaded, PromptLimits, check_prompt
+
+log = logging.getLogger("pagedserve.engine")
 
 
 @dataclass(frozen=True)
@@ -34,25 +39,41 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...], log_stats: bool = False) -> None:
+        """`log_stats`: collect `IterationStats` for metrics; whoever sets it must take them."""
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.eos_token_ids = eos_token_ids
         self.model_runner = ModelRunner(config, self.model_path, eos_token_ids)
-        self.max_model_len = self.model_runner.max_model_len
         self.vocab_size = self.model_runner.arch.vocab_size
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
+        self.max_model_len = self._fit_max_model_len(self.model_runner.max_model_len)
         self.limits = PromptLimits(self.vocab_size, self.max_model_len, self.block_manager.num_blocks,
                                    config.block_size)
+        self.iteration_stats = IterationStats() if log_stats else None
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len, policy=config.scheduling_policy), self.block_manager)
+            max_model_len=self.max_model_len, policy=config.scheduling_policy), self.block_manager,
+            self.iteration_stats)
+
+    def _fit_max_model_len(self, max_model_len: int) -> int:
+        # A sequence longer than the whole pool would preempt itself forever: never admit one.
+        capacity = self.block_manager.num_blocks * self.config.block_size
+        if capacity < max_model_len:
+            log.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more "
+                        "(raise --num-kv-blocks or --kv-cache-memory-gb)", max_model_len, capacity)
+        return min(max_model_len, capacity)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0) -> None:
-        """Queue a request; raises ValueError (naming the problem) if it can never run."""
+        """Queue a request; raises ValueError (naming the problem) if it can never run, and
+        EngineOverloaded if `max_waiting_requests` are already waiting."""
         self._validate(request_id, prompt_token_ids, params)
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            raise EngineOverloaded(f"server busy: {len(self.scheduler.waiting)} requests are waiting "
+                                   f"(--max-waiting-requests {limit}); retry later")
         if params.n == 1:
             request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority)
         else:  # sample 0 runs the prompt; the scheduler forks the others after its prefill
@@ -73,12 +94,25 @@ class EngineCore:
         self.abort_requests([r for r in self.scheduler.requests if r.startswith(prefix)])
 
     def step(self) -> list[EngineCoreOutput]:
+        start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.model_runner.release(sched.finished_request_ids)
             return []
+        schedule_s = time.perf_counter() - start
         result = self.model_runner.execute(sched)
-        return self.scheduler.update_from_output(sched, result)
+        outputs = self.scheduler.update_from_output(sched, result)
+        if self.iteration_stats is not None:
+            self.iteration_stats.observe_step(schedule_s, result.model_s, result.sample_s,
+                                              sched.num_batched_tokens)
+        return outputs
+
+    def take_iteration_stats(self) -> IterationStats | None:
+        """What happened since the last call (None unless built with log_stats)."""
+        taken = self.iteration_stats
+        if taken is not None:
+            self.iteration_stats = self.scheduler.stats = IterationStats()
+        return taken
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. between benchmark runs); False while requests hold blocks."""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import signal
 
-from engine.arg_utils import add_engine_args, add_log_level_arg, configure_logging, engine_config_from_args
+from engine.arg_utils import add_drain_arg, add_engine_args, add_log_level_arg, configure_logging
+from engine.arg_utils import engine_config_from_args
+from pagedserve.metrics_http import add_metrics_args
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5570"
 
@@ -14,6 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS,
                    help=f"ZeroMQ endpoint to bind, tcp://HOST:PORT or ipc://PATH (default: {DEFAULT_ADDRESS})")
     add_log_level_arg(p)
+    add_drain_arg(p, "on SIGTERM, keep serving until every frontend is gone and nothing runs, at "
+                     "most this long; a second signal stops at once")
+    add_metrics_args(p)
     add_engine_args(p)
 
 
@@ -24,9 +29,16 @@ def run(args: argparse.Namespace) -> int:
     from engine.proc import EngineProc
     config = engine_config_from_args(args)
     path = resolve_model_path(config.model)
-    core = EngineCore(config, eos_token_ids(load_tokenizer(path, config.tokenizer)))
-    proc = EngineProc(core, args.address, model_name(path))
+    metrics_on = args.metrics_port is not None
+    core = EngineCore(config, eos_token_ids(load_tokenizer(path, config.tokenizer)), log_stats=metrics_on)
+    metrics = None
+    if metrics_on:
+        from engine.metrics import EngineMetrics
+        from pagedserve.metrics_http import serve_metrics
+        metrics = EngineMetrics(model_name(path))
+        serve_metrics(args.metrics_host, args.metrics_port)
+    proc = EngineProc(core, args.address, model_name(path), metrics, args.drain_timeout_s)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: proc.stop())
+        signal.signal(sig, lambda *_: proc.on_signal())
     proc.run()
     return 0

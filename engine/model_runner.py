@@ -7,6 +7,7 @@ positions, slot mappings and block tables, runs the model, and samples.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -65,6 +66,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
         self.release(sched.finished_request_ids)
         self.backend.copy_blocks(self.kv_caches, sched.blocks_to_copy)
         # Single-token rows run the batched decode path; put them first.
@@ -73,13 +75,16 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
         sampling = [s for s in order if s.num_samples]
         if not sampling:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(model_s=time.perf_counter() - start)
         logits = self.model.compute_logits(hidden[last_rows])
+        model_end = time.perf_counter()
         rows, row_owner = self._sampling_rows(sampling)
         if len(rows) != len(sampling):  # forking prompts sample n tokens from one logits row
             logits = logits[torch.tensor(row_owner, device=logits.device)]
         sampled = self.sampler(logits, rows)
-        return self._group(sampling, row_owner, sampled)
+        out = self._group(sampling, row_owner, sampled)
+        out.model_s, out.sample_s = model_end - start, time.perf_counter() - model_end
+        return out
 
     def _prepare(self, order: list[ScheduledRequest]):
         bs = self.block_size

@@ -45,6 +45,10 @@ class ModelRunnerOutput:
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)  # n tokens for a forking prompt, else 1
     logprobs: list[list[dict[int, float] | None]] = field(default_factory=list)
+    # Wall time of the forward and of sampling, for metrics. On CUDA the forward is only
+    # launched when its time is taken, so the wait for it shows up in sample_s.
+    model_s: float = 0.0
+    sample_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -8,6 +8,10 @@ answers Hello and Ping itself (so heartbeats are answered even during a long ste
 sends what the main loop produced. The main loop only runs steps; torch releases the GIL,
 so socket work overlaps the model. Requests are namespaced by frontend id, so two frontends
 may reuse the same request ids.
+
+Shutdown: `begin_drain()` (the first SIGTERM) keeps serving until every frontend has said
+Bye or gone silent and nothing is left running, or until the drain timeout; `stop()` (a
+second signal) stops at once.
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from engine.core import EngineCore
+from engine.core import EngineCore, EngineStats
 from engine.ipc import output_to_proto, sampling_params_from_proto
+from engine.metrics import EngineMetrics
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
+from engine.validation import EngineOverloaded
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 from pagedserve.v1 import info_pb2
 
@@ -57,14 +63,18 @@ class _Add:
 
 
 class EngineProc:
-    def __init__(self, core: EngineCore, address: str, model_name: str) -> None:
+    def __init__(self, core: EngineCore, address: str, model_name: str,
+                 metrics: EngineMetrics | None = None, drain_timeout_s: float = 30.0) -> None:
         self.core = core
         self.address = address
+        self.metrics = metrics  # None: no metrics port; the core then collects no stats
+        self.drain_timeout_s = drain_timeout_s
+        self.drain_deadline: float | None = None  # set by begin_drain()
         self.engine_id = uuid.uuid4().hex[:12]
         self.welcome = self._welcome(model_name)
         self.inputs: queue.Queue = queue.Queue()
         self.frontends: dict[str, _Frontend] = {}  # by frontend id; touched by the I/O thread only
-        self.stats = self._stats()  # latest snapshot, replaced (never mutated) by the main loop
+        self.stats = _stats_to_proto(core.stats())  # latest, replaced (never mutated) by the main loop
         self.stopping = threading.Event()
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -86,9 +96,14 @@ class EngineProc:
         try:
             while not self.stopping.is_set():
                 self._drain_inputs(block=not self.core.has_unfinished_requests())
-                if self.core.has_unfinished_requests():
-                    self._publish(self.core.step())
-                    self.stats = self._stats()
+                outputs = self.core.step() if self.core.has_unfinished_requests() else []
+                snapshot = self.core.stats()
+                self.stats = _stats_to_proto(snapshot)
+                self._publish(outputs)
+                if self.metrics is not None:
+                    self.metrics.record(snapshot, self.core.take_iteration_stats())
+                if self._drained():
+                    break
         finally:
             self.stopping.set()
             self.io_thread.join(timeout=5)
@@ -99,6 +114,32 @@ class EngineProc:
     def stop(self) -> None:
         self.stopping.set()
         self.inputs.put(None)  # wake a blocked main loop
+
+    def begin_drain(self) -> None:
+        """Finish what the frontends have running, then stop (see the module docstring)."""
+        self.drain_deadline = time.monotonic() + self.drain_timeout_s
+        log.info("draining: stopping once every frontend is gone and nothing runs (at most %.0fs)",
+                 self.drain_timeout_s)
+        self.inputs.put(None)
+
+    def on_signal(self) -> None:
+        """First SIGTERM/SIGINT drains, a second one stops at once."""
+        if self.drain_deadline is None:
+            self.begin_drain()
+        else:
+            self.stop()
+
+    def _drained(self) -> bool:
+        if self.drain_deadline is None:
+            return False
+        if not self.frontends and not self.core.has_unfinished_requests():
+            log.info("drained: no frontend and no request left")
+            return True
+        if time.monotonic() > self.drain_deadline:
+            log.warning("drain timeout: stopping with %d requests unfinished and %d frontends connected",
+                        self.core.scheduler.num_unfinished, len(self.frontends))
+            return True
+        return False
 
     def _drain_inputs(self, block: bool) -> None:
         try:
@@ -116,13 +157,14 @@ class EngineProc:
         if isinstance(item, _Add):
             try:
                 self.core.add_request(item.core_id, item.prompt_token_ids, item.params, item.priority)
+            except EngineOverloaded as e:
+                self._reject(item.core_id, str(e), ipc.RequestError.KIND_OVERLOADED)
             except ValueError as e:  # the frontend validated, so this is rare (e.g. an id clash)
-                self._reject(item.core_id, str(e))
+                self._reject(item.core_id, str(e), ipc.RequestError.KIND_INVALID)
         elif isinstance(item, _AbortFrontend):
             self.core.abort_requests_with_prefix(f"{item.frontend_id}:")
         else:  # a list of engine-side ids to abort
             self.core.abort_requests(item)
-        self.stats = self._stats()
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         batches: dict[str, ipc.OutputBatch] = {}
@@ -130,23 +172,15 @@ class EngineProc:
             frontend_id, request_id = out.request_id.split(":", 1)
             batch = batches.setdefault(frontend_id, ipc.OutputBatch())
             batch.outputs.append(output_to_proto(out, request_id))
-        stats = self._stats()
         for frontend_id, batch in batches.items():
-            batch.stats.CopyFrom(stats)
+            batch.stats.CopyFrom(self.stats)
             self.push.send_multipart([frontend_id.encode(),
                                       ipc.EngineResponse(outputs=batch).SerializeToString()])
 
-    def _reject(self, core_id: str, message: str) -> None:
+    def _reject(self, core_id: str, message: str, kind: int) -> None:
         frontend_id, request_id = core_id.split(":", 1)
-        reply = ipc.EngineResponse(error=ipc.RequestError(request_id=request_id, message=message))
+        reply = ipc.EngineResponse(error=ipc.RequestError(request_id=request_id, message=message, kind=kind))
         self.push.send_multipart([frontend_id.encode(), reply.SerializeToString()])
-
-    def _stats(self) -> ipc.EngineStats:
-        s = self.core.stats()
-        return ipc.EngineStats(
-            num_running=s.num_running, num_waiting=s.num_waiting, kv_blocks_total=s.num_kv_blocks,
-            kv_blocks_free=s.num_free_kv_blocks, num_preemptions=s.num_preemptions,
-            prefix_cache_queries=s.num_prefix_cache_queries, prefix_cache_hits=s.num_prefix_cache_hits)
 
     def _welcome(self, model_name: str) -> ipc.Welcome:
         core, cfg = self.core, self.core.config
@@ -195,6 +229,10 @@ class EngineProc:
             self._on_add(frontend, frontend_id, msg.add)
         elif kind == "abort":
             self.inputs.put([f"{frontend_id}:{r}" for r in msg.abort.request_ids])
+        elif kind == "bye":
+            log.info("frontend %s said bye", frontend_id)
+            del self.frontends[frontend_id]
+            self.inputs.put(_AbortFrontend(frontend_id))
 
     def _on_hello(self, identity: bytes, frontend_id: str, hello: ipc.Hello) -> None:
         if self.frontends.pop(frontend_id, None) is not None:  # it reconnected: old streams are gone
@@ -210,7 +248,8 @@ class EngineProc:
             params = sampling_params_from_proto(add.sampling)
         except ValueError as e:
             self._reply(frontend.identity, ipc.EngineResponse(
-                error=ipc.RequestError(request_id=add.request_id, message=str(e))))
+                error=ipc.RequestError(request_id=add.request_id, message=str(e),
+                                       kind=ipc.RequestError.KIND_INVALID)))
             return
         self.inputs.put(_Add(core_id, list(add.prompt_token_ids), params, add.priority))
 
@@ -225,3 +264,10 @@ class EngineProc:
 
     def _reply(self, identity: bytes, msg: ipc.EngineResponse) -> None:
         self.router.send_multipart([identity, msg.SerializeToString()])
+
+
+def _stats_to_proto(s: EngineStats) -> ipc.EngineStats:
+    return ipc.EngineStats(
+        num_running=s.num_running, num_waiting=s.num_waiting, kv_blocks_total=s.num_kv_blocks,
+        kv_blocks_free=s.num_free_kv_blocks, num_preemptions=s.num_preemptions,
+        prefix_cache_queries=s.num_prefix_cache_queries, prefix_cache_hits=s.num_prefix_cache_hits)

@@ -64,6 +64,8 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
     num_preemptions: int = 0
     stop_token_id: int | None = None  # the eos/stop token that finished it
+    scheduled_time: float | None = None  # first time it ran (monotonic), for queue-time metrics
+    last_token_time: float | None = None  # when its latest token came out, for TTFT and ITL
     # Seeds are per sample: sample i of a seeded request uses seed + i.
     seed: int | None = None
 

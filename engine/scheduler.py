@@ -11,16 +11,20 @@ newest (lowest-priority) running request is preempted by recompute.
 from __future__ import annotations
 
 import heapq
+import time
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus, sample_request_id
+from engine.stats import IterationStats
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 stats: IterationStats | None = None) -> None:
         self.config = config
+        self.stats = stats  # None: nobody reads metrics, so collect none (the offline LLM)
         self.block_manager = block_manager
         self.requests: dict[str, Request] = {}  # every unfinished request, by request id
         self.waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap on the sort key
@@ -97,6 +101,7 @@ class Scheduler:
             heapq.heappop(self.waiting)
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_cached
+                request.scheduled_time = time.monotonic()
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -110,11 +115,14 @@ class Scheduler:
         """Advance computed tokens, append sampled ones, fork n>1 prompts, finish stopped requests."""
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
-        outputs = []
+        outputs, now = [], time.monotonic()
         for request_id, tokens, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
             request = self.requests[request_id]
             samples = [request] + (self._fork(request, len(tokens) - 1) if len(tokens) > 1 else [])
             for sample, token, token_logprobs in zip(samples, tokens, logprobs):
+                if self.stats is not None:
+                    self.stats.observe_token(sample, now)
+                sample.last_token_time = now
                 sample.append_output(token, token_logprobs)
                 status = self._check_stop(sample, token)
                 if status is not None:
@@ -137,7 +145,8 @@ class Scheduler:
                 eos_token_ids=parent.eos_token_ids, priority=parent.priority,
                 arrival_time=parent.arrival_time, arrival_seq=parent.arrival_seq,
                 parent_id=parent.parent_id, sample_index=index, status=RequestStatus.RUNNING,
-                num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens)
+                num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens,
+                scheduled_time=parent.scheduled_time)
             self.block_manager.fork(parent.request_id, child.request_id)
             self.requests[child.request_id] = child
             self.running.append(child)
@@ -193,6 +202,8 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if self.stats is not None:
+            self.stats.observe_finished(request, time.monotonic())
         self.block_manager.free(request.request_id)
         del self.requests[request.request_id]
         self.finished_request_ids.add(request.request_id)

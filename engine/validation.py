@@ -8,6 +8,10 @@ from dataclasses import dataclass
 from engine.sampling_params import SamplingParams
 
 
+class EngineOverloaded(Exception):
+    """The engine's waiting queue is full; the request may be retried later."""
+
+
 @dataclass(frozen=True)
 class PromptLimits:
     vocab_size: int

@@ -10,16 +10,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineRequest(_message.Message):
-    __slots__ = ("hello", "add", "abort", "ping")
+    __slots__ = ("hello", "add", "abort", "ping", "bye")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    BYE_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     add: AddRequest
     abort: AbortRequests
     ping: Ping
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...
+    bye: Bye
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., bye: _Optional[_Union[Bye, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("frontend_id", "address")
@@ -52,6 +54,10 @@ class Ping(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     seq: int
     def __init__(self, seq: _Optional[int] = ...) -> None: ...
+
+class Bye(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class EngineResponse(_message.Message):
     __slots__ = ("welcome", "outputs", "pong", "error")
@@ -155,10 +161,8 @@ class RequestError(_message.Message):
         __slots__ = ()
         KIND_INVALID: _ClassVar[RequestError.Kind]
         KIND_OVERLOADED: _ClassVar[RequestError.Kind]
-        KIND_DRAINING: _ClassVar[RequestError.Kind]
     KIND_INVALID: RequestError.Kind
     KIND_OVERLOADED: RequestError.Kind
-    KIND_DRAINING: RequestError.Kind
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]

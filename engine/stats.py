@@ -1,0 +1,58 @@
+"""What the engine did between two metric scrapes: step times, token counts, request latencies.
+
+The scheduler and the core add to an `IterationStats` as they work; the process wrapper
+takes it (`EngineCore.take_iteration_stats`) after each loop and turns it into Prometheus
+metrics. Nothing here does I/O. Latencies are engine-side, from the request's arrival at
+the engine; a sample of an n>1 request counts as a request, as in vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import Request
+
+
+@dataclass(slots=True)
+class FinishedRequestStats:
+    finish_reason: str  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queue_s: float | None  # arrival -> first scheduled; None if it never ran
+    e2e_s: float  # arrival -> finished
+
+
+@dataclass
+class IterationStats:
+    """Accumulates until taken; every list holds one value per event."""
+
+    schedule_s: list[float] = field(default_factory=list)  # one per step
+    model_s: list[float] = field(default_factory=list)
+    sample_s: list[float] = field(default_factory=list)
+    iteration_tokens: list[int] = field(default_factory=list)  # tokens computed per step
+    num_prompt_tokens: int = 0  # of requests whose first token came out
+    num_generation_tokens: int = 0
+    ttfts_s: list[float] = field(default_factory=list)
+    itls_s: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+    def observe_step(self, schedule_s: float, model_s: float, sample_s: float, num_tokens: int) -> None:
+        self.schedule_s.append(schedule_s)
+        self.model_s.append(model_s)
+        self.sample_s.append(sample_s)
+        self.iteration_tokens.append(num_tokens)
+
+    def observe_token(self, request: Request, now: float) -> None:
+        """Call before the token is appended to the request."""
+        self.num_generation_tokens += 1
+        if request.last_token_time is None:
+            self.num_prompt_tokens += request.num_prompt_tokens
+            self.ttfts_s.append(now - request.arrival_time)
+        else:
+            self.itls_s.append(now - request.last_token_time)
+
+    def observe_finished(self, request: Request, now: float) -> None:
+        queue_s = None if request.scheduled_time is None else request.scheduled_time - request.arrival_time
+        self.finished.append(FinishedRequestStats(
+            request.status.finish_reason, request.num_prompt_tokens, request.num_output_tokens,
+            queue_s, now - request.arrival_time))
