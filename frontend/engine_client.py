@@ -16,6 +16,7 @@ from collections.abc import Callable
 import zmq
 import zmq.asyncio
 
+from engine.validation import EngineOverloaded
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 
 log = logging.getLogger("pagedserve.frontend")
@@ -53,10 +54,15 @@ class EngineClient:
         self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
 
     async def close(self) -> None:
+        if self.connected.is_set():  # so the engine forgets us now, not after its timeout
+            try:
+                await self._send(ipc.EngineRequest(bye=ipc.Bye()))
+            except EngineLost:
+                pass
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._sock.close(linger=0)
+        self._sock.close(linger=500)  # time for the Bye to leave
         self._ctx.term()
 
     async def wait_connected(self, timeout_s: float) -> bool:
@@ -122,7 +128,8 @@ class EngineClient:
         elif kind == "error":
             queue = self.streams.get(msg.error.request_id)
             if queue is not None:
-                queue.put_nowait(ValueError(msg.error.message))
+                overloaded = msg.error.kind == ipc.RequestError.KIND_OVERLOADED
+                queue.put_nowait((EngineOverloaded if overloaded else ValueError)(msg.error.message))
 
     def _on_welcome(self, welcome: ipc.Welcome) -> None:
         if self.welcome is not None and welcome.engine_id != self.welcome.engine_id:

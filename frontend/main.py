@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from engine.arg_utils import add_log_level_arg, configure_logging
+from engine.arg_utils import add_drain_arg, add_log_level_arg, configure_logging
 from engine.main import DEFAULT_ADDRESS
+from pagedserve.metrics_http import add_metrics_args
 
 
 def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) -> None:
@@ -19,7 +20,12 @@ def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) 
                    help="Generate streams at once; more get RESOURCE_EXHAUSTED (default: 256)")
     p.add_argument("--engine-timeout-s", type=float, default=3.0,
                    help="engine silence after which it counts as lost (default: 3.0)")
+    p.add_argument("--log-prompts", action="store_true",
+                   help="put each request's prompt in its log line (default: off; prompts may be private)")
     if with_engine_address:
+        add_drain_arg(p, "on SIGTERM, let running streams finish for at most this long, refusing new "
+                         "ones; a second signal stops at once")
+        add_metrics_args(p)
         p.add_argument("--tokenizer", default=None,
                        help="tokenizer folder (default: the engine's model, learnt in the handshake)")
         add_log_level_arg(p)
@@ -29,7 +35,9 @@ def config_from_args(args: argparse.Namespace, engine_address: str):
     from frontend.server import FrontendConfig
     return FrontendConfig(engine_address=engine_address, host=args.host, grpc_port=args.grpc_port,
                           tokenizer=args.tokenizer, max_concurrent_streams=args.max_concurrent_streams,
-                          engine_timeout_s=args.engine_timeout_s)
+                          engine_timeout_s=args.engine_timeout_s, drain_timeout_s=args.drain_timeout_s,
+                          metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                          log_prompts=args.log_prompts)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,6 +2,10 @@
 
 Health (grpc.health.v1): "" is SERVING while the process is up; the Generation service
 is SERVING only while an engine is connected and answering heartbeats.
+
+Shutdown (SIGTERM or SIGINT) drains: both health statuses turn NOT_SERVING, new streams get
+UNAVAILABLE, running ones may finish for up to `drain_timeout_s`; then the server stops.
+A second signal cuts the drain short.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -17,6 +22,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from frontend.engine_client import EngineClient
+from frontend.metrics import FrontendMetrics, MetricsInterceptor
 from frontend.prompts import Prompts
 from frontend.servicers import FrontendState, GenerationService, InfoService, TokenizationService
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc, info_pb2, info_pb2_grpc
@@ -35,19 +41,27 @@ class FrontendConfig:
     max_concurrent_streams: int = 256
     heartbeat_s: float = 0.5
     engine_timeout_s: float = 3.0
+    drain_timeout_s: float = 30.0
+    metrics_port: int | None = None  # None: no /metrics
+    metrics_host: str = "127.0.0.1"
+    log_prompts: bool = False
 
 
 async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> None:
-    """Run until `stop` is set (or SIGINT/SIGTERM)."""
-    stop = stop or asyncio.Event()
+    """Run until `stop` is set or a signal comes, then drain and stop."""
+    stop, force = stop or asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    server = grpc.aio.server()
+        loop.add_signal_handler(sig, lambda: force.set() if stop.is_set() else stop.set())
+    metrics = FrontendMetrics()
+    if config.metrics_port is not None:
+        from pagedserve.metrics_http import serve_metrics
+        serve_metrics(config.metrics_host, config.metrics_port)
+    server = grpc.aio.server(interceptors=[MetricsInterceptor(metrics)])
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     address = f"{config.host}:{port}"
     health_servicer = health.aio.HealthServicer()
-    state = _state(config, address, health_servicer)
+    state = _state(config, address, health_servicer, metrics)
     _add_services(server, state, health_servicer)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -56,19 +70,35 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     await state.client.start()
     try:
         await stop.wait()
+        await _drain(state, health_servicer, config.drain_timeout_s, force)
     finally:
         log.info("frontend stopping")
         await server.stop(grace=1.0)
         await state.client.close()
 
 
-def _state(config: FrontendConfig, address: str, health_servicer) -> FrontendState:
+async def _drain(state: FrontendState, health_servicer, timeout_s: float, force: asyncio.Event) -> None:
+    state.draining = True
+    for service in ("", GENERATION_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info("draining: %d streams running, waiting up to %.0fs", len(state.active), timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while state.active and time.monotonic() < deadline and not force.is_set():
+        await asyncio.sleep(0.05)
+    if state.active:
+        log.warning("drain ended with %d streams still running; they are cancelled", len(state.active))
+
+
+def _state(config: FrontendConfig, address: str, health_servicer, metrics: FrontendMetrics) -> FrontendState:
     state = FrontendState(client=None, prompts=None, max_concurrent_streams=config.max_concurrent_streams,
-                          grpc_address=address)
+                          metrics=metrics, grpc_address=address, log_prompts=config.log_prompts)
 
     def on_engine_state(connected: bool) -> None:
         if connected and state.prompts is None:
             state.prompts = _load_prompts(config, state.client.welcome)
+        metrics.engine_connected.set(1 if connected else 0)
+        if state.draining:
+            return  # stays NOT_SERVING
         status = health_pb2.HealthCheckResponse.SERVING if connected else health_pb2.HealthCheckResponse.NOT_SERVING
         asyncio.ensure_future(health_servicer.set(GENERATION_SERVICE, status))
 

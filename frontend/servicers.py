@@ -12,9 +12,11 @@ import grpc
 
 from engine.ipc import sampling_params_from_proto, sampling_params_to_proto
 from engine.request import sample_request_id
-from engine.validation import PromptLimits, check_prompt
+from engine.validation import EngineOverloaded, PromptLimits, check_prompt
 from frontend.engine_client import EngineClient, EngineLost
+from frontend.metrics import FrontendMetrics, outcome_code
 from frontend.prompts import Prompts
+from frontend.request_log import RequestLog
 from frontend.stream import ABORTED, Stream
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 from pagedserve.v1 import generation_pb2 as gen
@@ -23,6 +25,9 @@ from pagedserve.v1 import tokenization_pb2_grpc
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@=+-]{1,128}")
 MAX_ABORT_IDS = 1024
+MAX_TIME_LIMIT_MS = 24 * 3600 * 1000
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+RETRY_PUSHBACK_MS = 1000  # about one long decode burst on a busy server
 VERSION = "0.1.0"
 
 
@@ -33,7 +38,10 @@ class FrontendState:
     client: EngineClient
     prompts: Prompts | None  # None until the first handshake told us the model
     max_concurrent_streams: int
+    metrics: FrontendMetrics
     grpc_address: str = ""
+    log_prompts: bool = False  # put prompts in the request log
+    draining: bool = False  # shutting down: refuse new streams, let running ones finish
     active: dict[str, str] = field(default_factory=dict)  # caller's request id -> engine-side id
 
     def limits(self) -> PromptLimits:
@@ -51,38 +59,67 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.state = state
 
     async def Generate(self, request: gen.GenerateRequest, context):  # noqa: N802 - gRPC's name
-        state, client = self.state, self.state.client
+        record, stream, error = RequestLog(self.state.log_prompts), None, None
+        try:
+            stream = await self._admit(request, context, record)
+            async for response in self._run(stream, request, context):
+                yield response
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            record.write(outcome_code(context, error), stream, request)
+
+    async def _admit(self, request: gen.GenerateRequest, context, record: RequestLog) -> Stream:
+        """Validate and admit, or abort the call with the status code that says why."""
+        state = self.state
+        if state.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down; retry on another replica")
         await _require_engine(state, context)
         try:
             params, prompt = self._parse(request)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         request_id = request.request_id or uuid.uuid4().hex
+        record.fields["request_id"] = request_id
         if request_id in state.active:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_id {request_id!r} is already in use by a running request")
         if len(state.active) >= state.max_concurrent_streams:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"server busy: {len(state.active)} streams running; retry later")
+            await _overloaded(context, f"server busy: {len(state.active)} streams running "
+                                       f"(--max-concurrent-streams {state.max_concurrent_streams}); retry later")
         # The engine sees a fresh id per stream, so a late token of an aborted stream can never
         # reach a new stream that reuses the caller's id.
         engine_id = uuid.uuid4().hex
-        state.active[request_id] = engine_id
+        client = state.client
+
+        def abort(index: int | None) -> None:
+            _abort_later(client, [engine_id if index is None or params.n == 1 else sample_request_id(engine_id, index)])
+
+        return Stream(request_id, engine_id, prompt, params, state.prompts.tokenizer,
+                      set(client.welcome.eos_token_ids), abort)
+
+    async def _run(self, stream: Stream, request: gen.GenerateRequest, context):
+        state, client, engine_id = self.state, self.state.client, stream.engine_id
+        state.active[stream.request_id] = engine_id
+        state.metrics.active_streams.inc()
         queue = client.open_stream(engine_id)
-        stream = Stream(request_id, prompt, params, state.prompts.tokenizer, set(client.welcome.eos_token_ids),
-                        lambda i: _abort_later(client, [engine_id if params.n == 1 else sample_request_id(engine_id, i)]))
+        time_limit_s = request.time_limit_ms / 1000 if request.HasField("time_limit_ms") else None
         try:
-            await client.add(ipc.AddRequest(request_id=engine_id, prompt_token_ids=prompt,
-                                            sampling=sampling_params_to_proto(params),
+            await client.add(ipc.AddRequest(request_id=engine_id, prompt_token_ids=stream.prompt,
+                                            sampling=sampling_params_to_proto(stream.params),
                                             priority=request.priority))
-            async for response in stream.responses(queue):
+            async for response in stream.responses(queue, time_limit_s):
                 yield response
         except EngineLost as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine lost: {e}")
+        except EngineOverloaded as e:
+            await _overloaded(context, str(e))
         except ValueError as e:  # the engine refused it
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
-            del state.active[request_id]
+            del state.active[stream.request_id]
+            state.metrics.active_streams.dec()
             client.close_stream(engine_id)
             if not stream.done:  # cancelled, disconnected, deadline passed or failed: free its blocks
                 _abort_later(client, [engine_id])
@@ -96,6 +133,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         prompt = self.state.prompts.from_request(request, add_special)
         check_prompt(prompt, params, self.state.limits())
+        if request.HasField("time_limit_ms") and not 0 < request.time_limit_ms <= MAX_TIME_LIMIT_MS:
+            raise ValueError(f"time_limit_ms: must be in [1, {MAX_TIME_LIMIT_MS}] (24 hours), "
+                             f"got {request.time_limit_ms}")
         return params, prompt
 
     async def Abort(self, request: gen.AbortRequest, context):  # noqa: N802
@@ -117,6 +157,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         except EngineLost:
             pass  # the engine is gone, and its requests with it
         return gen.AbortResponse(results=results)
+
+
+async def _overloaded(context, message: str) -> None:
+    # The standard trailer gRPC's retry policy reads: wait this long before retrying.
+    context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(RETRY_PUSHBACK_MS)),))
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
 
 def _abort_later(client: EngineClient, request_ids: list[str]) -> None:

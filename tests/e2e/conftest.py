@@ -38,9 +38,10 @@ def pagedserve(*args: str) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def drain(proc: subprocess.Popen) -> subprocess.Popen:
-    """Keep reading a child's output (a full pipe would block it); the tail stays in `proc.log`."""
-    proc.log = deque(maxlen=500)
+def drain(proc: subprocess.Popen, seen: list[str] = ()) -> subprocess.Popen:
+    """Keep reading a child's output (a full pipe would block it); the tail stays in `proc.log`,
+    after the lines the caller `seen` already."""
+    proc.log = deque(seen, maxlen=500)
 
     def read() -> None:
         for line in proc.stdout:
@@ -76,7 +77,7 @@ def read_grpc_address(proc: subprocess.Popen, timeout_s: float = 60) -> str:
         seen.append(line)
         match = re.search(r"grpc listening on (\S+:\d+)", line)
         if match:
-            drain(proc)
+            drain(proc, seen)
             return match.group(1)
     raise RuntimeError("frontend did not start:\n" + "".join(seen[-30:]))
 

@@ -8,181 +8,21 @@ from __future__ import annotations
 import math
 import re
 import signal
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import grpc
 import psutil
 import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
-from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from grpc_client import (FR, GENERATION, LONG, MAX_MODEL_LEN, NOT_SERVING, SERVING, STORY, VOCAB_SIZE,
+                         Background, collect, detokenize, generate, generate_error, greedy, names_field,
+                         port_is_free, request, stop_across, user, wait_info)
 from pagedserve.v1 import generation_pb2 as gen
 from pagedserve.v1 import info_pb2
 from pagedserve.v1 import tokenization_pb2 as tok
-
-FR = gen.FinishReason
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-GENERATION = "pagedserve.v1.Generation"
-VOCAB_SIZE = 49152
-MAX_MODEL_LEN = 2048  # conftest's ENGINE_FLAGS
-# ~20 s of decoding on this CPU: a request that is gone within a few seconds was aborted.
-LONG = dict(temperature=0, max_tokens=400, ignore_eos=True)
-STORY = "Once upon a time, in a small village,"  # 10 tokens (no full KV block: no prefix-cache hit)
-
-
-# -- helpers ---------------------------------------------------------------------------------
-
-@dataclass
-class Result:
-    messages: list[gen.GenerateResponse]
-    started: gen.Started
-    finished: dict[int, gen.Finished]
-    tokens: dict[int, list[int]]
-    texts: dict[int, str]
-    chunks: dict[int, list[gen.Chunk]]
-
-
-def collect(messages: list[gen.GenerateResponse]) -> Result:
-    """Checks the stream's shape: one Started first, then Chunks, each sample's Finished after
-    its last Chunk, and the stream ends with a Finished."""
-    kinds = [m.WhichOneof("kind") for m in messages]
-    assert kinds and kinds[0] == "started", kinds
-    assert kinds.count("started") == 1, kinds
-    assert kinds[-1] == "finished", kinds
-    finished: dict[int, gen.Finished] = {}
-    tokens: dict[int, list[int]] = {}
-    texts: dict[int, str] = {}
-    chunks: dict[int, list[gen.Chunk]] = {}
-    for m in messages[1:]:
-        if m.HasField("chunk"):
-            c = m.chunk
-            assert c.index not in finished, f"chunk for sample {c.index} after its Finished"
-            tokens.setdefault(c.index, []).extend(c.token_ids)
-            texts[c.index] = texts.get(c.index, "") + c.text
-            chunks.setdefault(c.index, []).append(c)
-        else:
-            assert m.HasField("finished"), m
-            assert m.finished.index not in finished, f"two Finished for sample {m.finished.index}"
-            finished[m.finished.index] = m.finished
-    for i, f in finished.items():
-        tokens.setdefault(i, [])
-        texts.setdefault(i, "")
-        assert f.usage.completion_tokens == len(tokens[i]), (f, tokens[i])
-        assert f.usage.prompt_tokens == messages[0].started.prompt_tokens
-    return Result(messages, messages[0].started, finished, tokens, texts, chunks)
-
-
-def request(request_id: str = "", **kwargs) -> gen.GenerateRequest:
-    return gen.GenerateRequest(request_id=request_id, **kwargs)
-
-
-def greedy(max_tokens: int, **kwargs) -> gen.SamplingParams:
-    return gen.SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)
-
-
-def generate(fe, timeout: float = 120, **kwargs) -> Result:
-    return collect(list(fe.generation.Generate(request(**kwargs), timeout=timeout)))
-
-
-def user(text: str) -> gen.Chat:
-    return gen.Chat(messages=[gen.ChatMessage(role="user", content=text)])
-
-
-def detokenize(fe, ids, **kwargs) -> str:
-    return fe.tokenization.Detokenize(tok.DetokenizeRequest(token_ids=ids, **kwargs), timeout=10).text
-
-
-def generate_error(fe, req: gen.GenerateRequest, timeout: float = 30) -> grpc.RpcError:
-    """Generate must fail before sending any message; returns the error."""
-    received = []
-    with pytest.raises(grpc.RpcError) as info:
-        for message in fe.generation.Generate(req, timeout=timeout):
-            received.append(message)
-    assert not received, f"messages before the error {info.value.code()}: {received}"
-    return info.value
-
-
-def names_field(details: str, field: str) -> bool:
-    return re.search(rf"(?<![A-Za-z_]){re.escape(field)}(?![A-Za-z_])", details) is not None
-
-
-class Background:
-    """A Generate stream read by a thread; `first_chunk` is set once a token arrived."""
-
-    def __init__(self, fe, req: gen.GenerateRequest, timeout: float | None = None) -> None:
-        self.call = fe.generation.Generate(req, timeout=timeout)
-        self.messages: list[gen.GenerateResponse] = []
-        self.error: grpc.RpcError | None = None
-        self.ended_at: float | None = None
-        self.first_chunk = threading.Event()
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        try:
-            for message in self.call:
-                self.messages.append(message)
-                if message.HasField("chunk"):
-                    self.first_chunk.set()
-        except grpc.RpcError as e:
-            self.error = e
-        finally:
-            self.ended_at = time.monotonic()
-
-    def wait_first_chunk(self, timeout_s: float = 60) -> None:
-        assert self.first_chunk.wait(timeout_s), f"no token within {timeout_s}s: {self.error}"
-
-    def join(self, timeout_s: float = 30) -> None:
-        self.thread.join(timeout_s)
-        assert not self.thread.is_alive(), "the stream did not end"
-
-
-def token_offsets(fe, ids: list[int]) -> list[int]:
-    """offsets[i] = length of the text of the first i tokens."""
-    return [len(detokenize(fe, ids[:i])) for i in range(len(ids) + 1)]
-
-
-def stop_across(fe, ids: list[int], first_boundary: int) -> tuple[str, int]:
-    """A stop string made of the last 2 characters of one token and the first 2 of the next
-    (so it spans two tokens), at a boundary >= first_boundary, whose first occurrence in the
-    text is there. Returns (stop string, its position in the text)."""
-    text = detokenize(fe, ids)
-    offsets = token_offsets(fe, ids)
-    for b in range(first_boundary, len(ids) - 1):
-        left, here, right = offsets[b - 1], offsets[b], offsets[b + 1]
-        if here - left >= 2 and right - here >= 2:
-            stop = text[here - 2:here + 2]
-            if text.find(stop) == here - 2 and stop.strip():
-                return stop, here - 2
-    raise AssertionError(f"no boundary to split a stop string over in {text!r}")
-
-
-def wait_info(fe, predicate, timeout_s: float = 5) -> info_pb2.ServerInfo:
-    """GetServerInfo until predicate holds (stats of other frontends' requests arrive with the
-    heartbeat); returns the last one either way."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        info = fe.server_info()
-        if predicate(info) or time.monotonic() > deadline:
-            return info
-        time.sleep(0.1)
-
-
-def port_is_free(port: int) -> bool:
-    """Nothing listens on it (connections lingering in TIME_WAIT do not count)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 # -- fixtures --------------------------------------------------------------------------------
@@ -617,10 +457,10 @@ def test_engine_kill_and_restart(procs):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_frontend_gone_frees_its_requests(frontend, procs, engine_address, sig):
-    """A stopped frontend aborts its requests on the way out; a killed one is forgotten by the
-    engine after 10 s of silence (engine/proc.py FRONTEND_TIMEOUT_S). Either way the blocks
-    come back, seen from another frontend."""
-    doomed = procs.start_frontend(engine_address)
+    """A stopped frontend (no drain time) says Bye on the way out and the engine aborts its
+    requests; a killed one is forgotten by the engine after 10 s of silence (engine/proc.py
+    FRONTEND_TIMEOUT_S). Either way the blocks come back, seen from another frontend."""
+    doomed = procs.start_frontend(engine_address, "--drain-timeout-s", "0")
     try:
         doomed.wait_serving()
         stream = Background(doomed, request(text=STORY, sampling=gen.SamplingParams(**LONG)), timeout=120)
@@ -637,9 +477,7 @@ def test_frontend_gone_frees_its_requests(frontend, procs, engine_address, sig):
         assert time.monotonic() - gone_at < (8 if sig == signal.SIGTERM else 16)
     finally:
         doomed.close()
-    if sig == signal.SIGTERM:
-        return  # no goodbye in the protocol: the engine forgets it after 10 s, as below
-    # the engine forgot the killed frontend when it aborted its requests
+    # the engine forgot the gone frontend when it aborted its requests
     deadline = time.monotonic() + 5
     while doomed.address in {p.address for p in frontend.server_info().frontends}:
         assert time.monotonic() < deadline, "the engine still lists the gone frontend"
