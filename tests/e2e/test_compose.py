@@ -19,15 +19,19 @@ import yaml
 import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pagedserve.cli import build_parser
 from pagedserve.cli import main as cli
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATION = "pagedserve.v1.Generation"
-ENGINE_COMMAND_GPU = ["engine", "--address", "tcp://0.0.0.0:5570", "--device", "cuda", "--dtype", "bfloat16"]
-ENGINE_COMMAND_CPU = ["engine", "--address", "tcp://0.0.0.0:5570", "--device", "cpu", "--dtype", "float32"]
+OPERATIONS = ["--metrics-host", "0.0.0.0", "--drain-timeout-s", "30"]
+ENGINE_COMMAND_GPU = ["engine", "--address", "tcp://0.0.0.0:5570", "--device", "cuda", "--dtype", "bfloat16",
+                      "--metrics-port", "9401", *OPERATIONS]
+ENGINE_COMMAND_CPU = ["engine", "--address", "tcp://0.0.0.0:5570", "--device", "cpu", "--dtype", "float32",
+                      "--metrics-port", "9401", *OPERATIONS]
 FRONTEND_COMMAND = ["frontend", "--engine-address", "tcp://engine:5570", "--host", "0.0.0.0",
-                    "--grpc-port", "50051"]
+                    "--grpc-port", "50051", "--metrics-port", "9400", *OPERATIONS]
 ENGINE_HEALTHCHECK = ["CMD", "pagedserve", "ping-engine", "--address", "tcp://127.0.0.1:5570"]
 FRONTEND_HEALTHCHECK = ["CMD", "pagedserve", "health", "--address", "127.0.0.1:50051", "--service", GENERATION]
 GPU_DEVICE = {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
@@ -58,7 +62,7 @@ def published_ports(service: dict) -> set[tuple[int, int]]:
         if isinstance(port, dict):
             pairs.add((int(port["published"]), int(port["target"])))
         else:
-            host, container = str(port).rsplit(":", 2)[-2:]
+            host, container = str(port).split("/")[0].rsplit(":", 2)[-2:]  # [ip:]host:container[/proto]
             pairs.add((int(host), int(container)))
     return pairs
 
@@ -68,7 +72,12 @@ def assert_common(config: dict) -> None:
     assert set(services) == {"engine", "frontend"}
     engine, frontend = services["engine"], services["frontend"]
     assert frontend["command"] == FRONTEND_COMMAND
-    assert published_ports(frontend) == {(50051, 50051)}
+    assert published_ports(frontend) == {(50051, 50051), (9400, 9400)}
+    assert published_ports(engine) == {(9401, 9401)}  # metrics only: 5570 stays on the network
+    for service in (engine, frontend):
+        args = build_parser().parse_args(service["command"])  # every flag exists
+        # compose waits this long after SIGTERM before SIGKILL: the drain must fit in it
+        assert _seconds(service["stop_grace_period"]) > args.drain_timeout_s
     assert "engine" in frontend["depends_on"]
     assert engine["healthcheck"]["test"] == ENGINE_HEALTHCHECK
     assert frontend["healthcheck"]["test"] == FRONTEND_HEALTHCHECK
@@ -77,6 +86,11 @@ def assert_common(config: dict) -> None:
         assert Path(service["build"]["context"]).resolve() == ROOT
     assert engine["image"] == frontend["image"]
     assert engine["build"] == frontend["build"]
+
+
+def _seconds(duration: str) -> float:
+    units = {"s": 1, "m": 60}
+    return float(duration[:-1]) * units[duration[-1]]
 
 
 def test_default_is_gpu():
