@@ -42,12 +42,17 @@ def _memory_gb() -> float | None:
         return None
 
 
-def write_result(name: str, payload: dict, out_dir: Path | None = None) -> Path:
+def write_result(name: str, payload: dict, out_dir: Path | None = None, suffix: str = "") -> Path:
+    """`<name>-<UTC stamp><suffix>.json`; never overwrites (runs in the same second share a stamp)."""
     out_dir = Path(out_dir or RESULTS_DIR)
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     payload = {"benchmark": name, "created_utc": stamp, **payload}
-    path = out_dir / f"{name}-{stamp}.json"
+    path = out_dir / f"{name}-{stamp}{suffix}.json"
+    for n in range(2, 1000):
+        if not path.exists():
+            break
+        path = out_dir / f"{name}-{stamp}{suffix}-{n}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
 

@@ -24,3 +24,48 @@ def plot_offline(results: dict, title: str, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+SWEEP_PANELS = (("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"),
+                ("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"))
+
+
+def plot_sweep(runs: list[dict], title: str, path: Path) -> Path:
+    """Latency against achieved output throughput, one line per backend, 2x2 panels.
+
+    `runs`: one dict per run with "backend", "request_rate" (a label: "2", "inf") and the
+    summary keys of SWEEP_PANELS plus "output_tok_s". Points are joined in rate order, so
+    each line is the backend's throughput-latency curve; each point is labelled with its rate.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
+    backends = list(dict.fromkeys(r["backend"] for r in runs))
+    for ax, (key, label) in zip(axes.flat, SWEEP_PANELS):
+        for i, backend in enumerate(backends):
+            points = [(r["output_tok_s"], r[key], r["request_rate"]) for r in runs
+                      if r["backend"] == backend and r.get(key) is not None]
+            if not points:
+                continue
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=f"C{i}", label=backend)
+            for x, y, rate in points:
+                ax.annotate(rate if rate == "inf" else f"{rate}/s", (x, y), textcoords="offset points",
+                            xytext=(4, 4), fontsize=7)
+        ax.set_yscale("log")
+        plain = FuncFormatter(lambda value, _: f"{value:g}")  # 200, not 2x10^2
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.set_title(f"{label} (lower is better)", fontsize=10)
+        ax.set_ylabel("ms")
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("achieved output throughput (tok/s)")
+    axes.flat[0].legend()
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

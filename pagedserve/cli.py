@@ -42,10 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "optionally against HF transformers generate on the same prompts."))
     from bench.serve import add_arguments as add_serve_bench
     add_serve_bench(bench_kinds.add_parser(
-        "serve", help="latency and throughput of a gRPC server (optionally against offline)",
-        description="Serving benchmark: random token-id prompts streamed through Generate, "
-                    "--max-concurrency at a time, against --target or a server started here; "
-                    "reports TTFT, TPOT, ITL and throughput."))
+        "serve", help="latency and throughput of a gRPC server under load (pagedserve or an HF baseline)",
+        description="Serving benchmark: a dataset (random token ids, ShareGPT text, or prompts sharing "
+                    "prefixes) streamed through Generate on Poisson (or gamma) arrivals, against --target "
+                    "or servers started here one at a time (--backend pagedserve, hf, or both). Every "
+                    "request is greedy with eos ignored and max_tokens set to its planned output length, "
+                    "so outputs have exactly that many tokens. Reports throughput, goodput, and TTFT, "
+                    "TPOT, ITL and E2E latency (mean, median, p90, p99); writes one JSON per run, and "
+                    "with --sweep-rates a summary JSON and a throughput-latency PNG."))
     return parser
 
 

@@ -1,0 +1,127 @@
+"""Workloads for `bench serve`: each dataset turns into a list of `BenchRequest`s.
+
+- random: token ids drawn from [100, vocab) (the lowest ids are special tokens in most
+  vocabularies), input and output lengths uniform in [len*(1-r), len*(1+r)] as in vLLM's
+  benchmark_serving.
+- prefix-repetition: --num-prefixes random prefixes shared by many prompts, each with its
+  own random suffix; a server with a prefix cache prefills each prefix once.
+- sharegpt: text prompts from a ShareGPT-format JSON file (vLLM's format):
+
+      [{"conversations": [{"from": "human", "value": "How do magnets work?"},
+                          {"from": "gpt", "value": "Magnets work because ..."}, ...]}, ...]
+
+  The first turn is the prompt; the reply that follows it sets the output length. Other
+  keys ("id", ...) are ignored. Token counts come from the server's Tokenize RPC, so they
+  are the served model's own.
+
+Everything is seeded: the same seed gives the same prompts and lengths.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+SHAREGPT_SAMPLE = Path(__file__).resolve().parent / "data" / "sharegpt_sample.json"
+MIN_TOKEN_ID = 100  # as bench offline's random_prompts: skip the special tokens
+MIN_SHAREGPT_PROMPT_TOKENS = 4  # vLLM's filter: shorter prompts say little about serving
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    """One request of the workload; the server is asked for exactly `output_len` tokens."""
+
+    prompt: list[int] | str  # token ids, or text the server tokenizes
+    prompt_len: int  # in tokens (for text: as the server's Tokenize counts them)
+    output_len: int
+
+
+def length_range(length: int, range_ratio: float) -> tuple[int, int]:
+    """Inclusive [low, high] of lengths around `length`, never below 1 (vLLM's rounding)."""
+    if not 0 <= range_ratio < 1:
+        raise ValueError(f"range ratio: must be in [0, 1), got {range_ratio}")
+    return max(1, math.floor(length * (1 - range_ratio))), max(1, math.ceil(length * (1 + range_ratio)))
+
+
+def random_requests(num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int,
+                    seed: int | str) -> list[BenchRequest]:
+    rng = random.Random(f"random:{seed}")
+    in_low, in_high = length_range(input_len, range_ratio)
+    out_low, out_high = length_range(output_len, range_ratio)
+    requests = []
+    for _ in range(num):
+        n_in, n_out = rng.randint(in_low, in_high), rng.randint(out_low, out_high)
+        requests.append(BenchRequest(_random_ids(rng, n_in, vocab_size), n_in, n_out))
+    return requests
+
+
+def prefix_repetition_requests(num: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                               output_len: int, vocab_size: int, seed: int | str) -> list[BenchRequest]:
+    """Prompt i is prefix[i % num_prefixes] + its own suffix; the order is shuffled so that
+    prompts sharing a prefix do not all arrive together."""
+    if num_prefixes < 1 or prefix_len < 0 or suffix_len < 0 or prefix_len + suffix_len < 1:
+        raise ValueError("prefix-repetition: need --num-prefixes >= 1 and a prompt of at least one token")
+    rng = random.Random(f"prefix-repetition:{seed}")
+    prefixes = [_random_ids(rng, prefix_len, vocab_size) for _ in range(num_prefixes)]
+    requests = [BenchRequest(prefixes[i % num_prefixes] + _random_ids(rng, suffix_len, vocab_size),
+                             prefix_len + suffix_len, output_len) for i in range(num)]
+    rng.shuffle(requests)
+    return requests
+
+
+def load_sharegpt(path: Path) -> list[tuple[str, str]]:
+    """(prompt, reply) of every conversation whose first turn has a reply after it."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable JSON file: {e}") from e
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list of {{\"conversations\": [...]}} objects")
+    pairs = []
+    for i, item in enumerate(data):
+        turns = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(turns, list):
+            raise ValueError(f"{path}: item {i} has no \"conversations\" list")
+        if len(turns) >= 2 and all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in turns[:2]):
+            prompt, reply = turns[0]["value"], turns[1]["value"]
+            if prompt.strip() and reply.strip():
+                pairs.append((prompt, reply))
+    return pairs
+
+
+def sharegpt_requests(pairs: list[tuple[str, str]], num: int, count_tokens: Callable[[str, bool], int],
+                      max_model_len: int, output_len_cap: int | None, seed: int | str
+                      ) -> tuple[list[BenchRequest], int]:
+    """`num` requests from shuffled conversations, and how many conversations were usable.
+
+    `count_tokens(text, add_special_tokens)` is the server's tokenizer. Prompts are counted
+    as Generate will tokenize them (special tokens added), replies without special tokens
+    (they are what the model generates). When fewer conversations are usable than `num`,
+    they are drawn again (as vLLM oversamples): repeats may then hit a prefix cache.
+    """
+    order = list(pairs)
+    random.Random(f"sharegpt:{seed}").shuffle(order)
+    usable = []
+    for prompt, reply in order:
+        prompt_len = count_tokens(prompt, True)
+        output_len = count_tokens(reply, False)
+        if output_len_cap is not None:
+            output_len = min(output_len, output_len_cap)
+        if prompt_len < MIN_SHAREGPT_PROMPT_TOKENS or output_len < 1 or prompt_len + output_len > max_model_len:
+            continue
+        usable.append(BenchRequest(prompt, prompt_len, output_len))
+        if len(usable) == num:
+            return usable, len(usable)
+    if not usable:
+        raise ValueError("sharegpt: no usable conversation (each needs a reply, a prompt of at least "
+                         f"{MIN_SHAREGPT_PROMPT_TOKENS} tokens, and to fit in {max_model_len} tokens)")
+    extra = random.Random(f"sharegpt-oversample:{seed}").choices(usable, k=num - len(usable))
+    return usable + extra, len(usable)
+
+
+def _random_ids(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(length)]

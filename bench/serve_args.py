@@ -1,0 +1,157 @@
+"""The flags of `pagedserve bench serve`, and their checks (one place for both)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.datasets import SHAREGPT_SAMPLE, length_range
+from bench.serve_metrics import parse_goodput
+from bench.servers import BACKENDS
+from engine.arg_utils import add_engine_args
+
+DATASETS = ("random", "sharegpt", "prefix-repetition")
+
+
+@dataclass
+class ServePlan:
+    """What the flags ask for, checked: every run is one (backend, rate)."""
+
+    backends: list[str]
+    rates: list[float]  # one per run; inf sends every request at once
+    dataset: str
+    dataset_path: Path | None  # sharegpt only
+    slos: dict[str, float]  # goodput SLOs in ms, by metric name
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default="pagedserve", metavar="NAME[,NAME]",
+                   help="what to benchmark: pagedserve (`pagedserve serve`), hf (HF transformers generate, one "
+                        "request at a time, behind the same gRPC API: bench.hf_server), or a comma list to run "
+                        "the same workload on each in turn; hf takes --model, --tokenizer, --dtype, --device, "
+                        "--num-threads and --max-model-len from the engine flags (default: pagedserve)")
+    p.add_argument("--target", default=None, metavar="HOST:PORT",
+                   help="a running server to benchmark (default: start each backend here with the engine flags "
+                        "below, one at a time, and stop it after; with --target they are ignored and --backend "
+                        "only labels the results)")
+    p.add_argument("--dataset-name", choices=DATASETS, default=None,
+                   help="random token ids, ShareGPT conversations (text), or prefix-repetition (many prompts "
+                        "sharing long prefixes: shows prefix caching) (default: random, or sharegpt with "
+                        "--dataset-path)")
+    p.add_argument("--dataset-path", type=Path, default=None,
+                   help="ShareGPT-format JSON: a list of {\"conversations\": [{\"from\": \"human\", \"value\": "
+                        "...}, {\"from\": \"gpt\", \"value\": ...}]}; the first turn is the prompt, its reply "
+                        f"sets the output length (default: the bundled sample, {SHAREGPT_SAMPLE.name}; see "
+                        "bench/data/README.md)")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per run (default: 64)")
+    p.add_argument("--random-input-len", type=int, default=128, help="random: prompt tokens (default: 128)")
+    p.add_argument("--random-output-len", type=int, default=128, help="random: output tokens (default: 128)")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random: lengths uniform in [len*(1-r), len*(1+r)], 0 <= r < 1 (default: 0)")
+    p.add_argument("--prefix-len", type=int, default=256,
+                   help="prefix-repetition: tokens of each shared prefix (default: 256)")
+    p.add_argument("--suffix-len", type=int, default=32,
+                   help="prefix-repetition: tokens after the prefix, unique per prompt (default: 32)")
+    p.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct prefixes (default: 4)")
+    p.add_argument("--prefix-output-len", type=int, default=64,
+                   help="prefix-repetition: output tokens (default: 64)")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt: cap on the output length (default: the reply's length)")
+    p.add_argument("--request-rate", type=_rate, default=None,
+                   help="requests per second, a Poisson process (see --burstiness); inf sends all at once "
+                        "(default: inf)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma-distributed gaps between arrivals with this shape and the same mean: 1 is "
+                        "Poisson, < 1 burstier, > 1 more even (default: 1)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once; later arrivals wait for a slot (default: no limit)")
+    p.add_argument("--sweep-rates", type=_rate_list, default=None, metavar="RATE,RATE,...",
+                   help="one run per request rate (e.g. 0.5,1,2,inf), then a summary JSON and a PNG of TTFT "
+                        "and TPOT p50/p99 against output throughput, one curve per backend")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:100 (also e2e:MS): completed requests per "
+                        "second that met every one")
+    p.add_argument("--seed", type=int, default=0, help="seed for prompts, lengths and arrivals (default: 0)")
+    p.add_argument("--compare-offline", action="store_true",
+                   help="also time engine.LLM in this process on the same prompts, before the server starts, "
+                        "and report grpc / offline output throughput (random dataset, one rate, backend "
+                        "pagedserve, no --target)")
+    p.add_argument("--output-dir", type=Path, default=None,
+                   help="where to write JSON and PNG (default: bench/results)")
+    add_engine_args(p, dtype="bfloat16")
+
+
+def check_args(args: argparse.Namespace) -> ServePlan:
+    """Raises SystemExit with a message that says what to change."""
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    bad = [b for b in backends if b not in BACKENDS]
+    if not backends or bad or len(set(backends)) != len(backends):
+        _fail(f"--backend: a comma list of distinct names from {', '.join(BACKENDS)}, got {args.backend!r}")
+    if args.target and len(backends) > 1:
+        _fail("--target benchmarks whatever runs there: give one --backend (it only labels the "
+              "results), or drop --target to start each backend here")
+    if args.request_rate is not None and args.sweep_rates is not None:
+        _fail("give --request-rate or --sweep-rates, not both")
+    rates = args.sweep_rates or [args.request_rate if args.request_rate is not None else math.inf]
+    dataset = args.dataset_name or ("sharegpt" if args.dataset_path else "random")
+    if args.dataset_path and dataset != "sharegpt":
+        _fail(f"--dataset-path is for sharegpt, not --dataset-name {dataset}")
+    path = (args.dataset_path or SHAREGPT_SAMPLE) if dataset == "sharegpt" else None
+    if path is not None and not path.is_file():
+        _fail(f"--dataset-path {path}: no such file")
+    _check_numbers(args)
+    if args.compare_offline:
+        _check_offline(args, backends, rates, dataset)
+    try:
+        slos = parse_goodput(args.goodput)
+    except ValueError as e:
+        _fail(str(e))
+    return ServePlan(backends, rates, dataset, path, slos)
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    positive = {"--num-prompts": args.num_prompts, "--random-input-len": args.random_input_len,
+                "--random-output-len": args.random_output_len, "--num-prefixes": args.num_prefixes,
+                "--prefix-output-len": args.prefix_output_len, "--max-concurrency": args.max_concurrency,
+                "--sharegpt-output-len": args.sharegpt_output_len}
+    for flag, value in positive.items():
+        if value is not None and value < 1:
+            _fail(f"{flag}: must be at least 1, got {value}")
+    if args.prefix_len < 0 or args.suffix_len < 0 or args.prefix_len + args.suffix_len < 1:
+        _fail("--prefix-len and --suffix-len: must be >= 0, and the prompt at least one token")
+    if not args.burstiness > 0:
+        _fail(f"--burstiness: must be > 0, got {args.burstiness}")
+    try:
+        length_range(1, args.random_range_ratio)
+    except ValueError as e:
+        _fail(f"--random-range-ratio: {e}")
+
+
+def _check_offline(args: argparse.Namespace, backends: list[str], rates: list[float], dataset: str) -> None:
+    if args.target:
+        _fail("--compare-offline needs the server on this machine: drop --target")
+    if dataset != "random" or backends != ["pagedserve"] or len(rates) != 1:
+        _fail("--compare-offline works on the random dataset with one rate and --backend pagedserve")
+
+
+def _rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a request rate is a number or inf, got {text!r}") from None
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a request rate must be > 0, got {text!r}")
+    return rate
+
+
+def _rate_list(text: str) -> list[float]:
+    rates = [_rate(t.strip()) for t in text.split(",") if t.strip()]
+    if not rates:
+        raise argparse.ArgumentTypeError("give at least one rate, e.g. 0.5,1,2")
+    return rates
+
+
+def _fail(message: str) -> None:
+    raise SystemExit(f"bench serve: {message}")

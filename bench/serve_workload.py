@@ -1,0 +1,139 @@
+"""One run's requests, sending them, and the in-process offline reference.
+
+The dataset is built against the server it will run on: GetModelInfo gives the vocabulary
+and the length limit, and ShareGPT text is counted with the server's own Tokenize.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+from bench.datasets import (BenchRequest, load_sharegpt, prefix_repetition_requests, random_requests,
+                            sharegpt_requests)
+from bench.load import RequestRecord, arrival_offsets_s, generate, run_load
+from engine.config import EngineConfig
+
+NUM_WARMUP = 2
+WARMUP_INPUT_LEN = 16
+WARMUP_OUTPUT_LEN = 4
+
+
+@dataclass
+class Workload:
+    """The requests of one run and what the JSON says about them."""
+
+    requests: list[BenchRequest]
+    model: dict  # GetModelInfo
+    dataset: dict  # name, parameters, and the mean lengths drawn
+
+
+def run_seed(seed: int, index: int) -> str:
+    """Run `index`'s seed: a different draw per rate, the same across backends."""
+    return f"{seed}:run{index}"
+
+
+def build_workload(address: str, args: argparse.Namespace, plan, index: int) -> Workload:
+    import grpc
+
+    from pagedserve.v1 import info_pb2, info_pb2_grpc
+    with grpc.insecure_channel(address) as channel:
+        try:
+            info = info_pb2_grpc.InfoStub(channel).GetModelInfo(info_pb2.GetModelInfoRequest(), timeout=30)
+        except grpc.RpcError as e:
+            raise SystemExit(f"GetModelInfo on {address} failed: {e.code().name}: {e.details()}") from e
+        model = {"model_name": info.model_name, "architecture": info.architecture, "dtype": info.dtype,
+                 "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}
+        requests, dataset = _requests(channel, args, plan, info, index)
+    dataset.update({"name": plan.dataset, "num_prompts": len(requests), "seed": args.seed,
+                    "mean_prompt_len": statistics.fmean(r.prompt_len for r in requests),
+                    "mean_output_len": statistics.fmean(r.output_len for r in requests)})
+    return Workload(requests, model, dataset)
+
+
+def _requests(channel, args: argparse.Namespace, plan, info, index: int) -> tuple[list[BenchRequest], dict]:
+    seed = run_seed(args.seed, index)
+    if plan.dataset == "random":
+        requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                                   args.random_range_ratio, info.vocab_size, seed)
+        return requests, {"input_len": args.random_input_len, "output_len": args.random_output_len,
+                          "range_ratio": args.random_range_ratio}
+    if plan.dataset == "prefix-repetition":
+        requests = prefix_repetition_requests(args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes,
+                                              args.prefix_output_len, info.vocab_size, seed)
+        return requests, {"prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
+                          "num_prefixes": args.num_prefixes, "output_len": args.prefix_output_len}
+    return _sharegpt(channel, args, plan, info)
+
+
+def _sharegpt(channel, args: argparse.Namespace, plan, info) -> tuple[list[BenchRequest], dict]:
+    from pagedserve.v1 import tokenization_pb2, tokenization_pb2_grpc
+    tokenize = tokenization_pb2_grpc.TokenizationStub(channel).Tokenize
+
+    def count_tokens(text: str, add_special_tokens: bool) -> int:
+        request = tokenization_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return len(tokenize(request, timeout=30).token_ids)
+
+    try:
+        pairs = load_sharegpt(plan.dataset_path)
+        requests, usable = sharegpt_requests(pairs, args.num_prompts, count_tokens, info.max_model_len,
+                                             args.sharegpt_output_len, args.seed)
+    except ValueError as e:
+        raise SystemExit(f"bench serve: {e}") from e
+    if usable < args.num_prompts:
+        print(f"note: {plan.dataset_path.name} has {usable} usable conversations for {args.num_prompts} "
+              "prompts; drawing repeats (a prefix cache serves their prompts again)")
+    return requests, {"path": str(plan.dataset_path), "conversations": len(pairs), "usable_conversations": usable,
+                      "output_len_cap": args.sharegpt_output_len}
+
+
+async def drive(address: str, workload: Workload, rate: float, args: argparse.Namespace, index: int,
+                label: str) -> tuple[list[RequestRecord], float]:
+    """A short warm-up on other prompts, then the timed run."""
+    import asyncio
+
+    import grpc
+
+    from pagedserve.v1 import generation_pb2_grpc
+    offsets_s = arrival_offsets_s(len(workload.requests), rate, args.burstiness, (args.seed, index))
+    # Other prompts than the timed ones: the warm-up must not fill the prefix cache for them.
+    warmup = random_requests(NUM_WARMUP, WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, 0.0, workload.model["vocab_size"],
+                             f"{args.seed}:warmup{index}")
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        await asyncio.gather(*(generate(stub, r) for r in warmup))
+        return await run_load(stub, workload.requests, offsets_s, args.max_concurrency, desc=label)
+
+
+def time_offline(config: EngineConfig, args: argparse.Namespace) -> dict:
+    """engine.LLM on the same prompts as run 0, freed before any server starts: they never
+    share cores. Twice: capped at --max-concurrency sequences like the gRPC run (what serving
+    costs on top of the engine), and with every prompt at once (the engine's own best)."""
+    cap = min(config.max_num_seqs, args.max_concurrency or config.max_num_seqs)
+    same = _time_offline_once(replace(config, max_num_seqs=cap), args)
+    return {**same, "all_at_once": _time_offline_once(config, args)}
+
+
+def _time_offline_once(config: EngineConfig, args: argparse.Namespace) -> dict:
+    from engine import LLM, SamplingParams
+    llm = LLM(**vars(config))
+    vocab = llm.engine.vocab_size
+    requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                               args.random_range_ratio, vocab, run_seed(args.seed, 0))
+    warmup = random_requests(NUM_WARMUP, WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, 0.0, vocab, f"{args.seed}:warmup")
+    llm.generate([r.prompt for r in warmup], SamplingParams(temperature=0, max_tokens=WARMUP_OUTPUT_LEN,
+                                                            ignore_eos=True))
+    llm.reset_prefix_cache()
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outs = llm.generate([r.prompt for r in requests], params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    del llm, outs
+    gc.collect()
+    prompt_tokens = sum(r.prompt_len for r in requests)
+    return {"output_tokens": tokens, "seconds": seconds, "output_tok_s": tokens / seconds,
+            "total_tok_s": (tokens + prompt_tokens) / seconds, "max_num_seqs": config.max_num_seqs}

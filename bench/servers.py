@@ -1,0 +1,125 @@
+"""The servers `bench serve` starts for itself: `pagedserve serve`, or the HF baseline.
+
+Both print `grpc listening on HOST:PORT` once bound and report grpc.health.v1 SERVING for
+pagedserve.v1.Generation once they can generate, so one class starts, watches and stops either.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import fields
+
+from engine.config import EngineConfig
+
+GENERATION_SERVICE = "pagedserve.v1.Generation"
+SERVER_START_TIMEOUT_S = 300
+SERVER_STOP_TIMEOUT_S = 30
+BACKENDS = ("pagedserve", "hf")
+
+
+class ServerProcess:
+    """A gRPC server as a child: started on a free port, its output drained, stopped with SIGTERM."""
+
+    def __init__(self, name: str, cmd: list[str]) -> None:
+        self.name = name
+        self.cmd = cmd
+        self.proc: subprocess.Popen | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=40)
+        self.address: str | None = None
+        self.listening = threading.Event()
+        # `pagedserve serve` keeps its frontend up when the engine child dies: spot the traceback.
+        self.crashed = False
+
+    def start(self) -> str:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # Drain its output for the whole run: a full pipe would block the server.
+        threading.Thread(target=self._drain, daemon=True).start()
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        if not self.listening.wait(SERVER_START_TIMEOUT_S) or self.address is None:
+            self._fail("never printed `grpc listening on`")
+        self._wait_serving(deadline)
+        return self.address
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(SERVER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            print(f"{self.name} did not stop in {SERVER_STOP_TIMEOUT_S}s; killing it", file=sys.stderr)
+            self.proc.kill()
+            self.proc.wait()
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            self.tail.append(line)
+            self.crashed = self.crashed or line.startswith("Traceback")
+            match = not self.listening.is_set() and re.search(r"grpc listening on (\S+:\d+)", line)
+            if match:
+                self.address = match.group(1)
+                self.listening.set()
+        self.listening.set()  # it exited: wake start() up
+
+    def _wait_serving(self, deadline: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        with grpc.insecure_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline and self.proc.poll() is None and not self.crashed:
+                try:
+                    check = health.Check(health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=5)
+                    if check.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass  # not up yet: poll again
+                time.sleep(0.2)
+        self._fail(f"{GENERATION_SERVICE} never became SERVING")
+
+    def _fail(self, why: str) -> None:
+        self.stop()
+        raise RuntimeError(f"{self.name} {why}; its last output:\n" + "".join(self.tail))
+
+
+def server_for(backend: str, config: EngineConfig, max_concurrent_streams: int) -> ServerProcess:
+    """The server of `backend` on `config`'s model, dtype and threads."""
+    if backend == "pagedserve":
+        cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", "0",
+               "--engine-address", f"tcp://127.0.0.1:{_free_port()}",
+               "--max-concurrent-streams", str(max_concurrent_streams), *engine_flags(config)]
+        return ServerProcess("pagedserve serve", cmd)
+    if backend == "hf":
+        cmd = [sys.executable, "-m", "bench.hf_server", "--grpc-port", "0", "--dtype", config.dtype,
+               "--device", config.device]
+        for flag, value in (("--model", config.model), ("--tokenizer", config.tokenizer),
+                            ("--num-threads", config.num_threads), ("--max-model-len", config.max_model_len)):
+            cmd += [flag, str(value)] if value is not None else []
+        return ServerProcess("bench.hf_server", cmd)
+    raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
+
+
+def engine_flags(config: EngineConfig) -> list[str]:
+    """The command-line flags that rebuild `config` (see engine.arg_utils)."""
+    flags = []
+    for f in fields(EngineConfig):
+        value, flag = getattr(config, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
