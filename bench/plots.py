@@ -40,7 +40,7 @@ def plot_sweep(runs: list[dict], title: str, path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, NullFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
     backends = list(dict.fromkeys(r["backend"] for r in runs))
@@ -57,7 +57,9 @@ def plot_sweep(runs: list[dict], title: str, path: Path) -> Path:
         ax.set_yscale("log")
         plain = FuncFormatter(lambda value, _: f"{value:g}")  # 200, not 2x10^2
         ax.yaxis.set_major_formatter(plain)
-        ax.yaxis.set_minor_formatter(plain)
+        low, high = ax.get_ylim()
+        # Within a decade only minor ticks carry numbers; over several they would overlap.
+        ax.yaxis.set_minor_formatter(plain if high < 10 * low else NullFormatter())
         ax.set_title(f"{label} (lower is better)", fontsize=10)
         ax.set_ylabel("ms")
         ax.grid(True, which="both", alpha=0.3)
