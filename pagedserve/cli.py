@@ -16,7 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(commands.add_parser(
         "serve", help="engine + gRPC frontend as two processes (the bundled model by default)",
         description="Start the engine and the gRPC frontend as two processes, on the bundled "
-                    "SmolLM2 unless --model is given. Ctrl-C or SIGTERM stops both."))
+                    "SmolLM2 unless --model is given. Ctrl-C or SIGTERM drains (running streams "
+                    "finish, new ones get UNAVAILABLE), then stops both."))
     add_engine(commands.add_parser(
         "engine", help="the engine process alone, serving frontends over ZeroMQ",
         description="Run the engine alone: it binds a ZeroMQ endpoint that frontends connect to."))
