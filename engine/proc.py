@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 import uuid
@@ -37,6 +38,10 @@ from pagedserve.v1 import info_pb2
 log = logging.getLogger("pagedserve.engine")
 
 FRONTEND_TIMEOUT_S = 10.0  # a frontend silent this long is gone: abort its requests
+# Far above any real message (a max-length prompt is ~40 KB); ZeroMQ drops the connection of a
+# peer that sends more, before the bytes are held in memory.
+MAX_MESSAGE_BYTES = 16 * 2**20
+_FRONTEND_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 _OUTPUTS_INPROC = "inproc://engine-outputs"
 
 
@@ -80,6 +85,7 @@ class EngineProc:
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 0)  # drop replies to vanished frontends
+        self.router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.router.bind(address)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind(_OUTPUTS_INPROC)
@@ -202,16 +208,27 @@ class EngineProc:
                 if sock is self.pull:
                     self.router.send_multipart(self.pull.recv_multipart())
                 else:
-                    identity, payload = self.router.recv_multipart()
-                    self._on_request(identity, payload)
+                    self._on_frames(self.router.recv_multipart())
             self._expire_frontends()
 
-    def _on_request(self, identity: bytes, payload: bytes) -> None:
+    def _on_frames(self, frames: list[bytes]) -> None:
+        """One message from a peer. Anything malformed is logged and dropped: the port may be
+        reached by more than our frontends, and nothing a peer sends may stop the engine."""
+        if len(frames) != 2:
+            log.warning("dropped a message of %d frames from %r (expected 1)", len(frames) - 1, frames[0][:64])
+            return
+        identity, payload = frames
         try:
             msg = ipc.EngineRequest.FromString(payload)
-        except Exception:  # noqa: BLE001 - garbage on the socket must not kill the engine
-            log.warning("dropped an undecodable message from %r", identity)
+        except Exception:  # noqa: BLE001 - protobuf raises several types on garbage
+            log.warning("dropped an undecodable message (%d bytes) from %r", len(payload), identity[:64])
             return
+        try:
+            self._on_request(identity, msg)
+        except Exception:  # noqa: BLE001 - a bug must cost one message, not the I/O thread
+            log.exception("failed to handle a %s message from %r", msg.WhichOneof("kind"), identity[:64])
+
+    def _on_request(self, identity: bytes, msg: ipc.EngineRequest) -> None:
         frontend_id = identity.decode(errors="replace")
         kind = msg.WhichOneof("kind")
         frontend = self.frontends.get(frontend_id)
@@ -235,6 +252,9 @@ class EngineProc:
             self.inputs.put(_AbortFrontend(frontend_id))
 
     def _on_hello(self, identity: bytes, frontend_id: str, hello: ipc.Hello) -> None:
+        if not _FRONTEND_ID.fullmatch(frontend_id):  # it namespaces request ids with ":"
+            log.warning("refused a Hello from the malformed identity %r", identity[:64])
+            return
         if self.frontends.pop(frontend_id, None) is not None:  # it reconnected: old streams are gone
             self.inputs.put(_AbortFrontend(frontend_id))
         self.frontends[frontend_id] = _Frontend(identity, hello.address)
