@@ -1,9 +1,11 @@
 """EngineClient: the frontend's side of the ZeroMQ link to one engine.
 
 It says Hello until the engine answers Welcome (the handshake: model facts, KV capacity),
-then pings every `heartbeat_s`. Silence longer than `timeout_s` means the engine is lost:
-every in-flight stream gets `EngineLost`, `connected` clears, and Hello resumes until an
-engine (the same or a restarted one) answers. Outputs are routed to per-request queues.
+then pings every `heartbeat_s`. The engine is lost when its connection closes (a crashed
+engine's socket is closed by its kernel: seen at once, through a ZeroMQ socket monitor) or
+when it is silent longer than `timeout_s` (a hung engine or a cut network): every in-flight
+stream gets `EngineLost`, `connected` clears, and Hello resumes until an engine (the same or
+a restarted one) answers. Outputs are routed to per-request queues.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from engine.validation import EngineOverloaded
 from pagedserve.v1 import engine_ipc_pb2 as ipc
@@ -50,8 +53,10 @@ class EngineClient:
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
+        monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.connect(self.address)
-        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop())]
+        self._tasks = [asyncio.create_task(self._recv_loop()), asyncio.create_task(self._heartbeat_loop()),
+                       asyncio.create_task(self._monitor_loop(monitor))]
 
     async def close(self) -> None:
         if self.connected.is_set():  # so the engine forgets us now, not after its timeout
@@ -62,6 +67,7 @@ class EngineClient:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._sock.disable_monitor()
         self._sock.close(linger=500)  # time for the Bye to leave
         self._ctx.term()
 
@@ -139,6 +145,15 @@ class EngineClient:
             log.info("connected to engine %s at %s (%s)", welcome.engine_id, self.address, welcome.model_name)
             self.connected.set()
             self.on_state(True)
+
+    async def _monitor_loop(self, monitor) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.connected.is_set():
+                    self._lose("the engine closed its connection")
+        finally:
+            monitor.close(linger=0)
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -22,7 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from frontend.engine_client import EngineClient
-from frontend.metrics import FrontendMetrics, MetricsInterceptor
+from frontend.interceptors import DecodeGuard, MetricsInterceptor
+from frontend.metrics import FrontendMetrics
 from frontend.prompts import Prompts
 from frontend.servicers import FrontendState, GenerationService, InfoService, TokenizationService
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc, info_pb2, info_pb2_grpc
@@ -57,7 +58,8 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     if config.metrics_port is not None:
         from pagedserve.metrics_http import serve_metrics
         serve_metrics(config.metrics_host, config.metrics_port)
-    server = grpc.aio.server(interceptors=[MetricsInterceptor(metrics)])
+    # The metrics interceptor is outermost, so it counts what the guard refuses.
+    server = grpc.aio.server(interceptors=[MetricsInterceptor(metrics), DecodeGuard()])
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     address = f"{config.host}:{port}"
     health_servicer = health.aio.HealthServicer()
