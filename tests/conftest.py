@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 torch.set_flush_denormal(True)  # without it some models run 5x slower on CPU
+
+
+def pytest_addoption(parser):
+    parser.addoption("--long", action="store_true",
+                     help="release checks: 20x the fuzz examples, a 5x cancellation storm, a 30-minute soak")
+
+
+def pytest_configure(config):
+    # Read by helpers.LONG when test modules are imported (after this hook).
+    if config.getoption("--long"):
+        os.environ["PAGEDSERVE_LONG_TESTS"] = "1"
 
 
 @pytest.fixture(scope="session")

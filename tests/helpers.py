@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
+
+LONG = os.environ.get("PAGEDSERVE_LONG_TESTS") == "1"  # `pytest --long`: release-check sizes
 
 TINY_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=512, vocab_size=512,

@@ -1,0 +1,226 @@
+"""Hypothesis against the public gRPC API of a real frontend and engine: every field of every
+request, in and out of range. Each example must get INVALID_ARGUMENT or a well-formed answer;
+afterwards the service still answers a normal request and every KV block is free again.
+
+`pytest --long` runs many more examples (a release check)."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from grpc_client import VOCAB_SIZE, collect, generate, greedy
+from helpers import LONG
+from pagedserve.v1 import generation_pb2 as gen
+from pagedserve.v1 import tokenization_pb2 as tok
+
+MAX_MODEL_LEN = 256  # small, so that any valid request ends quickly
+INT32 = st.integers(-2**31, 2**31 - 1)
+INT64 = st.integers(-2**63, 2**63 - 1)
+# No subnormals: tests/conftest.py flushes them to zero for torch's speed on CPU.
+FLOAT32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=False)
+TEXT = st.text(max_size=60) | st.text(alphabet=st.characters(codec="utf-8"), max_size=400)
+TOKEN_IDS = st.lists(st.integers(-5, VOCAB_SIZE + 5) | st.integers(0, 2**32 - 1) | INT64, max_size=40)
+ROLES = st.sampled_from(["system", "user", "assistant"]) | st.text(max_size=12)
+
+
+def sampling(wild: bool):
+    """Every SamplingParams field, each unset or in range; with `wild`, also anywhere its wire
+    type allows."""
+    def field(small, any_value):
+        return st.none() | small | any_value if wild else st.none() | small
+
+    floats = lambda lo, hi: st.floats(lo, hi, allow_subnormal=False)  # noqa: E731
+    return st.fixed_dictionaries({}, optional={
+        "n": field(st.integers(1, 3), INT32),
+        "temperature": field(floats(0, 2), FLOAT32),
+        "top_p": field(floats(0.01, 1), FLOAT32),
+        "top_k": field(st.integers(-1, 50), INT32),
+        "min_p": field(floats(0, 1), FLOAT32),
+        "seed": field(st.integers(0, 1000), INT64),
+        "max_tokens": field(st.integers(1, 8), INT32),
+        "min_tokens": field(st.integers(0, 1), INT32),
+        "stop": st.lists(TEXT if wild else st.text(min_size=1, max_size=4), max_size=20 if wild else 3),
+        "stop_token_ids": st.lists(st.integers(0, VOCAB_SIZE - 1) | (INT64 if wild else st.nothing()), max_size=5),
+        "ignore_eos": st.booleans(),
+        "logprobs": field(st.integers(0, 5), INT32),
+        "presence_penalty": field(floats(-2, 2), FLOAT32),
+        "frequency_penalty": field(floats(-2, 2), FLOAT32),
+        "repetition_penalty": field(floats(0.5, 2), FLOAT32),
+    })
+
+
+def inputs(wild: bool):
+    text = TEXT if wild else st.text(min_size=1, max_size=100)
+    ids = TOKEN_IDS if wild else st.lists(st.integers(0, VOCAB_SIZE - 1), min_size=1, max_size=40)
+    roles = ROLES if wild else st.sampled_from(["system", "user", "assistant"])
+    chats = st.lists(st.tuples(roles, text), min_size=0 if wild else 1, max_size=4)
+    return st.one_of(
+        st.builds(lambda t: {"text": t}, text),
+        st.builds(lambda i: {"token_ids": gen.TokenIds(ids=i)}, ids),
+        st.builds(lambda ms: {"chat": gen.Chat(messages=[gen.ChatMessage(role=r, content=c) for r, c in ms])}, chats),
+        st.just({}) if wild else st.nothing(),  # no input at all
+    )
+
+
+OPTIONS = st.fixed_dictionaries({}, optional={
+    "request_id": st.text(max_size=140) | st.from_regex(r"[a-z0-9]{1,8}", fullmatch=True),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "priority": INT32,
+    "add_special_tokens": st.booleans(),
+    "time_limit_ms": st.integers(0, 2**32 - 1),
+})
+
+
+def examples(normal: int):
+    """`normal` examples, 20 times as many with --long; derandomized in CI, so a run is
+    repeatable, and random in the long mode, so release checks explore new ground."""
+    return settings(max_examples=normal * (20 if LONG else 1), deadline=None, derandomize=not LONG,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def fe(procs):
+    address = f"tcp://127.0.0.1:{procs.free_port()}"
+    engine = procs.pagedserve("engine", "--address", address, "--dtype", "float32", "--num-kv-blocks", "256",
+                              "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1")
+    procs.drain(engine)
+    frontend = procs.start_frontend(address)
+    frontend.wait_serving()
+    yield frontend
+    frontend.close()
+    procs.stop(engine)
+
+
+def still_healthy(fe) -> None:
+    assert generate(fe, text="Hi", sampling=greedy(1)).finished[0].usage.completion_tokens == 1
+    fe.wait_kv_free(timeout_s=10)
+
+
+def build_request(sampling: dict, inputs: dict, options: dict) -> gen.GenerateRequest:
+    options = dict(options)
+    options.setdefault("time_limit_ms", 1000)  # a valid request without max_tokens still ends soon
+    return gen.GenerateRequest(sampling=gen.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+                               **inputs, **options)
+
+
+def check_answer(messages: list[gen.GenerateResponse], req: gen.GenerateRequest) -> None:
+    """A stream that was accepted: one Started, Chunks, a Finished per sample, usage in line."""
+    r = collect(messages)
+    n = req.sampling.n if req.sampling.HasField("n") else 1
+    assert sorted(r.finished) == list(range(n))
+    for i, f in r.finished.items():
+        assert f.reason != gen.FINISH_REASON_UNSPECIFIED
+        if req.sampling.HasField("max_tokens"):
+            assert f.usage.completion_tokens <= req.sampling.max_tokens
+        if req.sampling.HasField("logprobs"):
+            assert sum(len(c.logprobs) for c in r.chunks.get(i, [])) == f.usage.completion_tokens
+    if req.request_id:
+        assert r.started.request_id == req.request_id
+
+
+@given(sampling=sampling(wild=True), inputs=inputs(wild=True), options=OPTIONS)
+@examples(normal=120)
+def test_generate_fuzz(fe, sampling, inputs, options):
+    generate_and_check(fe, sampling, inputs, options)
+
+
+@given(sampling=sampling(wild=False), inputs=inputs(wild=False), options=OPTIONS)
+@examples(normal=60)
+def test_generate_fuzz_mostly_valid(fe, sampling, inputs, options):
+    """In-range values only, so most requests run: their answers are checked in full."""
+    generate_and_check(fe, sampling, inputs, options)
+
+
+def generate_and_check(fe, sampling: dict, inputs: dict, options: dict) -> None:
+    try:
+        req = build_request(sampling, inputs, options)
+    except (ValueError, TypeError):
+        return  # the client library refuses it (e.g. a uint32 out of range): never sent
+    try:
+        check_answer(list(fe.generation.Generate(req, timeout=60)), req)
+        event("answered")  # --hypothesis-show-statistics: how many were valid
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details(), req)
+        assert e.details(), "an error must say what is wrong"
+        event("INVALID_ARGUMENT: " + e.details().split(":")[0])
+    still_healthy(fe)
+
+
+@pytest.mark.parametrize("field", ["text", "chat.messages.content", "chat.messages.role", "stop", "request_id"])
+def test_invalid_utf8_is_invalid_argument(fe, field):
+    """Strings must be UTF-8 on the wire; a client built by hand may send anything."""
+    marker = "\u00e9MARK"  # replaced by invalid bytes after serialization
+    req = {"text": gen.GenerateRequest(text=marker),
+           "chat.messages.content": gen.GenerateRequest(chat=gen.Chat(messages=[gen.ChatMessage(role="user", content=marker)])),
+           "chat.messages.role": gen.GenerateRequest(chat=gen.Chat(messages=[gen.ChatMessage(role=marker, content="x")])),
+           "stop": gen.GenerateRequest(text="Hi", sampling=gen.SamplingParams(stop=[marker])),
+           "request_id": gen.GenerateRequest(request_id=marker, text="Hi")}[field]
+    raw = req.SerializeToString().replace(marker.encode(), b"\xff\xfeMARK")
+    call = fe.channel.unary_stream("/pagedserve.v1.Generation/Generate",
+                                   response_deserializer=gen.GenerateResponse.FromString)
+    with pytest.raises(grpc.RpcError) as info:
+        list(call(raw, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+    assert "UTF-8" in info.value.details()
+    still_healthy(fe)
+
+
+@given(text=TEXT, ids=TOKEN_IDS, skip=st.booleans() | st.none(), add_special=st.booleans() | st.none(),
+       chat=st.lists(st.tuples(ROLES, TEXT), max_size=3))
+@examples(normal=60)
+def test_tokenization_fuzz(fe, text, ids, skip, add_special, chat):
+    extra = {} if add_special is None else {"add_special_tokens": add_special}
+    for req in (tok.TokenizeRequest(text=text, **extra),
+                tok.TokenizeRequest(chat=gen.Chat(messages=[gen.ChatMessage(role=r, content=c) for r, c in chat]))):
+        try:
+            reply = fe.tokenization.Tokenize(req, timeout=30)
+            assert len(reply.token_ids) == len(reply.tokens) > 0
+            assert all(0 <= t < VOCAB_SIZE for t in reply.token_ids)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+    try:
+        detok = tok.DetokenizeRequest(token_ids=ids, **({} if skip is None else {"skip_special_tokens": skip}))
+    except ValueError:
+        return  # out of uint32: the client library refuses it
+    try:
+        reply = fe.tokenization.Detokenize(detok, timeout=30)
+        assert all(0 <= t < VOCAB_SIZE for t in ids) and isinstance(reply.text, str)
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+        assert any(not 0 <= t < VOCAB_SIZE for t in ids)
+
+
+@given(ids=st.lists(st.text(max_size=200), max_size=1100))
+@examples(normal=40)
+def test_abort_fuzz(fe, ids):
+    try:
+        reply = fe.generation.Abort(gen.AbortRequest(request_ids=ids), timeout=10)
+        assert [r.request_id for r in reply.results] == ids
+        assert all(r.status == gen.AbortResult.STATUS_NOT_FOUND for r in reply.results)
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and len(ids) > 1024, (e.code(), e.details())
+
+
+def test_duplicate_and_absurd_values_together(fe):
+    """A few hand-picked extremes, each alone: NaN and inf floats, absurd counts, huge prompts."""
+    cases = [dict(sampling=gen.SamplingParams(temperature=math.nan)),
+             dict(sampling=gen.SamplingParams(top_p=math.inf)),
+             dict(sampling=gen.SamplingParams(n=10**9)),
+             dict(sampling=gen.SamplingParams(logprobs=10**6)),
+             dict(sampling=gen.SamplingParams(stop=["x"] * 1000)),
+             dict(sampling=gen.SamplingParams(max_tokens=-1)),
+             dict(sampling=gen.SamplingParams(seed=-5))]
+    for case in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            list(fe.generation.Generate(gen.GenerateRequest(text="Hi", **case), timeout=10))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+    with pytest.raises(grpc.RpcError) as info:
+        list(fe.generation.Generate(gen.GenerateRequest(text="word " * 2000), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "maximum length" in info.value.details()
+    still_healthy(fe)
