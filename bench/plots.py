@@ -71,3 +71,33 @@ def plot_sweep(runs: list[dict], title: str, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_soak(samples: list[dict], warmup_s: float, title: str, path: Path) -> Path:
+    """Three panels over time: RSS of both processes, KV-cache usage, requests by outcome."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    minutes = [s["t_s"] / 60 for s in samples]
+    fig, (rss, kv, done) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    for key, label in (("engine_rss_mb", "engine"), ("frontend_rss_mb", "frontend")):
+        rss.plot(minutes, [s[key] for s in samples], label=label)
+    rss.set_ylabel("RSS (MiB)")
+    rss.legend(loc="center right")
+    kv.plot(minutes, [100 * s["kv_usage"] for s in samples], color="tab:green")
+    kv.set_ylabel("KV cache used (%)")
+    kv.set_ylim(0, 100)
+    for key in ("ok", "cancelled", "deadline", "unexpected"):
+        done.plot(minutes, [s[key] for s in samples], label=key)
+    done.set_ylabel("requests (cumulative)")
+    done.set_xlabel("minutes")
+    done.legend(loc="upper left")
+    for ax in (rss, kv, done):
+        ax.axvspan(0, warmup_s / 60, color="0.9", zorder=0)  # warm-up: not judged
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

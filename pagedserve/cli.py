@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "so outputs have exactly that many tokens. Reports throughput, goodput, and TTFT, "
                     "TPOT, ITL and E2E latency (mean, median, p90, p99); writes one JSON per run, and "
                     "with --sweep-rates a summary JSON and a throughput-latency PNG."))
+    from bench.soak import add_arguments as add_soak
+    add_soak(bench_kinds.add_parser(
+        "soak", help="minutes of mixed load with cancels; checks for KV, RSS and request leaks",
+        description="Soak test: start pagedserve serve, keep --concurrency streams in flight for "
+                    "--minutes (some cancelled, some with short deadlines), sample RSS of both "
+                    "processes and KV usage, then check that every block is free, nothing failed "
+                    "unexpectedly and RSS stayed flat after warm-up. Writes JSON and a PNG; exits 1 "
+                    "if a check fails."))
     return parser
 
 
@@ -77,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "serve":
         from bench.serve import run
+        return run(args)
+    if args.command == "bench" and args.bench == "soak":
+        from bench.soak import run
         return run(args)
     return 2
 
