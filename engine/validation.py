@@ -32,11 +32,12 @@ def check_prompt(prompt: list[int], params: SamplingParams, limits: PromptLimits
         raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})")
     total = len(prompt) + (params.max_tokens or 1)
     if total > limits.max_model_len:
+        # The engine caps max_model_len at the KV pool's size (a longer sequence would preempt
+        # itself forever), so this one check also refuses what could never fit in the cache.
+        kv_tokens = limits.num_kv_blocks * limits.block_size
+        why = (f"the KV cache's capacity of {kv_tokens} tokens ({limits.num_kv_blocks} blocks of "
+               f"{limits.block_size}); it can never fit" if kv_tokens <= limits.max_model_len else
+               f"the model's maximum length of {limits.max_model_len} tokens")
         raise ValueError(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-            f"the model's maximum length of {limits.max_model_len} tokens; shorten the prompt or "
-            f"lower max_tokens")
-    if -(-total // limits.block_size) > limits.num_kv_blocks:
-        raise ValueError(
-            f"prompt + max_tokens = {total} tokens can never fit in the KV cache "
-            f"({limits.num_kv_blocks} blocks of {limits.block_size} tokens)")
+            f"{why}; shorten the prompt or lower max_tokens")

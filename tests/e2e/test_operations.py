@@ -121,12 +121,19 @@ def collect_partial(stream: Background) -> dict[int, list[int]]:
     return tokens
 
 
+def fill_both_seats(fe) -> list[Background]:
+    # One at a time: sent together, the second would find the first still in the one-place queue.
+    running = []
+    for i in range(2):
+        running.append(Background(fe, request(text=f"{STORY} {i}", sampling=gen.SamplingParams(**LONG)),
+                                  timeout=120))
+        running[-1].wait_first_chunk()
+    return running
+
+
 def test_full_queue_is_resource_exhausted_with_a_retry_hint(metered):
     # --max-num-seqs 2 and --max-waiting-requests 1: two run, one waits, the fourth is refused.
-    running = [Background(metered, request(text=f"{STORY} {i}", sampling=gen.SamplingParams(**LONG)), timeout=120)
-               for i in range(2)]
-    for stream in running:
-        stream.wait_first_chunk()
+    running = fill_both_seats(metered)
     waiting = Background(metered, request(text=STORY, sampling=greedy(4)), timeout=120)
     deadline = time.monotonic() + 10
     while metered.server_info().num_waiting != 1:
@@ -147,10 +154,7 @@ def test_full_queue_is_resource_exhausted_with_a_retry_hint(metered):
 
 
 def test_deadline_while_queued_frees_the_queue(metered):
-    running = [Background(metered, request(text=f"{STORY} {i}", sampling=gen.SamplingParams(**LONG)), timeout=120)
-               for i in range(2)]
-    for stream in running:
-        stream.wait_first_chunk()
+    running = fill_both_seats(metered)
     error = generate_error(metered, request(text=STORY, sampling=greedy(4)), timeout=1.0)
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deadline = time.monotonic() + 5

@@ -130,11 +130,19 @@ def test_request_errors_leave_engine_usable(llm):
         llm.generate([[1, 2, vocab]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="at least one token"):
         llm.generate([[]], SamplingParams(max_tokens=2))
-    with pytest.raises(ValueError, match="maximum length"):
+    with pytest.raises(ValueError, match=r"max_tokens \(\d+\) = \d+ exceeds"):
         llm.generate([[1] * 10], SamplingParams(max_tokens=llm.engine.max_model_len))
-    with pytest.raises(ValueError, match="never fit in the KV cache"):
-        llm.engine.add_request("too-big", [1] * 4000, SamplingParams(max_tokens=200))
     assert llm.generate("Hi", SamplingParams(temperature=0, max_tokens=3))[0].outputs[0].token_ids
+
+
+def test_request_longer_than_the_kv_pool_is_refused(bundled_path):
+    # 8 blocks of 16 hold 128 tokens: the model's 8192 is lowered to that, and the error says why.
+    small = LLM(str(bundled_path), dtype="float32", num_kv_blocks=8)
+    assert small.engine.max_model_len == 128
+    with pytest.raises(ValueError, match=r"KV cache's capacity of 128 tokens.*can never fit"):
+        small.engine.add_request("too-big", [1] * 100, SamplingParams(max_tokens=29))
+    assert small.generate([[1] * 100], SamplingParams(temperature=0, max_tokens=28))[0].outputs[0].token_ids
+    assert_no_leak(small)
 
 
 def test_unknown_engine_option_is_rejected(bundled_path):

@@ -98,5 +98,5 @@ def test_waiting_queue_limit(bundled_path):
 def test_max_model_len_never_exceeds_the_kv_pool(bundled_path):
     core = make_core(bundled_path)  # 64 blocks of 16 tokens
     assert core.max_model_len == 64 * 16
-    with pytest.raises(ValueError, match="maximum length of 1024"):
+    with pytest.raises(ValueError, match="KV cache.s capacity of 1024 tokens"):
         core.add_request("x", list(range(100, 1100)), SamplingParams(max_tokens=100))
