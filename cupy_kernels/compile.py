@@ -1,0 +1,94 @@
+"""CUDA sources, the template instantiations we use, and their lazy NVRTC compilation.
+
+Kernels are C++ templates; NVRTC instantiates the ones named in `name_expressions`,
+e.g. `paged_decode<bf16_t, 128, 16, 8, false>`. Each (source, instantiation, device)
+compiles once per process on first use (and CuPy caches the binary on disk). CuPy
+picks the target from the device: `-arch=sm_90` on Hopper, otherwise the device's own
+architecture, or PTX for the newest one NVRTC knows when the device is newer still.
+
+`compile_for_arch` compiles without a GPU, through NVRTC directly, for the check in
+tests/kernels/test_compile.py.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+OPTIONS = ("-std=c++17",)
+CTYPES = {"float32": "float", "float16": "half_t", "bfloat16": "bf16_t"}
+HEAD_SIZES = (64, 96, 128)
+BLOCK_SIZES = (16, 32)
+GROUP_TILES = (1, 2, 4, 8)  # query heads per decode CTA; larger groups take several CTAs
+SOURCES = ("cache", "decode", "prefill")
+
+
+@functools.cache
+def source(name: str) -> str:
+    """common.cuh + <name>.cu as one text: CuPy's disk cache keys on the text, so an
+    edit to the shared header must change it (an #include would not)."""
+    return (CSRC / "common.cuh").read_text() + "\n" + (CSRC / f"{name}.cu").read_text()
+
+
+def cache_expr() -> str:
+    return "reshape_and_cache"
+
+
+def decode_expr(dtype: str, head_size: int, block_size: int, heads_per_cta: int, split: bool) -> str:
+    return (f"paged_decode<{CTYPES[dtype]}, {head_size}, {block_size}, {heads_per_cta}, "
+            f"{'true' if split else 'false'}>")
+
+
+def reduce_expr(dtype: str, head_size: int) -> str:
+    return f"paged_decode_reduce<{CTYPES[dtype]}, {head_size}>"
+
+
+def prefill_expr(dtype: str, head_size: int, block_size: int) -> str:
+    return f"paged_prefill<{CTYPES[dtype]}, {head_size}, {block_size}>"
+
+
+def all_instantiations() -> dict[str, list[str]]:
+    """Every instantiation the launchers can ask for, by source file."""
+    decode, prefill = [], []
+    for dtype in CTYPES:
+        for d in HEAD_SIZES:
+            decode.append(reduce_expr(dtype, d))
+            for bs in BLOCK_SIZES:
+                prefill.append(prefill_expr(dtype, d, bs))
+                decode += [decode_expr(dtype, d, bs, g, split) for g in GROUP_TILES for split in (False, True)]
+    return {"cache": [cache_expr()], "decode": decode, "prefill": prefill}
+
+
+@functools.cache
+def get_kernel(source_name: str, expr: str, device_index: int):
+    """The compiled kernel (a cupy.RawKernel) for one instantiation on one device."""
+    import cupy
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=source(source_name), options=OPTIONS, name_expressions=(expr,))
+        kernel = module.get_function(expr)
+        kernel.compile()  # now, not inside a CUDA-graph capture
+    return kernel
+
+
+def compile_for_arch(source_name: str, exprs: list[str], arch: str) -> tuple[bytes, str]:
+    """Compile `exprs` of one source with NVRTC for `arch` ("sm_90": cubin through ptxas,
+    "compute_90": PTX). Needs NVRTC only, no GPU. Returns (binary, log); the log holds
+    ptxas's resource report for sm_ targets (registers, spills) and any warnings."""
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(source(source_name), f"{source_name}.cu", (), ())
+    try:
+        for expr in exprs:
+            nvrtc.addNameExpression(prog, expr)
+        options = (*OPTIONS, f"-arch={arch}")
+        if arch.startswith("sm_"):
+            options += ("--ptxas-options=-v",)
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"{source_name}.cu ({arch}):\n{nvrtc.getProgramLog(prog)}") from e
+        log = nvrtc.getProgramLog(prog)
+        binary = nvrtc.getCUBIN(prog) if arch.startswith("sm_") else nvrtc.getPTX(prog)
+        return binary, log
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -1,0 +1,137 @@
+// Shared by every kernel: element types, 16-byte vector conversions, cp.async.
+//
+// No CUDA header is included on purpose: NVRTC then compiles these sources the
+// same way on any image (a pip-installed cupy without toolkit headers too).
+// fp16/bf16 are plain 16-bit payloads converted with PTX or bit shifts.
+//
+// The launcher prepends this file to each .cu source, so that CuPy's on-disk
+// kernel cache (keyed by source text) sees every change here.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+struct half_t { u16 bits; };
+struct bf16_t { u16 bits; };
+
+#define NEG_INF (__int_as_float(0xff800000))
+
+__device__ __forceinline__ float half_to_float(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ u16 float_to_half(float f) {
+  u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// Round to nearest even, as torch does; NaN stays NaN.
+__device__ __forceinline__ u16 float_to_bf16(float f) {
+  u32 u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (u16)(u >> 16);
+}
+
+// Pack<T>: how T travels in 16-byte vectors (uint4) and 4-element groups.
+//   N      elements per 16-byte vector
+//   Quad   type holding 4 elements (8 bytes for 16-bit types, 16 for float)
+template <typename T> struct Pack;
+
+template <> struct Pack<float> {
+  static constexpr int N = 4;
+  typedef uint4 Quad;
+  __device__ static void unpack(const uint4& v, float* o) {
+    o[0] = __uint_as_float(v.x); o[1] = __uint_as_float(v.y);
+    o[2] = __uint_as_float(v.z); o[3] = __uint_as_float(v.w);
+  }
+  __device__ static void unpack_quad(const Quad& v, float* o) { unpack(v, o); }
+  __device__ static uint4 pack(const float* f) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]),
+                      __float_as_uint(f[2]), __float_as_uint(f[3]));
+  }
+  __device__ static float to_float(float x) { return x; }
+  __device__ static float from_float(float x) { return x; }
+};
+
+template <> struct Pack<half_t> {
+  static constexpr int N = 8;
+  typedef uint2 Quad;
+  __device__ static void unpack_word(u32 w, float* o) {
+    o[0] = half_to_float((u16)(w & 0xffffu));
+    o[1] = half_to_float((u16)(w >> 16));
+  }
+  __device__ static void unpack(const uint4& v, float* o) {
+    unpack_word(v.x, o); unpack_word(v.y, o + 2); unpack_word(v.z, o + 4); unpack_word(v.w, o + 6);
+  }
+  __device__ static void unpack_quad(const Quad& v, float* o) { unpack_word(v.x, o); unpack_word(v.y, o + 2); }
+  __device__ static u32 pack_word(float a, float b) {
+    return (u32)float_to_half(a) | ((u32)float_to_half(b) << 16);
+  }
+  __device__ static uint4 pack(const float* f) {
+    return make_uint4(pack_word(f[0], f[1]), pack_word(f[2], f[3]),
+                      pack_word(f[4], f[5]), pack_word(f[6], f[7]));
+  }
+  __device__ static float to_float(half_t x) { return half_to_float(x.bits); }
+  __device__ static half_t from_float(float x) { half_t h; h.bits = float_to_half(x); return h; }
+};
+
+template <> struct Pack<bf16_t> {
+  static constexpr int N = 8;
+  typedef uint2 Quad;
+  // bf16 is the top half of a float: widening is a shift or a mask.
+  __device__ static void unpack_word(u32 w, float* o) {
+    o[0] = __uint_as_float(w << 16);
+    o[1] = __uint_as_float(w & 0xffff0000u);
+  }
+  __device__ static void unpack(const uint4& v, float* o) {
+    unpack_word(v.x, o); unpack_word(v.y, o + 2); unpack_word(v.z, o + 4); unpack_word(v.w, o + 6);
+  }
+  __device__ static void unpack_quad(const Quad& v, float* o) { unpack_word(v.x, o); unpack_word(v.y, o + 2); }
+  __device__ static u32 pack_word(float a, float b) {
+    return (u32)float_to_bf16(a) | ((u32)float_to_bf16(b) << 16);
+  }
+  __device__ static uint4 pack(const float* f) {
+    return make_uint4(pack_word(f[0], f[1]), pack_word(f[2], f[3]),
+                      pack_word(f[4], f[5]), pack_word(f[6], f[7]));
+  }
+  __device__ static float to_float(bf16_t x) { return __uint_as_float(((u32)x.bits) << 16); }
+  __device__ static bf16_t from_float(float x) { bf16_t h; h.bits = float_to_bf16(x); return h; }
+};
+
+// Asynchronous 16-byte global -> shared copy (sm_80+). With valid == false the
+// destination is zero-filled and nothing is read, so rows past a sequence's end
+// hold zeros, never stale data (a stale NaN times a zero probability is NaN).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const u32 dst = (u32)__cvta_generic_to_shared(smem);
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// Offset, in elements, of token `offset` of physical block `block` for KV head `head`
+// in one half (K or V) of the cache: [Hkv, num_blocks, block_size, D].
+// 64-bit: a large cache passes 2^31 elements.
+template <int D, int BS>
+__device__ __forceinline__ long long cache_offset(int head, int num_blocks, int block, int offset) {
+  return (((long long)head * num_blocks + block) * BS + offset) * D;
+}

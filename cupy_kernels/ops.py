@@ -1,0 +1,192 @@
+"""Launchers: torch CUDA tensors in, raw pointers to the kernels, on torch's stream.
+
+Pointers go as `data_ptr()` integers (numpy scalars fix each argument's C type), which
+costs less per launch than wrapping tensors through `__cuda_array_interface__` or
+DLPack (bench/kernels.py measures the three). Launches go on torch's current stream,
+so that a torch CUDA-graph capture records them like any torch kernel.
+
+Tensor layouts (all row-major):
+
+    kv_cache      [2, Hkv, num_blocks, block_size, D]   0 = K, 1 = V
+    q / out       [T, Hq, D]     token rows may be strided (q is a view of a fused qkv);
+                                 heads D apart, elements contiguous
+    block_tables  [B, W] int32   physical block ids, padded; context_lens masks the tail
+    slot_mapping  [T] int32      block * block_size + offset; -1 = padding row
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cupy_kernels import compile as kc
+
+LOG2E = 1.4426950408889634
+THREADS = 128  # every kernel runs 128-thread CTAs
+PARTITION_TOKENS = 512  # split-K partition length
+PREFILL_ROWS = 16  # query rows per prefill CTA (QROWS in prefill.cu)
+MAX_HEADS_PER_CTA = 8  # largest GROUP_TILES entry
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+_streams: dict[int, object] = {}
+
+
+def _stream():
+    """torch's current stream as a cupy stream object (cached: one per stream)."""
+    ptr = torch.cuda.current_stream().cuda_stream
+    stream = _streams.get(ptr)
+    if stream is None:
+        import cupy
+        stream = _streams[ptr] = cupy.cuda.ExternalStream(ptr)
+    return stream
+
+
+def _launch(source: str, expr: str, device: torch.device, grid: tuple[int, ...], args: tuple) -> None:
+    kernel = kc.get_kernel(source, expr, device.index or 0)
+    kernel.kernel(grid, (THREADS,), args, 0, _stream())
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def _vector_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with heads D apart, contiguous elements and 16-byte aligned rows
+    (what 16-byte vector loads need); a copy only if x is not already so."""
+    es = x.element_size()
+    ok = (x.stride(2) == 1 and x.stride(1) == x.shape[2] and (x.stride(0) * es) % 16 == 0
+          and x.data_ptr() % 16 == 0)
+    return x if ok else x.contiguous()
+
+
+def _v_cache_ptr(kv_cache: torch.Tensor) -> np.uint64:
+    return np.uint64(kv_cache.data_ptr() + kv_cache[0].numel() * kv_cache.element_size())
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """Write key/value [T, Hkv, D] into their slots of kv_cache; slot < 0 rows are skipped."""
+    num_tokens, num_kv_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    key, value = _vector_rows(key), _vector_rows(value)
+    es = key.element_size()
+    args = (_ptr(key), _ptr(value), _ptr(kv_cache), _v_cache_ptr(kv_cache), _ptr(slot_mapping),
+            np.int64(key.stride(0) * es // 16), np.int64(value.stride(0) * es // 16),
+            np.int32(num_kv_heads), np.int32(head_size * es // 16),
+            np.int32(kv_cache.shape[2]), np.int32(kv_cache.shape[3]))
+    _launch("cache", kc.cache_expr(), key.device, (num_tokens,), args)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How one decode launch is laid out; fixed per step (and per captured graph)."""
+
+    heads_per_cta: int  # GMAX: query heads of one group handled by a CTA
+    num_chunks: int  # CTAs per KV head (group / heads_per_cta, rounded up)
+    num_partitions: int  # 1: single pass; more: split-K, each PARTITION_TOKENS long
+
+    @property
+    def split(self) -> bool:
+        return self.num_partitions > 1
+
+
+def plan_decode(batch: int, num_kv_heads: int, group: int, max_context: int, num_sms: int) -> DecodePlan:
+    """Single pass when its CTAs alone keep every SM busy (two per SM) or contexts are
+    short; otherwise split the context into partitions so that small batches with long
+    contexts still spread over the chip. `max_context` is an upper bound: with CUDA
+    graphs it is max_model_len, and partitions past a sequence's end exit at once."""
+    heads_per_cta = min(MAX_HEADS_PER_CTA, 1 << (group - 1).bit_length())
+    num_chunks = -(-group // heads_per_cta)
+    ctas = batch * num_kv_heads * num_chunks
+    if max_context <= PARTITION_TOKENS or ctas >= 2 * num_sms:
+        return DecodePlan(heads_per_cta, num_chunks, 1)
+    return DecodePlan(heads_per_cta, num_chunks, math.ceil(max_context / PARTITION_TOKENS))
+
+
+def decode_workspace_numel(batch: int, num_q_heads: int, head_size: int, plan: DecodePlan) -> int:
+    """float32 elements of split-K scratch: partial out, max and sum per partition."""
+    return 0 if not plan.split else batch * num_q_heads * plan.num_partitions * (head_size + 2)
+
+
+def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     plan: DecodePlan, workspace: torch.Tensor | None = None) -> None:
+    """out[b] = attention of q[b] ([B, Hq, D]) over its context_lens[b] cached tokens.
+    out must be contiguous; a context length of 0 gives zeros."""
+    batch, num_q_heads, head_size = q.shape
+    if batch == 0:
+        return
+    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
+    group = num_q_heads // num_kv_heads
+    q = _vector_rows(q)
+    dtype = DTYPE_NAMES[q.dtype]
+    parts = plan.num_partitions
+    n = batch * num_q_heads * parts
+    if plan.split:
+        assert workspace is not None and workspace.numel() >= n * (head_size + 2), "split-K needs a workspace"
+        part_out, part_max, part_sum = (_ptr(workspace), np.uint64(workspace.data_ptr() + 4 * n * head_size),
+                                        np.uint64(workspace.data_ptr() + 4 * n * (head_size + 1)))
+    else:
+        part_out = part_max = part_sum = np.uint64(0)
+    args = (_ptr(out), part_out, part_max, part_sum, _ptr(q), np.int64(q.stride(0)),
+            _ptr(kv_cache), _v_cache_ptr(kv_cache), _ptr(block_tables), np.int32(block_tables.stride(0)),
+            _ptr(context_lens), np.int32(kv_cache.shape[2]), np.int32(group), np.int32(plan.num_chunks),
+            np.int32(PARTITION_TOKENS), np.float32(scale * LOG2E))
+    expr = kc.decode_expr(dtype, head_size, block_size, plan.heads_per_cta, plan.split)
+    _launch("decode", expr, q.device, (batch, num_kv_heads * plan.num_chunks, parts), args)
+    if plan.split:
+        args = (_ptr(out), part_out, part_max, part_sum, _ptr(context_lens), np.int32(parts),
+                np.int32(PARTITION_TOKENS))
+        _launch("decode", kc.reduce_expr(dtype, head_size), q.device, (batch, num_q_heads), args)
+
+
+@dataclass
+class PrefillBatch:
+    """A step's prefill chunks as the prefill kernel reads them (built once per step)."""
+
+    tile_chunk: torch.Tensor  # [num_tiles] int32: chunk of each 16-row query tile
+    tile_row0: torch.Tensor  # [num_tiles] int32: its first row (row = token * group + head)
+    token_start: torch.Tensor  # [C] int32: chunk's first row in the flat token batch
+    num_tokens: torch.Tensor  # [C] int32
+    context_len: torch.Tensor  # [C] int32: cached + new tokens
+    block_tables: torch.Tensor  # [C, W] int32, padded with 0
+    num_tiles: int
+
+
+def build_prefill_batch(chunks: list[tuple[int, int, int]], block_tables: list[torch.Tensor], group: int,
+                        device: torch.device) -> PrefillBatch:
+    """chunks: (token_start, num_tokens, context_len) each; block_tables: one 1-D tensor each."""
+    tile_chunk, tile_row0 = [], []
+    for c, (_, num_tokens, _) in enumerate(chunks):
+        rows = range(0, num_tokens * group, PREFILL_ROWS)
+        tile_chunk += [c] * len(rows)
+        tile_row0 += rows
+    host = torch.tensor(tile_chunk + tile_row0 + [x for chunk in chunks for x in chunk], dtype=torch.int32)
+    dev = host.to(device, non_blocking=True)
+    t, c = len(tile_chunk), len(chunks)
+    per_chunk = dev[2 * t:].view(c, 3)
+    tables = torch.nn.utils.rnn.pad_sequence([b.to(torch.int32) for b in block_tables], batch_first=True)
+    return PrefillBatch(dev[:t], dev[t:2 * t], per_chunk[:, 0].contiguous(), per_chunk[:, 1].contiguous(),
+                        per_chunk[:, 2].contiguous(), tables.to(device).contiguous(), t)
+
+
+def prefill_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, batch: PrefillBatch,
+                      scale: float) -> None:
+    """Rows of `batch`'s chunks in out [T, Hq, D] (contiguous) = causal attention of
+    their queries over each chunk's cached context, new tokens included."""
+    if batch.num_tiles == 0:
+        return
+    num_q_heads, head_size = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
+    q = _vector_rows(q)
+    args = (_ptr(out), np.int64(out.stride(0)), _ptr(q), np.int64(q.stride(0)), _ptr(kv_cache),
+            _v_cache_ptr(kv_cache), _ptr(batch.tile_chunk), _ptr(batch.tile_row0), _ptr(batch.token_start),
+            _ptr(batch.num_tokens), _ptr(batch.context_len), _ptr(batch.block_tables),
+            np.int32(batch.block_tables.stride(0)), np.int32(kv_cache.shape[2]),
+            np.int32(num_q_heads // num_kv_heads), np.float32(scale * LOG2E))
+    expr = kc.prefill_expr(DTYPE_NAMES[q.dtype], head_size, block_size)
+    _launch("prefill", expr, q.device, (batch.num_tiles, num_kv_heads), args)

@@ -1,0 +1,65 @@
+"""Random paged-attention inputs for the kernel tests, built to expose indexing bugs.
+
+- Block tables are random permutations: no sequence's blocks are contiguous or in order.
+- Every cache position a sequence must not read is NaN: the tail of its last block, and
+  a poison block that pads every table row. A kernel that reads past a context (and
+  lets a zero probability multiply it) returns NaN.
+- Outputs are NaN before each launch, so an element left unwritten fails too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# ||out - ref|| / ||ref|| against a float32 reference (see the device METHOD notes).
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+GQA = ((4, 4), (8, 2), (16, 2), (6, 2), (12, 1))  # (Hq, Hkv): group 1, 4, 8, 3, 12
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    bad = (~torch.isfinite(out)).sum().item()
+    assert bad == 0, f"{what}: {bad} of {out.numel()} elements not finite (unwritten, or read poison)"
+    error = relative_error(out, ref)
+    assert error <= TOLERANCE[dtype], f"{what}: relative error {error:.2e} > {TOLERANCE[dtype]:.0e}"
+
+
+class PagedContexts:
+    """A KV cache holding `context_lens` sequences in shuffled blocks, poison elsewhere."""
+
+    def __init__(self, context_lens: list[int], num_kv_heads: int, head_size: int, block_size: int,
+                 dtype: torch.dtype, seed: int = 0, spare_blocks: int = 5) -> None:
+        self.gen = torch.Generator("cuda").manual_seed(seed)
+        self.block_size = block_size
+        needed = [-(-n // block_size) for n in context_lens]
+        num_blocks = sum(needed) + spare_blocks + 1
+        self.poison_block = num_blocks - 1
+        self.kv_cache = torch.randn((2, num_kv_heads, num_blocks, block_size, head_size), device="cuda",
+                                    generator=self.gen).to(dtype)
+        self.kv_cache[:, :, self.poison_block] = float("nan")
+        perm = torch.randperm(num_blocks - 1, device="cuda", generator=self.gen).tolist()
+        width = max(needed + [1]) + 2  # rows padded past their last block, as the runner pads
+        self.tables: list[list[int]] = []
+        for n, count in zip(context_lens, needed):
+            table, perm = perm[:count], perm[count:]
+            if n % block_size:  # the unused tail of the last block
+                self.kv_cache[:, :, table[-1], n % block_size:] = float("nan")
+            self.tables.append(table)
+        rows = [t + [self.poison_block] * (width - len(t)) for t in self.tables]
+        self.block_tables = torch.tensor(rows, dtype=torch.int32, device="cuda")
+        self.context_lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
+
+    def randn(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randn(shape, device="cuda", generator=self.gen).to(dtype)
+
+
+def strided_qkv(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_size: int, dtype: torch.dtype,
+                gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v as the model makes them: views into one fused [T, Hq + 2 Hkv, D] tensor."""
+    fused = torch.randn((num_tokens, num_q_heads + 2 * num_kv_heads, head_size), device="cuda",
+                        generator=gen).to(dtype)
+    return tuple(fused.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1))

@@ -1,0 +1,70 @@
+"""Paged decode attention (single pass and split-K) against the float32 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gpu_skip import pytestmark  # noqa: F401  (skips this module without a GPU)
+from kernel_inputs import DTYPES, GQA, PagedContexts, assert_close, strided_qkv
+from cupy_kernels import ops, reference
+
+
+def contexts(block_size: int) -> list[int]:
+    """Empty, one token, around block edges, across split-K partition edges, and long."""
+    return [0, 1, block_size - 1, block_size, block_size + 1, 77, ops.PARTITION_TOKENS,
+            ops.PARTITION_TOKENS + 3, 1333]
+
+
+def run_decode(ctx: PagedContexts, q: torch.Tensor, plan: ops.DecodePlan, scale: float) -> torch.Tensor:
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    workspace = torch.full((ops.decode_workspace_numel(*q.shape[:2], q.shape[2], plan) or 1,), float("nan"),
+                           device="cuda")
+    ops.decode_attention(out, q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, scale, plan, workspace)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 96, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", GQA, ids=[f"{h}q{k}kv" for h, k in GQA])
+@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+def test_decode(dtype, head_size, block_size, heads, split):
+    num_q_heads, num_kv_heads = heads
+    lens = contexts(block_size)
+    ctx = PagedContexts(lens, num_kv_heads, head_size, block_size, dtype, seed=len(lens) + head_size)
+    q, _, _ = strided_qkv(len(lens), num_q_heads, num_kv_heads, head_size, dtype, ctx.gen)
+    plan = ops.plan_decode(len(lens), num_kv_heads, num_q_heads // num_kv_heads, 0, 132)
+    if split:
+        plan = ops.DecodePlan(plan.heads_per_cta, plan.num_chunks, math.ceil(max(lens) / ops.PARTITION_TOKENS) + 1)
+    scale = head_size ** -0.5
+    out = run_decode(ctx, q, plan, scale)
+    ref = reference.paged_decode(q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, scale)
+    assert_close(out, ref, dtype, f"decode {plan}")
+    assert out[0].abs().sum() == 0, "an empty context must give zeros"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_decode_large_batch(dtype):
+    """A batch as the engine runs it: 64 random contexts, GQA 8:1, the heuristic's plan."""
+    gen = torch.Generator().manual_seed(1)
+    lens = torch.randint(1, 3000, (64,), generator=gen).tolist()
+    ctx = PagedContexts(lens, 4, 128, 16, dtype, seed=2)
+    q, _, _ = strided_qkv(64, 32, 4, 128, dtype, ctx.gen)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = ops.plan_decode(64, 4, 8, ctx.block_tables.shape[1] * 16, sms)
+    out = run_decode(ctx, q, plan, 128 ** -0.5)
+    ref = reference.paged_decode(q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, 128 ** -0.5)
+    assert_close(out, ref, dtype, f"decode {plan}")
+
+
+def test_decode_is_deterministic():
+    lens = [1000, 5, 2000]
+    ctx = PagedContexts(lens, 2, 128, 16, torch.bfloat16, seed=3)
+    q, _, _ = strided_qkv(3, 16, 2, 128, torch.bfloat16, ctx.gen)
+    for plan in (ops.DecodePlan(8, 1, 1), ops.DecodePlan(8, 1, 4)):
+        first = run_decode(ctx, q, plan, 0.1)
+        assert all(torch.equal(first, run_decode(ctx, q, plan, 0.1)) for _ in range(3)), f"{plan}: a race?"

@@ -1,0 +1,28 @@
+"""The decode heuristic (CPU): single pass when the CTAs fill the chip or contexts are
+short, split-K otherwise; GQA groups map onto CTAs of at most 8 query heads."""
+
+from __future__ import annotations
+
+import pytest
+
+from cupy_kernels.ops import PARTITION_TOKENS, plan_decode
+
+SMS = 132  # H100 SXM / H200
+
+
+@pytest.mark.parametrize("group, heads_per_cta, num_chunks", [(1, 1, 1), (3, 4, 1), (4, 4, 1), (8, 8, 1),
+                                                              (12, 8, 2), (16, 8, 2)])
+def test_group_tiling(group, heads_per_cta, num_chunks):
+    plan = plan_decode(64, 8, group, 4096, SMS)
+    assert (plan.heads_per_cta, plan.num_chunks) == (heads_per_cta, num_chunks)
+
+
+def test_split_for_small_batches_with_long_contexts():
+    plan = plan_decode(1, 8, 8, 8192, SMS)
+    assert plan.split and plan.num_partitions == 8192 // PARTITION_TOKENS
+
+
+def test_single_pass_when_ctas_fill_the_chip_or_contexts_are_short():
+    assert not plan_decode(64, 32, 1, 8192, SMS).split  # 2048 CTAs
+    assert not plan_decode(1, 8, 8, PARTITION_TOKENS, SMS).split
+    assert plan_decode(4, 8, 8, 8192, SMS).split  # 32 CTAs alone would leave 100 SMs idle

@@ -1,0 +1,39 @@
+"""Paged prefill/extend attention against the float32 reference: chunks with and without
+a cached prefix, single-token and block-straddling chunks, behind leading decode rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_skip import pytestmark  # noqa: F401  (skips this module without a GPU)
+from kernel_inputs import DTYPES, GQA, PagedContexts, assert_close, strided_qkv
+from cupy_kernels import ops, reference
+
+# (new tokens, context length): a fresh prompt, extends over cached prefixes, one token.
+CHUNKS = [(37, 37), (16, 50), (1, 33), (70, 70), (5, 300), (33, 64)]
+LEADING_ROWS = 3  # rows before the first chunk (decodes, in the engine): must stay untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 96, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", GQA[:4], ids=[f"{h}q{k}kv" for h, k in GQA[:4]])
+def test_prefill(dtype, head_size, block_size, heads):
+    num_q_heads, num_kv_heads = heads
+    ctx = PagedContexts([n for _, n in CHUNKS], num_kv_heads, head_size, block_size, dtype, seed=head_size)
+    num_tokens = LEADING_ROWS + sum(n for n, _ in CHUNKS)
+    q, _, _ = strided_qkv(num_tokens, num_q_heads, num_kv_heads, head_size, dtype, ctx.gen)
+    chunks, start = [], LEADING_ROWS
+    for new, context in CHUNKS:
+        chunks.append((start, new, context))
+        start += new
+    tables = [torch.tensor(t, device="cuda") for t in ctx.tables]
+    batch = ops.build_prefill_batch(chunks, tables, num_q_heads // num_kv_heads, torch.device("cuda"))
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    scale = head_size ** -0.5
+    ops.prefill_attention(out, q, ctx.kv_cache, batch, scale)
+    torch.cuda.synchronize()
+    ref = reference.paged_prefill(q, ctx.kv_cache, chunks, ctx.tables, scale)
+    assert out[:LEADING_ROWS].isnan().all(), "wrote rows outside its chunks"
+    assert_close(out[LEADING_ROWS:], ref[LEADING_ROWS:], dtype, "prefill")
