@@ -23,6 +23,8 @@ HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "scheduling_policy": "fcfs, or priority (lower value first)",
     "attention_backend": "torch (CPU/GPU reference) or cupy (GPU kernels)",
+    "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda and "
+                   "--attention-backend cupy, else off)",
     "num_threads": "CPU threads for torch (default: all cores)",
 }
 CHOICES = {"dtype": ["float32", "bfloat16", "float16"], "scheduling_policy": ["fcfs", "priority"],
@@ -35,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None
     for f in fields(EngineConfig):
         default = defaults.get(f.name, f.default if f.default is not MISSING else None)
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
+        if isinstance(f.default, bool) or f.type == "bool | None":  # None: decided by other flags
             group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
                                help=HELP[f.name])
             continue

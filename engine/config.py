@@ -29,6 +29,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
     attention_backend: str = "torch"
+    cuda_graphs: bool | None = None  # decode in CUDA graphs; None: on for device cuda + backend cupy
     num_threads: int | None = None  # CPU: torch intra-op threads (default: all cores)
 
     def __post_init__(self) -> None:
@@ -53,6 +54,14 @@ class EngineConfig:
             raise ValueError(f"attention_backend: must be 'torch' or 'cupy', got {self.attention_backend!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        on_cuda = self.device.startswith("cuda")
+        if self.attention_backend == "cupy" and not on_cuda:
+            raise ValueError("attention_backend: 'cupy' runs CUDA kernels; it needs device 'cuda'")
+        if self.cuda_graphs is None:  # resolved here, so the rest of the engine sees a bool
+            self.cuda_graphs = on_cuda and self.attention_backend == "cupy"
+        elif self.cuda_graphs and not (on_cuda and self.attention_backend == "cupy"):
+            raise ValueError("cuda_graphs: needs device 'cuda' and attention_backend 'cupy', got "
+                             f"device {self.device!r} and attention_backend {self.attention_backend!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

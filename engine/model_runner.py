@@ -42,6 +42,14 @@ class ModelRunner:
                           for _ in range(self.arch.num_layers)]
         self.sampler = Sampler(eos_token_ids)
         self.generators: dict[str, torch.Generator] = {}  # seeded requests' private RNGs
+        self.graphs = self._capture_graphs() if config.cuda_graphs else None
+
+    def _capture_graphs(self):
+        from engine.cuda_graphs import DecodeGraphs
+        graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.block_size,
+                              self.config.max_num_seqs, self.max_model_len, self.device)
+        graphs.capture()
+        return graphs
 
     def _max_model_len(self) -> int:
         limit = min(self.arch.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
@@ -71,8 +79,11 @@ class ModelRunner:
         self.backend.copy_blocks(self.kv_caches, sched.blocks_to_copy)
         # Single-token rows run the batched decode path; put them first.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        input_ids, positions, meta, last_rows = self._prepare(order)
-        hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
+        if self.graphs is not None and self._all_decode(order):
+            hidden, last_rows = self._run_graph(order)
+        else:
+            input_ids, positions, meta, last_rows = self._prepare(order)
+            hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
         sampling = [s for s in order if s.num_samples]
         if not sampling:
             return ModelRunnerOutput(model_s=time.perf_counter() - start)
@@ -111,6 +122,24 @@ class ModelRunner:
             prefills=prefills, backend_state={"block_size": bs})
         self.backend.prepare(meta)
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last_rows)
+
+    def _all_decode(self, order: list[ScheduledRequest]) -> bool:
+        return 0 < len(order) <= self.graphs.max_batch and all(s.num_new_tokens == 1 for s in order)
+
+    def _run_graph(self, order: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pure-decode step through the captured graph of its batch-size bucket."""
+        bs = self.block_size
+        ids, positions, slots, lens, last_rows = [], [], [], [], []
+        for row, s in enumerate(order):
+            pos = s.request.num_computed_tokens
+            ids.append(s.request.all_token_ids[pos])
+            positions.append(pos)
+            slots.append(s.block_ids[pos // bs] * bs + pos % bs)
+            lens.append(pos + 1)
+            if s.num_samples:
+                last_rows.append(row)
+        hidden = self.graphs.run(ids, positions, slots, [s.block_ids for s in order], lens)
+        return hidden, self._tensor(last_rows)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -73,4 +73,12 @@ def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"attention_backend: {name!r} is not available (available: torch)")
+    if name == "cupy":
+        import cupy_kernels
+        reason = cupy_kernels.unavailable_reason()
+        if reason is not None:
+            raise ValueError(f"attention_backend 'cupy' needs cupy and a CUDA GPU (sm_80+): {reason}; "
+                             "install the gpu extra (pip install 'pagedserve[gpu]') or use 'torch'")
+        from engine.attention.cupy_backend import CupyAttentionBackend
+        return CupyAttentionBackend(num_heads, num_kv_heads, head_dim)
+    raise ValueError(f"attention_backend: {name!r} is not available (available: torch, cupy)")

@@ -1,0 +1,91 @@
+"""CuPy-kernel paged attention on CUDA (fp32, fp16, bf16; head sizes 64/96/128;
+block sizes 16/32).
+
+Same cache layout as the torch reference, so either backend reads the other's cache:
+
+    kv_cache: [2, Hkv, num_blocks, block_size, D]
+               ^ 0 = K, 1 = V
+
+`prepare` runs once per step: int32 copies of the runner's metadata, the decode plan
+(single pass or split-K, see cupy_kernels.ops.plan_decode) and the prefill tile map.
+`forward` then costs one reshape_and_cache launch plus one or two attention launches
+per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+
+
+class CupyAttentionBackend:
+    name = "cupy"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        from cupy_kernels import compile as kc
+        if head_dim not in kc.HEAD_SIZES:
+            raise ValueError(f"attention_backend 'cupy': head size {head_dim} is not supported "
+                             f"(supported: {', '.join(map(str, kc.HEAD_SIZES))}); use 'torch'")
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+        self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self.workspace: torch.Tensor | None = None  # split-K scratch, grown on demand
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        from cupy_kernels import compile as kc
+        if block_size not in kc.BLOCK_SIZES:
+            raise ValueError(f"attention_backend 'cupy': block_size {block_size} is not supported "
+                             f"(supported: {', '.join(map(str, kc.BLOCK_SIZES))})")
+        return (2, self.num_kv_heads, num_blocks, block_size, self.head_dim)
+
+    def reserve_workspace(self, numel: int, device: torch.device) -> torch.Tensor:
+        """At least `numel` float32 of split-K scratch. A CUDA graph keeps its own reference
+        to the tensor it captured with, so growing it later cannot free that one."""
+        if self.workspace is None or self.workspace.numel() < numel:
+            self.workspace = torch.empty(numel, dtype=torch.float32, device=device)
+        return self.workspace
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        from cupy_kernels import ops
+        state = meta.backend_state
+        state["slot_mapping"] = meta.slot_mapping.to(torch.int32)
+        if meta.num_decode_tokens:
+            tables = meta.decode_block_tables.to(torch.int32)
+            # The padded table width bounds every context without reading lengths back.
+            bound = tables.shape[1] * state["block_size"]
+            plan = ops.plan_decode(meta.num_decode_tokens, self.num_kv_heads, self.group, bound, self.num_sms)
+            numel = ops.decode_workspace_numel(meta.num_decode_tokens, self.num_heads, self.head_dim, plan)
+            if numel:
+                self.reserve_workspace(numel, tables.device)
+            state["decode"] = (tables, meta.decode_context_lens.to(torch.int32), plan)
+        if meta.prefills:
+            chunks = [(c.token_start, c.num_tokens, c.context_len) for c in meta.prefills]
+            state["prefill"] = ops.build_prefill_batch(chunks, [c.block_table for c in meta.prefills],
+                                                       self.group, meta.slot_mapping.device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        from cupy_kernels import ops
+        state = meta.backend_state
+        ops.reshape_and_cache(k, v, kv_cache, state["slot_mapping"])
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_decode = meta.num_decode_tokens
+        if num_decode:
+            tables, lens, plan = state["decode"]
+            ops.decode_attention(out[:num_decode], q[:num_decode], kv_cache, tables, lens, self.scale, plan,
+                                 self.workspace)
+        if meta.prefills:
+            ops.prefill_attention(out, q, kv_cache, state["prefill"], self.scale)
+        return out
+
+    def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=kv_caches[0].device)
+        dst = torch.tensor([d for _, d in pairs], device=kv_caches[0].device)
+        for cache in kv_caches:
+            cache[:, :, dst] = cache[:, :, src]

@@ -1,0 +1,47 @@
+"""CPU checks of the GPU path's configuration: the cuda_graphs flag resolves and validates
+without touching a device, and the decode-graph buckets cover every batch size."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from engine.arg_utils import add_engine_args, engine_config_from_args
+from engine.config import EngineConfig
+from engine.cuda_graphs import bucket_sizes
+
+
+def test_cuda_graphs_default_follows_device_and_backend():
+    assert EngineConfig().cuda_graphs is False
+    assert EngineConfig(device="cuda").cuda_graphs is False  # torch backend: eager
+    assert EngineConfig(device="cuda", attention_backend="cupy").cuda_graphs is True
+    assert EngineConfig(device="cuda", attention_backend="cupy", cuda_graphs=False).cuda_graphs is False
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(cuda_graphs=True), "cuda_graphs"),
+    (dict(device="cuda", cuda_graphs=True), "attention_backend 'cupy'"),
+    (dict(attention_backend="cupy"), "needs device 'cuda'"),
+])
+def test_invalid_gpu_options_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_cli_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args([])).cuda_graphs is False
+    args = parser.parse_args(["--device", "cuda", "--attention-backend", "cupy", "--no-cuda-graphs"])
+    assert engine_config_from_args(args).cuda_graphs is False
+    args = parser.parse_args(["--device", "cuda", "--attention-backend", "cupy"])
+    assert engine_config_from_args(args).cuda_graphs is True
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 8, 20, 128, 256])
+def test_buckets_cover_every_batch(max_num_seqs):
+    buckets = bucket_sizes(max_num_seqs)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == max_num_seqs
+    assert all(any(b >= n for b in buckets) for n in range(1, max_num_seqs + 1))
+    assert bucket_sizes(128)[:5] == [1, 2, 4, 8, 16]
