@@ -101,3 +101,37 @@ def plot_soak(samples: list[dict], warmup_s: float, title: str, path: Path) -> P
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_kernels(rows: list[dict], title: str, path: Path) -> Path:
+    """Decode attention: % of copy bandwidth against context, a line per batch size, one
+    panel per head layout; the heuristic's kernel choice (solid) and the other (dotted)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layouts = list(dict.fromkeys(r["heads"] for r in rows))
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6 * len(layouts), 4.5), sharey=True, squeeze=False)
+    for ax, layout in zip(axes[0], layouts):
+        batches = sorted({r["batch"] for r in rows if r["heads"] == layout})
+        for i, batch in enumerate(batches):
+            points = [r for r in rows if r["heads"] == layout and r["batch"] == batch and "pct" in r]
+            if not points:
+                continue
+            ax.plot([r["context"] for r in points], [r["pct"] for r in points], marker="o", color=f"C{i}",
+                    label=f"batch {batch}")
+            other = [(r["context"], r[f"{k}_pct"]) for r in points
+                     for k in ("single", "split") if k != r["heuristic"] and f"{k}_pct" in r]
+            if other:
+                ax.plot(*zip(*other), linestyle=":", color=f"C{i}", alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_title(layout, fontsize=10)
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("% of device-to-device copy bandwidth")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title + " (solid: heuristic's kernel; dotted: the other)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

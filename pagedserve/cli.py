@@ -51,6 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "so outputs have exactly that many tokens. Reports throughput, goodput, and TTFT, "
                     "TPOT, ITL and E2E latency (mean, median, p90, p99); writes one JSON per run, and "
                     "with --sweep-rates a summary JSON and a throughput-latency PNG."))
+    from bench.kernels import add_arguments as add_kernels
+    add_kernels(bench_kinds.add_parser(
+        "kernels", help="paged-attention kernels against the measured HBM bandwidth (needs a GPU)",
+        description="Kernel benchmark: a device-to-device copy's bandwidth, then decode attention's "
+                    "achieved bandwidth (K+V read + q + out, over time) at batch 1-256 and context "
+                    "128-8192, MHA and GQA 8:1, head 128, bf16, single-pass and split-K; the fixed "
+                    "cost per call and the launch cost of data_ptr, __cuda_array_interface__ and "
+                    "DLPack. Writes JSON and a PNG. Exits 1 without a CUDA GPU and cupy."))
     from bench.soak import add_arguments as add_soak
     add_soak(bench_kinds.add_parser(
         "soak", help="minutes of mixed load with cancels; checks for KV, RSS and request leaks",
@@ -85,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "serve":
         from bench.serve import run
+        return run(args)
+    if args.command == "bench" and args.bench == "kernels":
+        from bench.kernels import run
         return run(args)
     if args.command == "bench" and args.bench == "soak":
         from bench.soak import run
