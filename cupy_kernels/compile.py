@@ -17,6 +17,7 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 OPTIONS = ("-std=c++17",)
+CUPY_ADDS = ("-ftz=true", "--device-as-default-execution-space")  # what RawModule adds at run time
 CTYPES = {"float32": "float", "float16": "half_t", "bfloat16": "bf16_t"}
 HEAD_SIZES = (64, 96, 128)
 BLOCK_SIZES = (16, 32)
@@ -80,7 +81,7 @@ def compile_for_arch(source_name: str, exprs: list[str], arch: str) -> tuple[byt
     try:
         for expr in exprs:
             nvrtc.addNameExpression(prog, expr)
-        options = (*OPTIONS, f"-arch={arch}")
+        options = (*OPTIONS, *CUPY_ADDS, f"-arch={arch}")
         if arch.startswith("sm_"):
             options += ("--ptxas-options=-v",)
         try:

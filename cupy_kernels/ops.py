@@ -72,6 +72,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Te
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
+    assert slot_mapping.dtype == torch.int32 and kv_cache.is_contiguous(), "int32 slots, contiguous cache"
     key, value = _vector_rows(key), _vector_rows(value)
     es = key.element_size()
     args = (_ptr(key), _ptr(value), _ptr(kv_cache), _v_cache_ptr(kv_cache), _ptr(slot_mapping),
@@ -122,6 +123,8 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
         return
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
     group = num_q_heads // num_kv_heads
+    assert block_tables.dtype == context_lens.dtype == torch.int32 and out.is_contiguous(), \
+        "int32 tables and lengths, contiguous out"
     q = _vector_rows(q)
     dtype = DTYPE_NAMES[q.dtype]
     parts = plan.num_partitions
