@@ -14,7 +14,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.config import EngineConfig
-from engine.cpu_tuning import tune_cpu
+from engine.cpu_tuning import bucket, tune_cpu
 from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, load_model, read_arch_config
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -28,7 +28,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, eos_token_ids: tuple[int, ...]) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        if self.device.type == "cpu":
+        self.pad_shapes = self.device.type == "cpu"  # few shapes for oneDNN: see cpu_tuning
+        if self.pad_shapes:
             tune_cpu(config.num_threads)
         self.arch = read_arch_config(model_path)
         self.max_model_len = self._max_model_len()
@@ -87,7 +88,7 @@ class ModelRunner:
         sampling = [s for s in order if s.num_samples]
         if not sampling:
             return ModelRunnerOutput(model_s=time.perf_counter() - start)
-        logits = self.model.compute_logits(hidden[last_rows])
+        logits = self.model.compute_logits(hidden[last_rows])[:len(sampling)]
         model_end = time.perf_counter()
         rows, row_owner = self._sampling_rows(sampling)
         if len(rows) != len(sampling):  # forking prompts sample n tokens from one logits row
@@ -121,6 +122,11 @@ class ModelRunner:
             decode_context_lens=self._tensor(decode_lens) if decode_tables else None,
             prefills=prefills, backend_state={"block_size": bs})
         self.backend.prepare(meta)
+        if self.pad_shapes:  # padding rows: token 0 at position 0, no slot, never sampled
+            padding = bucket(len(input_ids)) - len(input_ids)
+            input_ids += [0] * padding
+            positions += [0] * padding
+            last_rows += last_rows[-1:] * (bucket(len(last_rows)) - len(last_rows))
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last_rows)
 
     def _all_decode(self, order: list[ScheduledRequest]) -> bool:

@@ -5,6 +5,10 @@ sequence's blocks yields a contiguous [Hkv, context, D] view with no transpose:
 
     kv_cache: [2, Hkv, num_blocks, block_size, D]
                ^ 0 = K, 1 = V
+
+On CPU, shapes are padded to a few buckets (see engine.cpu_tuning): the runner may pass
+padding rows after the real tokens (they have no slot; their output is zero), and the
+decode batch and its block-table width are padded here.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, PrefillChunk
+from engine.cpu_tuning import bucket
 
 
 class TorchAttentionBackend:
@@ -30,13 +35,16 @@ class TorchAttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.num_decode_tokens:
-            tables = meta.decode_block_tables
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            if tables.device.type == "cpu":
+                tables, lens = _pad_decode(tables, lens)
             block_size = meta.backend_state["block_size"]
             positions = torch.arange(tables.shape[1] * block_size, device=tables.device)
             # [1, B, 1, L]: True where the key position lies past the context.
-            mask = positions[None, :] >= meta.decode_context_lens[:, None]
+            mask = positions[None, :] >= lens[:, None]
             meta.backend_state["decode_mask"] = mask[None, :, None, :]
             meta.backend_state["decode_blocks"] = tables.flatten()
+            meta.backend_state["decode_shape"] = tables.shape
         masks = []
         for chunk in meta.prefills:
             start = chunk.context_len - chunk.num_tokens
@@ -52,9 +60,11 @@ class TorchAttentionBackend:
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
         flat = kv_cache.view(2, self.num_kv_heads, num_blocks * block_size, self.head_dim)
-        flat[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        num_tokens = meta.slot_mapping.numel()  # rows past it are padding
+        flat[0].index_copy_(1, meta.slot_mapping, k[:num_tokens].transpose(0, 1))
+        flat[1].index_copy_(1, meta.slot_mapping, v[:num_tokens].transpose(0, 1))
         out = torch.empty_like(q)
+        out[num_tokens:] = 0
         num_decode = meta.num_decode_tokens
         if num_decode:
             out[:num_decode] = self._decode(q[:num_decode], kv_cache, meta)
@@ -64,7 +74,10 @@ class TorchAttentionBackend:
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        batch, width = meta.decode_block_tables.shape
+        num_decode = q.shape[0]
+        batch = meta.backend_state["decode_shape"][0]
+        if batch > num_decode:
+            q = torch.cat([q, q.new_zeros(batch - num_decode, *q.shape[1:])])
         k, v = self._gather(kv_cache, meta.backend_state["decode_blocks"])
         k = k.view(self.num_kv_heads, batch, -1, self.head_dim)  # [Hkv, B, L, D]
         v = v.view(self.num_kv_heads, batch, -1, self.head_dim)
@@ -73,7 +86,7 @@ class TorchAttentionBackend:
         scores.masked_fill_(meta.backend_state["decode_mask"], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)  # [Hkv, B, G, D]
-        return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
+        return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)[:num_decode]
 
     def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of these blocks, in order: two [Hkv, len(blocks), block_size, D] tensors.
@@ -99,3 +112,12 @@ class TorchAttentionBackend:
         dst = torch.tensor([d for _, d in pairs], device=kv_caches[0].device)
         for cache in kv_caches:
             cache[:, :, dst] = cache[:, :, src]
+
+
+def _pad_decode(tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables and context lengths padded to bucketed batch and width. Padding rows
+    attend to one key (block 0's first slot) so that their softmax stays finite."""
+    batch, width = tables.shape
+    padded = tables.new_zeros(bucket(batch), bucket(width))
+    padded[:batch, :width] = tables
+    return padded, torch.cat([lens, lens.new_ones(padded.shape[0] - batch)])
