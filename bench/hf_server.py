@@ -46,7 +46,7 @@ _DONE = object()  # ends a request's token queue
 class HFServerConfig:
     model: str | None = None  # HF folder or .gguf file; None = the bundled SmolLM2
     tokenizer: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # as the engine's --dtype auto
     device: str = "cpu"
     num_threads: int | None = None
     max_model_len: int | None = None
@@ -58,12 +58,14 @@ class HFModel:
     """The transformers model and its tokenizer; `generate` runs on one worker thread."""
 
     def __init__(self, config: HFServerConfig) -> None:
+        from engine.config import resolve_dtype
         from engine.models.loader import load_tokenizer, model_name, resolve_model_path
         path = resolve_model_path(config.model)
-        self.model = load_hf_model(path, config.dtype, config.device)
+        dtype = resolve_dtype(config.dtype, config.device)
+        self.model = load_hf_model(path, dtype, config.device)
         self.tokenizer = load_tokenizer(path, config.tokenizer)
         hf = self.model.config
-        self.name, self.dtype, self.device = model_name(path), config.dtype, config.device
+        self.name, self.dtype, self.device = model_name(path), dtype, config.device
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or min(hf.max_position_embeddings, MAX_MODEL_LEN_CAP)
         eos = self.tokenizer.eos_token_id
@@ -271,8 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "the naive-server baseline of `pagedserve bench serve --backend hf`.")
     p.add_argument("--model", default=None, help="HF model folder or .gguf file (default: the bundled SmolLM2)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's own)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
-                   help="weight dtype (default: bfloat16)")
+    p.add_argument("--dtype", default="auto", choices=["float32", "bfloat16", "float16", "auto"],
+                   help="weight dtype; auto as the engine's --dtype auto (default: auto)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads for torch (default: all cores)")
     p.add_argument("--max-model-len", type=int, default=None,

@@ -40,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run HF bs=1 on only the first N prompts (default: all; the rate barely "
                         "depends on N)")
     p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
-    add_engine_args(p, dtype="bfloat16")
+    add_engine_args(p, dtype="auto")
 
 
 def _dtype_list(text: str) -> list[str]:

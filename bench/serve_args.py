@@ -80,7 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pagedserve, no --target)")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="where to write JSON and PNG (default: bench/results)")
-    add_engine_args(p, dtype="bfloat16")
+    add_engine_args(p, dtype="auto")
 
 
 def check_args(args: argparse.Namespace) -> ServePlan:

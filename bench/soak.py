@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest allowed RSS growth after warm-up, as a fraction (default: 0.10)")
     p.add_argument("--seed", type=int, default=0, help="seed of the request mix (default: 0)")
     p.add_argument("--output-dir", default=None, help="where to write JSON and PNG (default: bench/results)")
-    add_engine_args(p, dtype="bfloat16", num_kv_blocks=1024)
+    add_engine_args(p, dtype="auto", num_kv_blocks=1024)
 
 
 @dataclass

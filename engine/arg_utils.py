@@ -10,7 +10,8 @@ from engine.config import EngineConfig
 HELP = {
     "model": "HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer folder (default: the model's own)",
-    "dtype": "weight and KV-cache dtype",
+    "dtype": "weight and KV-cache dtype; auto: bfloat16 on CUDA and on CPUs with bf16 "
+             "instructions (AVX512-BF16, AMX), else float32",
     "device": "cpu or cuda[:N]",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (default: from --kv-cache-memory-gb)",
@@ -27,7 +28,7 @@ HELP = {
                    "--attention-backend cupy, else off)",
     "num_threads": "CPU threads for torch (default: all cores)",
 }
-CHOICES = {"dtype": ["float32", "bfloat16", "float16"], "scheduling_policy": ["fcfs", "priority"],
+CHOICES = {"dtype": ["float32", "bfloat16", "float16", "auto"], "scheduling_policy": ["fcfs", "priority"],
            "attention_backend": ["torch", "cupy"]}
 
 

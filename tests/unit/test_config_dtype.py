@@ -1,0 +1,37 @@
+"""`--dtype auto`: bfloat16 where bf16 is fast, float32 elsewhere, and a real dtype for the
+rest of the engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import config
+from engine.config import EngineConfig, resolve_dtype
+
+
+@pytest.mark.parametrize("has_bf16, expected", [(True, "bfloat16"), (False, "float32")])
+def test_auto_on_cpu_follows_bf16_instructions(monkeypatch, has_bf16, expected):
+    monkeypatch.setattr(config, "cpu_has_bf16", lambda: has_bf16)
+    assert EngineConfig(dtype="auto").dtype == expected
+
+
+def test_auto_on_cuda_is_bf16_and_explicit_dtypes_stay():
+    assert resolve_dtype("auto", "cuda:1") == "bfloat16"
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert resolve_dtype(dtype, "cpu") == dtype
+
+
+def test_cpu_flags_are_read(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor : 0\nflags : fpu sse avx2 avx512f avx512_bf16\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(
+        cpuinfo if path == "/proc/cpuinfo" else path, *a, **k))
+    assert config.cpu_has_bf16()
+    cpuinfo.write_text("flags : fpu sse avx2\n")
+    assert not config.cpu_has_bf16()
+
+
+def test_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="dtype: must be one of"):
+        EngineConfig(dtype="int8")
