@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.attention.torch_backend import copy_kv_blocks
 
 
 class CupyAttentionBackend:
@@ -83,9 +84,4 @@ class CupyAttentionBackend:
         return out
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=kv_caches[0].device)
-        dst = torch.tensor([d for _, d in pairs], device=kv_caches[0].device)
-        for cache in kv_caches:
-            cache[:, :, dst] = cache[:, :, src]
+        copy_kv_blocks(kv_caches, pairs)  # the torch backend's cache layout

@@ -106,12 +106,17 @@ class TorchAttentionBackend:
         return out.squeeze(0).transpose(0, 1)
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
-        if not pairs:
-            return
-        src = torch.tensor([s for s, _ in pairs], device=kv_caches[0].device)
-        dst = torch.tensor([d for _, d in pairs], device=kv_caches[0].device)
-        for cache in kv_caches:
-            cache[:, :, dst] = cache[:, :, src]
+        copy_kv_blocks(kv_caches, pairs)
+
+
+def copy_kv_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks src -> dst in every layer of a [2, Hkv, num_blocks, ...] cache."""
+    if not pairs:
+        return
+    src = torch.tensor([s for s, _ in pairs], device=kv_caches[0].device)
+    dst = torch.tensor([d for _, d in pairs], device=kv_caches[0].device)
+    for cache in kv_caches:
+        cache[:, :, dst] = cache[:, :, src]
 
 
 def _pad_decode(tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
