@@ -28,11 +28,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
-from engine.detokenizer import IncrementalDetokenizer
+from frontend.detokenizer import IncrementalDetokenizer
 from engine.ipc import sampling_params_from_proto
 from engine.sampling_params import SamplingParams
-from engine.validation import PromptLimits, check_prompt
-from frontend.prompts import Prompts
+from engine.validation import PromptLimits
+from frontend.input_processor import InputProcessor
+from frontend.servicers import prompt_from_request
 from pagedserve.v1 import generation_pb2 as gen
 from pagedserve.v1 import generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2
 from pagedserve.v1 import tokenization_pb2_grpc
@@ -70,7 +71,9 @@ class HFModel:
         self.max_model_len = config.max_model_len or min(hf.max_position_embeddings, MAX_MODEL_LEN_CAP)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = [] if eos is None else [eos]
-        self.prompts = Prompts(self.tokenizer, self.vocab_size)
+        # No KV pool here: one block per token of the model's length never binds.
+        self.input = InputProcessor(self.tokenizer, PromptLimits(self.vocab_size, self.max_model_len,
+                                                                 self.max_model_len, 1))
 
     def generate(self, prompt: list[int], params: SamplingParams, on_tokens, cancelled: threading.Event) -> int:
         """Blocking. Calls `on_tokens(ids)` as tokens come; returns how many were generated."""
@@ -196,10 +199,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if unsupported:
             raise ValueError(f"not supported by the HF baseline server: {', '.join(unsupported)}")
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        prompt = self.hf.prompts.from_request(request, add_special)
-        # No KV pool here: one block per token of the model's length never binds.
-        check_prompt(prompt, params, PromptLimits(self.hf.vocab_size, self.hf.max_model_len,
-                                                  self.hf.max_model_len, 1))
+        prompt = prompt_from_request(self.hf.input, request, add_special)
+        self.hf.input.check(prompt, params)
         return prompt, params
 
     def cancel_all(self) -> None:
@@ -214,14 +215,14 @@ class TokenizationService(tokenization_pb2_grpc.TokenizationServicer):
     async def Tokenize(self, request, context):  # noqa: N802
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         try:
-            ids = self.hf.prompts.from_request(request, add_special)
+            ids = self.hf.input.check_token_ids(prompt_from_request(self.hf.input, request, add_special))
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return tokenization_pb2.TokenizeResponse(token_ids=ids, tokens=self.hf.tokenizer.convert_ids_to_tokens(ids))
 
     async def Detokenize(self, request, context):  # noqa: N802
         try:
-            ids = self.hf.prompts.check_ids(list(request.token_ids), "token_ids")
+            ids = self.hf.input.check_token_ids(list(request.token_ids), "token_ids")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True

@@ -20,7 +20,8 @@ from engine.request import Request, RequestStatus, sample_request_id
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.stats import IterationStats
-from engine.validation import EngineOverloaded, PromptLimits, check_prompt
+from engine.errors import EngineOverloaded, InvalidRequest
+from engine.validation import PromptLimits, check_prompt
 
 log = logging.getLogger("pagedserve.engine")
 
@@ -81,13 +82,15 @@ class EngineCore:
                               self.eos_token_ids, priority, parent_id=request_id)
         self.scheduler.add_request(request)
 
-    def abort_requests(self, request_ids: list[str]) -> None:
+    def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
         """Abort these requests, all samples of a caller's id or one sample by its internal
-        id; unknown or finished ids are ignored."""
+        id; unknown or finished ids are ignored. `stopped`: a stop string, which only the
+        frontend can see, ended them; they count as finished by "stop", not aborted."""
         wanted = set(request_ids)
         internal = [r.request_id for r in self.scheduler.requests.values()
                     if r.request_id in wanted or r.parent_id in wanted]
-        self.scheduler.remove_requests(internal, RequestStatus.FINISHED_ABORTED)
+        status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
+        self.scheduler.remove_requests(internal, status)
 
     def abort_requests_with_prefix(self, prefix: str) -> None:
         """Abort every request whose id starts with `prefix` (a vanished client's namespace)."""
@@ -133,4 +136,4 @@ class EngineCore:
         check_prompt(prompt, params, self.limits)
         if request_id in self.scheduler.requests or any(
                 r.parent_id == request_id for r in self.scheduler.requests.values()):
-            raise ValueError(f"request_id {request_id!r} is already in use")
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")

@@ -57,3 +57,23 @@ def logprobs_to_proto(token_id: int, logprobs: dict[int, float]) -> gen.Position
     return gen.PositionLogprobs(
         sampled=gen.TokenLogprob(token_id=token_id, logprob=logprobs[token_id]),
         top=[gen.TokenLogprob(token_id=t, logprob=lp) for t, lp in top])
+
+
+def output_from_proto(msg: ipc.RequestOutput) -> EngineCoreOutput:
+    """The frontend's side of `output_to_proto`: back to the dataclass the output processor takes."""
+    prompt_logprobs = None
+    if msg.prompt_logprobs:  # positions 1..; position 0 has none
+        prompt_logprobs = [None] + [logprobs_from_proto(p) for p in msg.prompt_logprobs]
+    return EngineCoreOutput(
+        request_id=msg.request_id, sample_index=msg.sample_index, new_token_ids=list(msg.new_token_ids),
+        new_logprobs=[logprobs_from_proto(p) for p in msg.logprobs] or None,
+        finish_reason=msg.finish_reason or None,
+        stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None,
+        num_prompt_tokens=msg.num_prompt_tokens, num_cached_tokens=msg.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs)
+
+
+def logprobs_from_proto(msg: gen.PositionLogprobs) -> dict[int, float]:
+    logprobs = {t.token_id: t.logprob for t in msg.top}
+    logprobs[msg.sampled.token_id] = msg.sampled.logprob
+    return logprobs

@@ -26,18 +26,21 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from engine.core import EngineCore
     from engine.models.loader import eos_token_ids, load_tokenizer, model_name, resolve_model_path
+    from engine.models.loader import tokenizer_files
     from engine.proc import EngineProc
     config = engine_config_from_args(args)
     path = resolve_model_path(config.model)
     metrics_on = args.metrics_port is not None
-    core = EngineCore(config, eos_token_ids(load_tokenizer(path, config.tokenizer)), log_stats=metrics_on)
+    tokenizer = load_tokenizer(path, config.tokenizer)
+    core = EngineCore(config, eos_token_ids(tokenizer), log_stats=metrics_on)
     metrics = None
     if metrics_on:
         from engine.metrics import EngineMetrics
         from pagedserve.metrics_http import serve_metrics
         metrics = EngineMetrics(model_name(path))
         serve_metrics(args.metrics_host, args.metrics_port)
-    proc = EngineProc(core, args.address, model_name(path), metrics, args.drain_timeout_s)
+    proc = EngineProc(core, args.address, model_name(path), metrics, args.drain_timeout_s,
+                      tokenizer_files(tokenizer))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: proc.on_signal())
     proc.run()

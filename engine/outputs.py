@@ -63,6 +63,9 @@ class EngineCoreOutput:
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (position 0: None), on
+    # the request's first output only.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -22,16 +22,17 @@ import re
 import threading
 import time
 import uuid
+import zlib
 from dataclasses import dataclass, field
 
 import zmq
 
 from engine.core import EngineCore, EngineStats
+from engine.errors import EngineOverloaded, InvalidRequest
 from engine.ipc import output_to_proto, sampling_params_from_proto
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
-from engine.validation import EngineOverloaded
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 from pagedserve.v1 import info_pb2
 
@@ -69,14 +70,15 @@ class _Add:
 
 class EngineProc:
     def __init__(self, core: EngineCore, address: str, model_name: str,
-                 metrics: EngineMetrics | None = None, drain_timeout_s: float = 30.0) -> None:
+                 metrics: EngineMetrics | None = None, drain_timeout_s: float = 30.0,
+                 tokenizer_files: dict[str, bytes] | None = None) -> None:
         self.core = core
         self.address = address
         self.metrics = metrics  # None: no metrics port; the core then collects no stats
         self.drain_timeout_s = drain_timeout_s
         self.drain_deadline: float | None = None  # set by begin_drain()
         self.engine_id = uuid.uuid4().hex[:12]
-        self.welcome = self._welcome(model_name)
+        self.welcome = self._welcome(model_name, tokenizer_files or {})
         self.inputs: queue.Queue = queue.Queue()
         self.frontends: dict[str, _Frontend] = {}  # by frontend id; touched by the I/O thread only
         self.stats = _stats_to_proto(core.stats())  # latest, replaced (never mutated) by the main loop
@@ -165,12 +167,12 @@ class EngineProc:
                 self.core.add_request(item.core_id, item.prompt_token_ids, item.params, item.priority)
             except EngineOverloaded as e:
                 self._reject(item.core_id, str(e), ipc.RequestError.KIND_OVERLOADED)
-            except ValueError as e:  # the frontend validated, so this is rare (e.g. an id clash)
+            except InvalidRequest as e:  # the frontend validated, so this is rare (e.g. an id clash)
                 self._reject(item.core_id, str(e), ipc.RequestError.KIND_INVALID)
         elif isinstance(item, _AbortFrontend):
             self.core.abort_requests_with_prefix(f"{item.frontend_id}:")
-        else:  # a list of engine-side ids to abort
-            self.core.abort_requests(item)
+        else:  # (engine-side ids to abort, whether a stop string ended them)
+            self.core.abort_requests(*item)
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         batches: dict[str, ipc.OutputBatch] = {}
@@ -188,14 +190,15 @@ class EngineProc:
         reply = ipc.EngineResponse(error=ipc.RequestError(request_id=request_id, message=message, kind=kind))
         self.push.send_multipart([frontend_id.encode(), reply.SerializeToString()])
 
-    def _welcome(self, model_name: str) -> ipc.Welcome:
+    def _welcome(self, model_name: str, tokenizer_files: dict[str, bytes]) -> ipc.Welcome:
         core, cfg = self.core, self.core.config
         return ipc.Welcome(
             engine_id=self.engine_id, model_name=model_name,
             architecture=core.model_runner.arch.model_type, max_model_len=core.max_model_len,
             vocab_size=core.vocab_size, eos_token_ids=core.eos_token_ids, block_size=cfg.block_size,
             kv_blocks_total=core.block_manager.num_blocks, dtype=cfg.dtype, device=cfg.device,
-            model_path=str(core.model_path))
+            model_path=str(core.model_path),
+            tokenizer_files={name: zlib.compress(data) for name, data in tokenizer_files.items()})
 
     # -- I/O thread ----------------------------------------------------------------
 
@@ -245,7 +248,7 @@ class EngineProc:
         elif kind == "add":
             self._on_add(frontend, frontend_id, msg.add)
         elif kind == "abort":
-            self.inputs.put([f"{frontend_id}:{r}" for r in msg.abort.request_ids])
+            self.inputs.put(([f"{frontend_id}:{r}" for r in msg.abort.request_ids], msg.abort.stop_string))
         elif kind == "bye":
             log.info("frontend %s said bye", frontend_id)
             del self.frontends[frontend_id]
@@ -266,7 +269,7 @@ class EngineProc:
         core_id = f"{frontend_id}:{add.request_id}"
         try:
             params = sampling_params_from_proto(add.sampling)
-        except ValueError as e:
+        except InvalidRequest as e:
             self._reply(frontend.identity, ipc.EngineResponse(
                 error=ipc.RequestError(request_id=add.request_id, message=str(e),
                                        kind=ipc.RequestError.KIND_INVALID)))

@@ -1,7 +1,7 @@
 """Per-request sampling parameters, with vLLM's field names and validation.
 
 Every public field is checked in `__post_init__`; a bad value raises a
-`ValueError` that names the field and the allowed range, so the frontend can
+`InvalidRequest` (a ValueError) that names the field and the allowed range, so the frontend can
 hand the message straight back to the caller as INVALID_ARGUMENT.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequest
 
 # Temperatures below this are treated as greedy, as vLLM does: dividing logits
 # by a tiny temperature only overflows.
@@ -77,27 +79,27 @@ class SamplingParams:
         _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)
         if len(self.stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+            raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop: every stop string must be a non-empty string, got {s!r}")
+                raise InvalidRequest(f"stop: every stop string must be a non-empty string, got {s!r}")
         for t in self.stop_token_ids:
             _int("stop_token_ids", t, 0, 2**31 - 1)
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+                raise InvalidRequest(f"{name}: must be true or false, got {getattr(self, name)!r}")
 
 
 def _int(name: str, value: object, low: int, high: int, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an integer in [{low}, {high}]{hint}, got {value!r}")
+        raise InvalidRequest(f"{name}: must be an integer in [{low}, {high}]{hint}, got {value!r}")
     if not low <= value <= high:
-        raise ValueError(f"{name}: must be in [{low}, {high}]{hint}, got {value}")
+        raise InvalidRequest(f"{name}: must be in [{low}, {high}]{hint}, got {value}")
 
 
 def _float(name: str, value: object, low: float, high: float, low_open: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}: must be a finite number, got {value!r}")
+        raise InvalidRequest(f"{name}: must be a finite number, got {value!r}")
     bracket = "(" if low_open else "["
     if value > high or value < low or (low_open and value == low):
-        raise ValueError(f"{name}: must be in {bracket}{low}, {high}], got {value}")
+        raise InvalidRequest(f"{name}: must be in {bracket}{low}, {high}], got {value}")

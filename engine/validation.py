@@ -5,11 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
-
-
-class EngineOverloaded(Exception):
-    """The engine's waiting queue is full; the request may be retried later."""
 
 
 @dataclass(frozen=True)
@@ -20,16 +17,18 @@ class PromptLimits:
     block_size: int
 
 
-def check_prompt(prompt: list[int], params: SamplingParams, limits: PromptLimits) -> None:
-    """Raises ValueError with a message a person can act on."""
+def check_prompt(prompt: list[int], params: SamplingParams, limits: PromptLimits, field: str = "prompt") -> None:
+    """Raises InvalidRequest with a message a person can act on; `field` names the prompt as
+    the caller's API does."""
     if not prompt:
-        raise ValueError("prompt: must contain at least one token")
-    bad = next((t for t in prompt if not 0 <= t < limits.vocab_size), None)
+        raise InvalidRequest(f"{field}: must contain at least one token")
+    bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int)
+                or not 0 <= t < limits.vocab_size), None)
     if bad is not None:
-        raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
+        raise InvalidRequest(f"{field}: token id {bad!r} is outside the vocabulary [0, {limits.vocab_size})")
     bad = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
     if bad is not None:
-        raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})")
+        raise InvalidRequest(f"stop_token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})")
     total = len(prompt) + (params.max_tokens or 1)
     if total > limits.max_model_len:
         # The engine caps max_model_len at the KV pool's size (a longer sequence would preempt
@@ -38,6 +37,6 @@ def check_prompt(prompt: list[int], params: SamplingParams, limits: PromptLimits
         why = (f"the KV cache's capacity of {kv_tokens} tokens ({limits.num_kv_blocks} blocks of "
                f"{limits.block_size}); it can never fit" if kv_tokens <= limits.max_model_len else
                f"the model's maximum length of {limits.max_model_len} tokens")
-        raise ValueError(
+        raise InvalidRequest(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
             f"{why}; shorten the prompt or lower max_tokens")

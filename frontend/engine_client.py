@@ -19,13 +19,13 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from engine.validation import EngineOverloaded
+from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 
 log = logging.getLogger("pagedserve.frontend")
 
 
-class EngineLost(Exception):
+class EngineLost(Unavailable):
     """The engine stopped answering; queued into each in-flight stream."""
 
 
@@ -91,9 +91,11 @@ class EngineClient:
     async def add(self, add: ipc.AddRequest) -> None:
         await self._send(ipc.EngineRequest(add=add))
 
-    async def abort(self, request_ids: list[str]) -> None:
+    async def abort(self, request_ids: list[str], stop_string: bool = False) -> None:
+        """`stop_string`: a stop string ended them, so the engine counts them as stopped."""
         if request_ids and self.connected.is_set():
-            await self._send(ipc.EngineRequest(abort=ipc.AbortRequests(request_ids=request_ids)))
+            abort = ipc.AbortRequests(request_ids=request_ids, stop_string=stop_string)
+            await self._send(ipc.EngineRequest(abort=abort))
 
     async def _send(self, msg: ipc.EngineRequest) -> None:
         if not self.connected.is_set() and msg.WhichOneof("kind") not in ("hello", "ping"):
@@ -135,7 +137,7 @@ class EngineClient:
             queue = self.streams.get(msg.error.request_id)
             if queue is not None:
                 overloaded = msg.error.kind == ipc.RequestError.KIND_OVERLOADED
-                queue.put_nowait((EngineOverloaded if overloaded else ValueError)(msg.error.message))
+                queue.put_nowait((EngineOverloaded if overloaded else InvalidRequest)(msg.error.message))
 
     def _on_welcome(self, welcome: ipc.Welcome) -> None:
         if self.welcome is not None and welcome.engine_id != self.welcome.engine_id:

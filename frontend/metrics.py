@@ -1,7 +1,7 @@
 """The frontend's Prometheus metrics, and how an RPC's final status code is told.
 
     pagedserve:grpc_requests{method, code}   counter: finished RPCs by gRPC status code
-    pagedserve:grpc_active_streams           gauge: Generate streams in flight
+    pagedserve:active_streams{api}           gauge: generations in flight, by API (grpc, http)
     pagedserve:engine_connected              gauge: 1 while an engine answers heartbeats
 
 The engine process exports the scheduler, cache and latency metrics (engine/metrics.py).
@@ -19,8 +19,8 @@ class FrontendMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.grpc_requests = Counter("pagedserve:grpc_requests", "Finished RPCs by method and status code",
                                      ("method", "code"), registry=registry)
-        self.active_streams = Gauge("pagedserve:grpc_active_streams", "Generate streams in flight",
-                                    registry=registry)
+        self.active_streams = Gauge("pagedserve:active_streams", "Generations in flight, by API",
+                                    ("api",), registry=registry)
         self.engine_connected = Gauge("pagedserve:engine_connected",
                                       "1 while an engine answers heartbeats, else 0", registry=registry)
 

@@ -1,4 +1,5 @@
-"""One structured log line per Generate call, written when it ends (logfmt: key=value).
+"""One structured log line per generation request, gRPC or HTTP, written when it ends
+(logfmt: key=value; `code` is the gRPC status name or the HTTP status).
 
     request_id=abc code=OK finish_reason=length prompt_tokens=12 cached_tokens=0
     completion_tokens=64 ttft_ms=31.2 e2e_ms=880.4 n=1
@@ -13,8 +14,6 @@ import json
 import logging
 import time
 
-import grpc
-
 log = logging.getLogger("pagedserve.requests")
 
 
@@ -24,26 +23,18 @@ class RequestLog:
         self.start = time.monotonic()
         self.fields: dict[str, object] = {}
 
-    def write(self, code: grpc.StatusCode, stream=None, request=None) -> None:
-        """`stream`: the admitted Stream, if it got that far; `request`: the GenerateRequest."""
-        fields = {**self.fields, "code": code.name}
-        if stream is not None:
-            fields.update(stream.summary())
-            if stream.first_token_time is not None:
-                fields["ttft_ms"] = round((stream.first_token_time - self.start) * 1000, 1)
+    def write(self, code: str, generation=None, prompt: object = None) -> None:
+        """`generation`: the admitted request, if it got that far; `prompt` as the caller sent it."""
+        fields = {"request_id": generation.request_id} if generation is not None else {}
+        fields.update(self.fields, code=code)
+        if generation is not None:
+            fields.update(generation.summary())
+            if generation.first_token_time is not None:
+                fields["ttft_ms"] = round((generation.first_token_time - self.start) * 1000, 1)
         fields["e2e_ms"] = round((time.monotonic() - self.start) * 1000, 1)
-        if self.log_prompts and request is not None:
-            fields["prompt"] = _prompt(request)
+        if self.log_prompts and prompt is not None:
+            fields["prompt"] = prompt
         log.info(" ".join(f"{k}={_value(v)}" for k, v in fields.items()))
-
-
-def _prompt(request) -> object:
-    kind = request.WhichOneof("input")
-    if kind == "token_ids":
-        return list(request.token_ids.ids)
-    if kind == "chat":
-        return [{"role": m.role, "content": m.content} for m in request.chat.messages]
-    return request.text
 
 
 def _value(v: object) -> str:

@@ -21,11 +21,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from frontend.async_llm import AsyncLLM
 from frontend.engine_client import EngineClient
 from frontend.interceptors import DecodeGuard, MetricsInterceptor
 from frontend.metrics import FrontendMetrics
-from frontend.prompts import Prompts
-from frontend.servicers import FrontendState, GenerationService, InfoService, TokenizationService
+from frontend.servicers import GenerationService, GrpcContext, InfoService, TokenizationService
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc, info_pb2, info_pb2_grpc
 from pagedserve.v1 import tokenization_pb2, tokenization_pb2_grpc
 
@@ -38,7 +38,7 @@ class FrontendConfig:
     engine_address: str
     host: str = "127.0.0.1"
     grpc_port: int = 50051
-    tokenizer: str | None = None  # default: the engine's model, found through the handshake
+    tokenizer: str | None = None  # a tokenizer folder; default: the one the engine hands over
     max_concurrent_streams: int = 256
     heartbeat_s: float = 0.5
     engine_timeout_s: float = 3.0
@@ -63,64 +63,64 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     address = f"{config.host}:{port}"
     health_servicer = health.aio.HealthServicer()
-    state = _state(config, address, health_servicer, metrics)
-    _add_services(server, state, health_servicer)
+    llm = _async_llm(config, address, health_servicer, metrics)
+    _add_services(server, GrpcContext(llm, metrics, config.log_prompts), health_servicer)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(GENERATION_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
     print(f"grpc listening on {address}", flush=True)
-    await state.client.start()
+    await llm.client.start()
     try:
         await stop.wait()
-        await _drain(state, health_servicer, config.drain_timeout_s, force)
+        await _drain(llm, health_servicer, config.drain_timeout_s, force)
     finally:
         log.info("frontend stopping")
         await server.stop(grace=1.0)
-        await state.client.close()
+        await llm.client.close()
 
 
-async def _drain(state: FrontendState, health_servicer, timeout_s: float, force: asyncio.Event) -> None:
-    state.draining = True
+async def _drain(llm: AsyncLLM, health_servicer, timeout_s: float, force: asyncio.Event) -> None:
+    llm.draining = True
     for service in ("", GENERATION_SERVICE):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    log.info("draining: %d streams running, waiting up to %.0fs", len(state.active), timeout_s)
+    log.info("draining: %d requests running, waiting up to %.0fs", len(llm.active), timeout_s)
     deadline = time.monotonic() + timeout_s
-    while state.active and time.monotonic() < deadline and not force.is_set():
+    while llm.active and time.monotonic() < deadline and not force.is_set():
         await asyncio.sleep(0.05)
-    if state.active:
-        log.warning("drain ended with %d streams still running; they are cancelled", len(state.active))
+    if llm.active:
+        log.warning("drain ended with %d requests still running; they are cancelled", len(llm.active))
 
 
-def _state(config: FrontendConfig, address: str, health_servicer, metrics: FrontendMetrics) -> FrontendState:
-    state = FrontendState(client=None, prompts=None, max_concurrent_streams=config.max_concurrent_streams,
-                          metrics=metrics, grpc_address=address, log_prompts=config.log_prompts)
+def _async_llm(config: FrontendConfig, address: str, health_servicer, metrics: FrontendMetrics) -> AsyncLLM:
+    llm = AsyncLLM(None, config.max_concurrent_streams, config.tokenizer)
+    announced = False
 
     def on_engine_state(connected: bool) -> None:
-        if connected and state.prompts is None:
-            state.prompts = _load_prompts(config, state.client.welcome)
+        nonlocal announced
+        if connected:
+            try:
+                llm.on_welcome(llm.client.welcome)
+            except Exception:  # noqa: BLE001 - stay NOT_SERVING, say why, keep the process up
+                log.exception("could not load the tokenizer; not serving")
+                return
+            if not announced:
+                announced = True
+                print(f"pagedserve ready: model {llm.client.welcome.model_name}, grpc {address}", flush=True)
         metrics.engine_connected.set(1 if connected else 0)
-        if state.draining:
+        if llm.draining:
             return  # stays NOT_SERVING
         status = health_pb2.HealthCheckResponse.SERVING if connected else health_pb2.HealthCheckResponse.NOT_SERVING
         asyncio.ensure_future(health_servicer.set(GENERATION_SERVICE, status))
 
-    state.client = EngineClient(config.engine_address, uuid.uuid4().hex, address, config.heartbeat_s,
-                                config.engine_timeout_s, on_engine_state)
-    return state
+    llm.client = EngineClient(config.engine_address, uuid.uuid4().hex, address, config.heartbeat_s,
+                              config.engine_timeout_s, on_engine_state)
+    return llm
 
 
-def _load_prompts(config: FrontendConfig, welcome) -> Prompts:
-    from pathlib import Path
-
-    from engine.models.loader import load_tokenizer
-    tokenizer = load_tokenizer(Path(welcome.model_path), config.tokenizer)
-    return Prompts(tokenizer, welcome.vocab_size)
-
-
-def _add_services(server, state: FrontendState, health_servicer) -> None:
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(state), server)
-    tokenization_pb2_grpc.add_TokenizationServicer_to_server(TokenizationService(state), server)
-    info_pb2_grpc.add_InfoServicer_to_server(InfoService(state), server)
+def _add_services(server, ctx: GrpcContext, health_servicer) -> None:
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(ctx), server)
+    tokenization_pb2_grpc.add_TokenizationServicer_to_server(TokenizationService(ctx), server)
+    info_pb2_grpc.add_InfoServicer_to_server(InfoService(ctx), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [
         GENERATION_SERVICE,

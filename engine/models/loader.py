@@ -100,6 +100,15 @@ def load_tokenizer(path: Path, tokenizer: str | None = None):
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """The tokenizer as `save_pretrained` writes it, by file name: what the engine hands its
+    frontends at the handshake, so they load it without torch or model files."""
+    from frontend.tokenizer import files_from_dir
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        return files_from_dir(folder)
+
+
 def eos_token_ids(tokenizer) -> tuple[int, ...]:
     eos = tokenizer.eos_token_id
     return () if eos is None else (eos,)

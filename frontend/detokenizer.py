@@ -1,5 +1,5 @@
-"""Incremental detokenization and stop-string matching, shared by the offline
-`LLM` and the gRPC frontend.
+"""Incremental detokenization and stop-string matching, for the output processor (which
+serves gRPC, HTTP and the offline `LLM`).
 
 Decoding token by token breaks multi-byte characters and merges (a space may
 belong to the next token), so each step decodes a small window of recent

@@ -1,0 +1,216 @@
+"""AsyncLLM: what every API of the frontend calls to run a request (vLLM v1's AsyncLLM).
+
+    API (gRPC servicer, HTTP route)                 AsyncLLM                       engine
+      parse its own fields ──► input processor ──► admit() ──► generate() ── AddRequest ──►
+                                                                 ▲ deltas   ◄── outputs ───
+                                                          RequestState (output processor)
+
+It owns admission (draining, engine present, concurrency, one check of the prompt), the
+engine link, and each request's output state. The APIs only translate: their fields to
+`SamplingParams` and a prompt, `SampleDelta`s to their messages, and the typed errors
+(`InvalidRequest`, `EngineOverloaded`, `Unavailable`) to their status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
+from engine.ipc import output_from_proto, sampling_params_to_proto
+from engine.sampling_params import SamplingParams
+from engine.validation import PromptLimits
+from frontend.engine_client import EngineClient, EngineLost
+from frontend.input_processor import InputProcessor
+from frontend.output_processor import ABORT, TIME_LIMIT, RequestState, SampleDelta
+from frontend.tokenizer import Tokenizer
+from pagedserve.v1 import engine_ipc_pb2 as ipc
+
+log = logging.getLogger("pagedserve.frontend")
+_ABORTED = object()  # queued by abort(): the caller asked to stop it
+_TIME_LIMIT = object()  # the request's time limit ran out
+_ERRORS = (EngineLost, EngineOverloaded, InvalidRequest)  # queued by the engine client
+
+
+@dataclass
+class Generation:
+    """One admitted request. `request_id` is the caller's; the engine sees a fresh
+    `engine_id`, so a late token of an aborted request never reaches a new one with the same id."""
+
+    request_id: str
+    state: RequestState
+    priority: int = 0
+    arrival: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None  # time.monotonic() of the first token
+    queue: asyncio.Queue | None = None
+
+    @property
+    def engine_id(self) -> str:
+        return self.state.engine_id
+
+    @property
+    def done(self) -> bool:
+        return self.state.done
+
+    def summary(self) -> dict[str, object]:
+        """For the request log: token counts and how each sample ended."""
+        reasons = [s.finish_reason or "none" for s in self.state.samples]
+        return {"finish_reason": ",".join(reasons), "prompt_tokens": len(self.state.prompt),
+                "cached_tokens": self.state.num_cached_tokens,
+                "completion_tokens": self.state.num_completion_tokens, "n": len(reasons)}
+
+
+class AsyncLLM:
+    def __init__(self, client: EngineClient, max_concurrent_streams: int, tokenizer_path: str | None = None) -> None:
+        self.client = client
+        self.max_concurrent_streams = max_concurrent_streams
+        self.tokenizer_path = tokenizer_path  # --tokenizer: overrides the engine's
+        self.input: InputProcessor | None = None  # from the first handshake on
+        self.draining = False  # shutting down: refuse new requests, let running ones finish
+        self.active: dict[str, Generation] = {}  # by the caller's request id
+
+    @property
+    def tokenizer(self):
+        return self.input.tokenizer if self.input is not None else None
+
+    @property
+    def ready(self) -> bool:
+        return self.client.connected.is_set() and self.input is not None and not self.draining
+
+    def on_welcome(self, welcome: ipc.Welcome) -> None:
+        """Each handshake: the model's limits (a restarted engine may have another KV pool);
+        the tokenizer only once."""
+        limits = PromptLimits(welcome.vocab_size, welcome.max_model_len, welcome.kv_blocks_total,
+                              welcome.block_size)
+        if self.input is None:
+            self.input = InputProcessor(_load_tokenizer(welcome, self.tokenizer_path), limits)
+        self.input.limits = limits
+
+    def require_engine(self) -> InputProcessor:
+        """For calls that need the model but start no generation (tokenize, model info)."""
+        if not self.client.connected.is_set() or self.input is None:
+            raise Unavailable("no engine connected; retry shortly")
+        return self.input
+
+    def require_ready(self) -> InputProcessor:
+        """For a new generation: an engine, and not draining."""
+        if self.draining:
+            raise Unavailable("server is shutting down; retry on another replica")
+        return self.require_engine()
+
+    def admit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+              priority: int = 0, prompt_field: str = "prompt") -> Generation:
+        """Check everything that can be checked before a response starts."""
+        processor = self.require_ready()
+        processor.check(prompt, params, prompt_field)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.active:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use by a running request")
+        if len(self.active) >= self.max_concurrent_streams:
+            raise EngineOverloaded(f"server busy: {len(self.active)} requests running "
+                                   f"(--max-concurrent-streams {self.max_concurrent_streams}); retry later")
+        state = RequestState(uuid.uuid4().hex, prompt, params, processor.tokenizer,
+                             self.client.welcome.eos_token_ids)
+        return Generation(request_id, state, priority)
+
+    async def generate(self, gen: Generation, time_limit_s: float | None = None
+                       ) -> AsyncIterator[list[SampleDelta]]:
+        """Run an admitted request; yields the deltas that arrived together (several tokens
+        per sample under load). Leaving early (cancel, disconnect) stops it in the engine."""
+        client, engine_id = self.client, gen.engine_id
+        self.active[gen.request_id] = gen
+        gen.queue = client.open_stream(engine_id)
+        deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+        try:
+            params = gen.state.params
+            await client.add(ipc.AddRequest(request_id=engine_id, prompt_token_ids=gen.state.prompt,
+                                            sampling=sampling_params_to_proto(params), priority=gen.priority))
+            while not gen.done:
+                items = [await _next(gen.queue, deadline)]
+                while not gen.queue.empty():
+                    items.append(gen.queue.get_nowait())
+                deltas = self._handle(gen, items)
+                if deltas:
+                    yield deltas
+        finally:
+            del self.active[gen.request_id]
+            client.close_stream(engine_id)
+            if not gen.done:  # cancelled, disconnected or failed: free its blocks
+                self._abort_later([engine_id])
+
+    def abort(self, request_ids: list[str]) -> list[bool]:
+        """Stop running requests by the caller's id; their streams end with reason "abort".
+        True for each id that was running."""
+        found, engine_ids = [], []
+        for request_id in request_ids:
+            gen = self.active.get(request_id)
+            if gen is None or gen.queue is None or gen.done:
+                found.append(False)
+                continue
+            gen.queue.put_nowait(_ABORTED)
+            engine_ids.append(gen.engine_id)
+            found.append(True)
+        self._abort_later(engine_ids)
+        return found
+
+    def _handle(self, gen: Generation, items: list) -> list[SampleDelta]:
+        outputs, deltas = [], []
+        for item in items:
+            if isinstance(item, _ERRORS):
+                raise item
+            if item is _ABORTED or item is _TIME_LIMIT:
+                deltas += self._process(gen, outputs)
+                outputs = []
+                deltas += gen.state.finish_all(ABORT if item is _ABORTED else TIME_LIMIT)
+                if item is _TIME_LIMIT:
+                    self._abort_later([gen.engine_id])
+                continue
+            outputs.append(output_from_proto(item))
+        deltas += self._process(gen, outputs)
+        if gen.first_token_time is None and any(d.token_ids for d in deltas):
+            gen.first_token_time = time.monotonic()
+        return deltas
+
+    def _process(self, gen: Generation, outputs: list) -> list[SampleDelta]:
+        if not outputs:
+            return []
+        deltas, to_stop = gen.state.process(outputs)
+        if to_stop:
+            self._abort_later(to_stop, stop_string=True)
+        return deltas
+
+    def _abort_later(self, engine_ids: list[str], stop_string: bool = False) -> None:
+        # Its own task: the caller may itself be a cancelled task, where an await would not run.
+        if not engine_ids:
+            return
+
+        async def send() -> None:
+            try:
+                await self.client.abort(engine_ids, stop_string)
+            except EngineLost:
+                pass  # the engine is gone, and its requests with it
+        asyncio.ensure_future(send())
+
+
+async def _next(queue: asyncio.Queue, deadline: float | None):
+    if deadline is None:
+        return await queue.get()
+    try:
+        return await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        return _TIME_LIMIT
+
+
+def _load_tokenizer(welcome: ipc.Welcome, path: str | None) -> Tokenizer:
+    if path is not None:
+        return Tokenizer.from_dir(path)
+    if not welcome.tokenizer_files:
+        raise RuntimeError("the engine sent no tokenizer; start the frontend with --tokenizer")
+    files = {name: zlib.decompress(data) for name, data in welcome.tokenizer_files.items()}
+    log.info("tokenizer received from the engine (%s)", ", ".join(sorted(files)))
+    return Tokenizer.from_files(files)

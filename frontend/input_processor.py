@@ -1,0 +1,83 @@
+"""Request input -> prompt token ids, checked once: the input side shared by gRPC, HTTP and
+the offline `LLM` (vLLM v1's InputProcessor).
+
+Every method raises `InvalidRequest` with a message a person can act on; each API maps that
+to its own status once. Each API's own parameters become `SamplingParams` in that API's
+module (`engine/ipc.py` for the proto, `frontend/http/params.py` for OpenAI and Anthropic);
+`SamplingParams` validates them.
+"""
+
+from __future__ import annotations
+
+from engine.errors import InvalidRequest
+from engine.sampling_params import SamplingParams
+from engine.validation import PromptLimits, check_prompt
+
+MAX_PROMPT_CHARS = 4_000_000  # refuse before tokenizing absurd inputs
+MAX_CHAT_MESSAGES = 1024
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, limits: PromptLimits) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+
+    def tokenize(self, text: str, add_special_tokens: bool = True, field: str = "text") -> list[int]:
+        if not isinstance(text, str) or not text:
+            raise InvalidRequest(f"{field}: must be a non-empty string")
+        if len(text) > MAX_PROMPT_CHARS:
+            raise InvalidRequest(f"{field}: {len(text)} characters is more than the {MAX_PROMPT_CHARS} allowed")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None, field: str = "messages") -> str:
+        """The prompt text of a conversation, through the model's chat template."""
+        self._check_messages(messages, field)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequest(f"{field}: this model has no chat template; send a plain prompt")
+        if add_generation_prompt and continue_final_message:
+            raise InvalidRequest("add_generation_prompt and continue_final_message cannot both be true")
+        if continue_final_message and messages[-1]["role"] != "assistant":
+            raise InvalidRequest("continue_final_message: the last message must be the assistant's")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - the template itself rejects the conversation
+            raise InvalidRequest(f"{field}: the model's chat template rejected it: {e}") from None
+
+    def tokenize_chat(self, messages: list[dict], **kwargs) -> list[int]:
+        # The rendered template already holds BOS and friends.
+        return self.tokenizer.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+
+    def check_token_ids(self, ids: list[int], field: str = "token_ids") -> list[int]:
+        """For a list that is not a prompt (Detokenize)."""
+        vocab = self.limits.vocab_size
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"{field}: token id {bad!r} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def check(self, prompt: list[int], params: SamplingParams, field: str = "prompt") -> None:
+        """The one check of a prompt against the model and the KV pool."""
+        check_prompt(prompt, params, self.limits, field)
+
+    def max_tokens_left(self, prompt: list[int]) -> int:
+        """What the context leaves for output: the default when a request sets no limit."""
+        return max(1, self.limits.max_model_len - len(prompt))
+
+    @staticmethod
+    def _check_messages(messages: list[dict], field: str) -> None:
+        if not messages:
+            raise InvalidRequest(f"{field}: needs at least one message")
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise InvalidRequest(f"{field}: at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}")
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise InvalidRequest(f"{field}[{i}].role: {m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}")
+            if not isinstance(m.get("content"), str):
+                raise InvalidRequest(f"{field}[{i}].content: must be text")
+        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
+            raise InvalidRequest(f"{field}: more than {MAX_PROMPT_CHARS} characters in all")

@@ -1,0 +1,105 @@
+"""A Hugging Face tokenizer without torch: the `tokenizers` library plus transformers' own
+chat-template renderer.
+
+transformers' AutoTokenizer imports torch as soon as torch is installed (through its config
+and RoPE modules), and a frontend that imports torch starts seconds slower and carries
+hundreds of MB it never uses. TGI's router makes the same choice: the Rust tokenizer and
+the chat template, nothing else.
+
+The files are what `save_pretrained` writes (tokenizer.json, tokenizer_config.json,
+chat_template.jinja). The engine hands them over at the handshake, so the frontend needs no
+model files of its own (`files_from_dir` / `Tokenizer.from_files`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer as RustTokenizer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                   "special_tokens_map.json")
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def files_from_dir(path: str | Path) -> dict[str, bytes]:
+    """The tokenizer's files in a `save_pretrained` folder, by name."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{path} has no tokenizer.json (a fast tokenizer is needed)")
+    return {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
+
+
+class Tokenizer:
+    """The part of a transformers tokenizer the frontend uses, with the same names and results:
+    encode, decode, convert_ids_to_tokens, apply_chat_template, eos_token_id."""
+
+    def __init__(self, backend: RustTokenizer, config: dict, chat_template: str | None) -> None:
+        self.backend = backend
+        self.config = config
+        self.chat_template = chat_template
+        self.special_tokens_map = {k: _token_text(config[k]) for k in _SPECIAL if config.get(k)}
+        eos = self.special_tokens_map.get("eos_token")
+        self.eos_token_id = backend.token_to_id(eos) if eos is not None else None
+        # transformers skips this clean-up for BPE models: it deletes real spaces there.
+        self._clean_up = (bool(config.get("clean_up_tokenization_spaces"))
+                          and type(backend.model).__name__ != "BPE")
+
+    @classmethod
+    def from_files(cls, files: dict[str, bytes]) -> Tokenizer:
+        if "tokenizer.json" not in files:
+            raise ValueError("tokenizer files: tokenizer.json is missing")
+        config = json.loads(files.get("tokenizer_config.json", b"{}"))
+        template = config.get("chat_template")
+        if "chat_template.jinja" in files:
+            template = files["chat_template.jinja"].decode()
+        elif "chat_template.json" in files:
+            template = json.loads(files["chat_template.json"]).get("chat_template")
+        if isinstance(template, list):  # named templates: the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        return cls(RustTokenizer.from_str(files["tokenizer.json"].decode()), config, template)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        return cls.from_files(files_from_dir(path))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return _clean_up(text) if self._clean_up else text
+
+    def convert_ids_to_tokens(self, ids: int | list[int]) -> str | list[str]:
+        if isinstance(ids, int):
+            return self.backend.id_to_token(ids)
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], *, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tools: list[dict] | None = None,
+                            **kwargs: object) -> str:
+        """The rendered prompt text (transformers' renderer; `tokenize=False` in its terms)."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template")
+        rendered, _ = render_jinja_template(
+            conversations=[messages], tools=tools, chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+            **{**self.special_tokens_map, **kwargs})
+        return rendered[0]
+
+
+def _token_text(value: object) -> str:
+    return value["content"] if isinstance(value, dict) else str(value)  # an AddedToken dict or a string
+
+
+def _clean_up(text: str) -> str:
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                 (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
