@@ -73,6 +73,7 @@ class AsyncLLM:
         self.input: InputProcessor | None = None  # from the first handshake on
         self.draining = False  # shutting down: refuse new requests, let running ones finish
         self.active: dict[str, Generation] = {}  # by the caller's request id
+        self.http_address = ""  # for the ready line, once the HTTP API listens
 
     @property
     def tokenizer(self):

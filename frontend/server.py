@@ -15,7 +15,7 @@ import logging
 import signal
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -46,6 +46,9 @@ class FrontendConfig:
     metrics_port: int | None = None  # None: no /metrics
     metrics_host: str = "127.0.0.1"
     log_prompts: bool = False
+    http_port: int | None = 8000  # None: no HTTP API
+    served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
+    api_key: str | None = None  # guards the HTTP API's /v1 routes
 
 
 async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> None:
@@ -69,12 +72,23 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(GENERATION_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
     print(f"grpc listening on {address}", flush=True)
+    http = None
+    if config.http_port is not None:
+        from frontend.http.app import start_http
+        from frontend.http.context import HttpContext
+        ctx = HttpContext(llm, metrics, config.served_model_names, config.api_key)
+        http = await start_http(ctx, config.host, config.http_port)
+        llm.http_address = http[2]
+        print(f"http listening on {http[2]}", flush=True)
     await llm.client.start()
     try:
         await stop.wait()
         await _drain(llm, health_servicer, config.drain_timeout_s, force)
     finally:
         log.info("frontend stopping")
+        if http is not None:
+            http[0].should_exit = True
+            await http[1]
         await server.stop(grace=1.0)
         await llm.client.close()
 
@@ -105,7 +119,8 @@ def _async_llm(config: FrontendConfig, address: str, health_servicer, metrics: F
                 return
             if not announced:
                 announced = True
-                print(f"pagedserve ready: model {llm.client.welcome.model_name}, grpc {address}", flush=True)
+                http = f", http http://{llm.http_address}/v1" if llm.http_address else ""
+                print(f"pagedserve ready: model {llm.client.welcome.model_name}, grpc {address}{http}", flush=True)
         metrics.engine_connected.set(1 if connected else 0)
         if llm.draining:
             return  # stays NOT_SERVING

@@ -36,19 +36,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
 
 
-# Flags of the frontend alone, with the number of values each takes; the rest go to the engine.
+# Flags of the frontend alone, with the number of values each takes (-1: all up to the next
+# flag); the rest go to the engine.
 _FRONTEND_ONLY = {"--host": 1, "--grpc-port": 1, "--max-concurrent-streams": 1, "--engine-timeout-s": 1,
                   "--engine-address": 1, "--log-level": 1, "--metrics-port": 1, "--engine-metrics-port": 1,
-                  "--log-prompts": 0}
+                  "--log-prompts": 0, "--http-port": 1, "--served-model-name": -1, "--api-key": 1}
 
 
 def engine_command(args: argparse.Namespace, argv: list[str]) -> list[str]:
     """The child's command line: our engine flags, passed through unchanged."""
     passthrough, skip = [], 0
     for arg in argv:
-        if skip:
-            skip -= 1
+        if skip and not (skip < 0 and arg.startswith("--")):
+            skip -= 1 if skip > 0 else 0
             continue
+        skip = 0
         flag = arg.split("=", 1)[0]
         if flag in _FRONTEND_ONLY:
             skip = 0 if "=" in arg else _FRONTEND_ONLY[flag]

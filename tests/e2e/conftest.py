@@ -134,7 +134,7 @@ def start_engine(address: str, *flags: str) -> subprocess.Popen:
 
 
 def start_frontend(engine_address: str, *flags: str) -> Frontend:
-    proc = pagedserve("frontend", "--engine-address", engine_address, "--grpc-port", "0", *flags)
+    proc = pagedserve("frontend", "--engine-address", engine_address, "--grpc-port", "0", "--http-port", "0", *flags)
     return Frontend(proc, read_grpc_address(proc))
 
 

@@ -544,7 +544,7 @@ def test_unset_max_tokens_is_not_16(frontend):
 
 def test_serve_runs_both_and_stops_both_on_sigterm(procs):
     engine_port = procs.free_port()
-    proc = procs.pagedserve("serve", "--grpc-port", "0", "--engine-address", f"tcp://127.0.0.1:{engine_port}",
+    proc = procs.pagedserve("serve", "--grpc-port", "0", "--http-port", "0", "--engine-address", f"tcp://127.0.0.1:{engine_port}",
                             "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "1024",
                             "--num-threads", "1")
     children: list[psutil.Process] = []

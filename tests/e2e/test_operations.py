@@ -252,7 +252,7 @@ def test_drain_timeout_cuts_long_streams(procs):
 
 
 def test_serve_exits_when_its_engine_cannot_start(procs, tmp_path):
-    proc = procs.pagedserve("serve", "--grpc-port", "0", "--engine-address",
+    proc = procs.pagedserve("serve", "--grpc-port", "0", "--http-port", "0", "--engine-address",
                             f"tcp://127.0.0.1:{procs.free_port()}", "--model", str(tmp_path / "missing.gguf"))
     try:
         code = proc.wait(120)

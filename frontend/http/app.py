@@ -1,0 +1,176 @@
+"""The HTTP API: OpenAI- and Anthropic-compatible routes, health, tokenization and metrics,
+served by uvicorn on the frontend's own event loop beside grpc.aio.
+
+    POST /v1/completions  /v1/chat/completions  /v1/messages (Anthropic)
+    GET  /v1/models  /health  /version  /metrics      POST /tokenize  /detokenize
+
+`--api-key` guards /v1/* (Bearer, or Anthropic's x-api-key), as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import socket
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
+
+from frontend.http.anthropic_api import create_message
+from frontend.http.context import HttpContext, parse_body
+from frontend.http.errors import HTTPError, from_exception, not_found
+from frontend.http.openai_api import create_chat_completion, create_completion
+from frontend.http.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
+
+log = logging.getLogger("pagedserve.http")
+VERSION = "0.1.0"
+
+
+def build_app(ctx: HttpContext) -> FastAPI:
+    app = FastAPI(title="pagedserve", version=VERSION, docs_url=None, redoc_url=None)
+
+    def anthropic(request: Request) -> bool:
+        return request.url.path == "/v1/messages"
+
+    async def on_error(request: Request, e: Exception):
+        return from_exception(e).response(anthropic(request))
+
+    # Known errors by class; anything else is a bug: 500 with a generic body (from_exception),
+    # and Starlette re-raises it so the trace reaches the server log, never the client.
+    for cls in (HTTPError, InvalidRequest, EngineOverloaded, Unavailable, ValidationError, Exception):
+        app.add_exception_handler(cls, on_error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            return not_found(f"no route {request.method} {request.url.path}").response(anthropic(request))
+        error = HTTPError(e.status_code, str(e.detail), "invalid_request_error")
+        return error.response(anthropic(request))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, e: RequestValidationError):
+        return HTTPError(400, str(e), "invalid_request_error").response(anthropic(request))
+
+    @app.middleware("http")
+    async def auth_and_log(request: Request, call_next):
+        start = time.monotonic()
+        if ctx.api_key is not None and request.url.path.startswith("/v1/") and not _authorized(request, ctx.api_key):
+            response = HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                 "authentication_error", code="invalid_api_key").response(anthropic(request))
+        else:
+            response = await call_next(request)
+        log.info("method=%s path=%s status=%d ms=%.1f", request.method, request.url.path,
+                 response.status_code, (time.monotonic() - start) * 1000)
+        return response
+
+    _add_openai_routes(app, ctx)
+    _add_server_routes(app, ctx)
+    return app
+
+
+def _authorized(request: Request, key: str) -> bool:
+    given = request.headers.get("authorization", "")
+    given = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+    return hmac.compare_digest(given.encode(), key.encode())
+
+
+def _add_openai_routes(app: FastAPI, ctx: HttpContext) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await create_completion(ctx, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await create_chat_completion(ctx, request)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        return await create_message(ctx, request)
+
+    @app.get("/v1/models")
+    async def models():
+        ctx.llm.require_engine()
+        welcome = ctx.llm.client.welcome
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": welcome.model_name,
+             "max_model_len": welcome.max_model_len} for name in ctx.model_names()]}
+
+
+def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
+    @app.get("/health")
+    async def health():
+        if ctx.llm.ready:
+            return Response(status_code=200)
+        why = "draining for shutdown" if ctx.llm.draining else "no engine connected"
+        return HTTPError(503, why, "service_unavailable_error").response()
+
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await parse_body(request, TokenizeRequest)
+        ctx.check_model(body.model)
+        processor = ctx.llm.require_engine()
+        if (body.prompt is None) == (body.messages is None):
+            raise HTTPError(400, "give one of prompt or messages", "invalid_request_error", "prompt")
+        if body.prompt is not None:
+            ids = processor.tokenize(body.prompt, body.add_special_tokens, field="prompt")
+        else:
+            ids = processor.tokenize_chat([_message(m) for m in body.messages],
+                                          add_generation_prompt=body.add_generation_prompt)
+        return {"count": len(ids), "max_model_len": processor.limits.max_model_len, "tokens": ids,
+                "token_strs": processor.tokenizer.convert_ids_to_tokens(ids)}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await parse_body(request, DetokenizeRequest)
+        ctx.check_model(body.model)
+        processor = ctx.llm.require_engine()
+        ids = processor.check_token_ids(body.tokens, "tokens")
+        return {"prompt": processor.tokenizer.decode(ids)}
+
+
+def _message(m: ChatMessage) -> dict:
+    content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+    return {"role": m.role, "content": content or ""}
+
+
+class _Server(uvicorn.Server):
+    """uvicorn on the frontend's loop; the frontend owns SIGTERM (its drain), so no handlers here."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+async def start_http(ctx: HttpContext, host: str, port: int) -> tuple[_Server, asyncio.Task, str]:
+    """Serve in the background; returns the server, its task and the bound HOST:PORT."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(build_app(ctx), lifespan="off", access_log=False, log_config=None,
+                            timeout_graceful_shutdown=1)
+    server = _Server(config)
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started and not task.done():
+        await asyncio.sleep(0.01)
+    if task.done():
+        task.result()  # raises why it could not start
+    bound = sock.getsockname()
+    return server, task, f"{host}:{bound[1]}"

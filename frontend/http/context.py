@@ -1,0 +1,86 @@
+"""What the HTTP routes share, and body parsing."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from fastapi import Request
+from pydantic import BaseModel
+
+from frontend.async_llm import AsyncLLM
+from frontend.http.errors import bad_request, not_found
+from frontend.metrics import FrontendMetrics
+
+log = logging.getLogger("pagedserve.http")
+MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass
+class HttpContext:
+    llm: AsyncLLM
+    metrics: FrontendMetrics
+    served_names: list[str] = field(default_factory=list)  # empty: the engine's model name
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        self.token_text = lru_cache(maxsize=65536)(self._token_text)
+
+    def model_names(self) -> list[str]:
+        if self.served_names:
+            return self.served_names
+        welcome = self.llm.client.welcome
+        return [welcome.model_name] if welcome is not None else []
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names():
+            raise not_found(f"The model `{model}` does not exist; GET /v1/models lists the models served here",
+                            "model")
+
+    def _token_text(self, token_id: int) -> str:
+        """A token's own text, as OpenAI's logprobs show it (a byte-level piece of a character
+        decodes to U+FFFD, as in vLLM)."""
+        return self.llm.tokenizer.decode([token_id])
+
+    async def counted(self, stream: AsyncIterator[str]) -> AsyncIterator[str]:
+        gauge = self.metrics.active_streams.labels("http")
+        gauge.inc()
+        try:
+            async for item in stream:
+                yield item
+        finally:
+            gauge.dec()
+
+    async def counted_call(self, work: Awaitable):
+        gauge = self.metrics.active_streams.labels("http")
+        gauge.inc()
+        try:
+            return await work
+        finally:
+            gauge.dec()
+
+    @property
+    def served_name(self) -> str:
+        names = self.model_names()
+        return names[0] if names else ""
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    """The JSON body as `model`, or a 400 naming what is wrong (never FastAPI's 422)."""
+    raw = await request.body()
+    if len(raw) > MAX_BODY_BYTES:
+        raise bad_request(f"body: {len(raw)} bytes is more than the {MAX_BODY_BYTES} allowed")
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"body: not valid JSON ({e})", "body") from None
+    if not isinstance(data, dict):
+        raise bad_request("body: must be a JSON object", "body")
+    parsed = model.model_validate(data)  # a ValidationError becomes a 400 in the error handler
+    unknown = parsed.unknown_fields() if hasattr(parsed, "unknown_fields") else []
+    if unknown:
+        log.debug("ignored unknown fields in %s: %s", request.url.path, ", ".join(unknown))
+    return parsed

@@ -1,0 +1,121 @@
+"""Request bodies of the HTTP API: OpenAI's shapes with vLLM's extras, and Anthropic's.
+
+Types are checked here (pydantic); ranges by `SamplingParams`, so both APIs and gRPC give
+the same messages. Unknown fields are allowed and logged at debug level, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+
+
+class _Sampling(_Request):
+    """The sampling fields both OpenAI endpoints share."""
+
+    model: str | None = None
+    n: StrictInt = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    best_of: StrictInt | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extras
+    top_k: StrictInt | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: StrictBool = False
+    min_tokens: StrictInt = 0
+    stop_token_ids: list[StrictInt] | None = None
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
+    prompt_logprobs: StrictInt | None = None
+    priority: StrictInt = 0
+    request_id: str | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: StrictInt | None = 16  # OpenAI's default
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    suffix: str | None = None
+    add_special_tokens: StrictBool = True
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
+
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: StrictBool = False
+
+
+class AnthropicMessage(BaseModel):
+    role: Literal["user", "assistant"]
+    content: str | list[TextPart]
+
+
+class MessagesRequest(_Request):
+    model: str
+    max_tokens: StrictInt
+    messages: list[AnthropicMessage]
+    system: str | list[TextPart] | None = None
+    stop_sequences: list[str] | None = None
+    stream: StrictBool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: StrictInt | None = None
+    metadata: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt] = Field(default_factory=list)
