@@ -41,6 +41,6 @@ USER pagedserve
 WORKDIR /home/pagedserve
 
 # 50051: gRPC (frontend). 5570: ZeroMQ (engine), for frontends on other hosts.
-EXPOSE 50051 5570
+EXPOSE 50051 8000 5570
 ENTRYPOINT ["pagedserve"]
 CMD ["serve", "--host", "0.0.0.0"]

@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) 
                         "(default: 8000)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) the HTTP API answers to (default: the model's own name)")
-    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY") or None,
                    help="require this key on the HTTP API's /v1 routes (Authorization: Bearer KEY); "
                         "default: $PAGEDSERVE_API_KEY, else none")
     p.add_argument("--max-concurrent-streams", type=int, default=256,

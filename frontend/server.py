@@ -67,6 +67,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     address = f"{config.host}:{port}"
     health_servicer = health.aio.HealthServicer()
     llm = _async_llm(config, address, health_servicer, metrics)
+    metrics.watch_engine(llm.client)
     _add_services(server, GrpcContext(llm, metrics, config.log_prompts), health_servicer)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

@@ -1,7 +1,8 @@
 """`pagedserve health` and `pagedserve ping-engine`: probes for container healthchecks.
 
     health       frontend's grpc.health.v1 Check  ─ "" (process up) or pagedserve.v1.Generation
-                                                    (SERVING only while an engine is connected)
+                                                    (SERVING only while an engine is connected);
+                 with --http URL, a GET of the HTTP API's /health instead (200 = ready)
     ping-engine  one Ping on the engine's ZeroMQ socket; its I/O thread answers Pong even mid-step
 
 Both exit 0 when healthy and 1 otherwise, printing the status or the error.
@@ -32,6 +33,9 @@ def add_health_arguments(p: argparse.ArgumentParser) -> None:
                    help='service to check: "" is SERVING while the process is up (liveness); '
                         "pagedserve.v1.Generation only while an engine is connected (readiness) "
                         '(default: "")')
+    p.add_argument("--http", default=None, metavar="URL",
+                   help="check the HTTP API instead: GET URL (e.g. http://127.0.0.1:8000/health) must "
+                        "answer 200, which it does while an engine is connected and the server is not draining")
     p.add_argument("--timeout-s", type=_positive_float, default=DEFAULT_TIMEOUT_S,
                    help=f"deadline of the Check call, in seconds (default: {DEFAULT_TIMEOUT_S})")
 
@@ -86,7 +90,24 @@ def ping_engine(address: str, timeout_s: float):
         ctx.term()
 
 
+def check_http_health(url: str, timeout_s: float) -> tuple[bool, str]:
+    """(ready, what to print): the HTTP status, or why there was none."""
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+            return reply.status == 200, f"HTTP {reply.status}"
+    except urllib.error.HTTPError as e:
+        return False, f"HTTP {e.code}: {e.read(500).decode(errors='replace')}"
+    except (urllib.error.URLError, OSError) as e:
+        return False, str(getattr(e, "reason", e))
+
+
 def run_health(args: argparse.Namespace) -> int:
+    if args.http is not None:
+        serving, status = check_http_health(args.http, args.timeout_s)
+        print(f"{args.http}: {status}", file=sys.stdout if serving else sys.stderr)
+        return 0 if serving else 1
     serving, status = check_health(args.address, args.service, args.timeout_s)
     print(f"{args.address} service {args.service!r}: {status}", file=sys.stdout if serving else sys.stderr)
     return 0 if serving else 1

