@@ -1,0 +1,194 @@
+"""Incremental detokenization and stop-string matching, on the bundled SmolLM2 tokenizer
+(byte-level BPE: one emoji is several tokens) through both tokenizers the processors meet:
+the HF one (offline `LLM`) and the torch-free frontend one."""
+
+from __future__ import annotations
+
+import pytest
+
+from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+MIXED = "héllo 🤖 wörld 日本語, 👋👍🏽 and 中文字符!"
+ROBOT = " 🤖"  # 3 byte-level tokens, none a whole character
+
+
+@pytest.fixture(scope="module")
+def frontend_tokenizer(bundled_tokenizer):
+    from engine.models.loader import tokenizer_files
+    from frontend.tokenizer import Tokenizer
+    return Tokenizer.from_files(tokenizer_files(bundled_tokenizer))
+
+
+@pytest.fixture(params=["hf", "frontend"])
+def tok(request, bundled_tokenizer, frontend_tokenizer):
+    return bundled_tokenizer if request.param == "hf" else frontend_tokenizer
+
+
+def stream(tok, prompt: list[int], ids: list[int], chunk: int = 1, **kwargs) -> list[str]:
+    """The detokenizer's deltas for `ids` fed `chunk` tokens at a time, then its flush."""
+    detok = IncrementalDetokenizer(tok, prompt, **kwargs)
+    deltas = [detok.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    return deltas + [detok.flush()]
+
+
+def encode(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3])
+def test_multibyte_characters_never_stream_a_replacement_char(tok, chunk):
+    ids = encode(tok, MIXED)
+    # The test means something only if single tokens are broken characters.
+    assert sum("\ufffd" in tok.decode([i]) for i in ids) >= 6
+    deltas = stream(tok, encode(tok, "Say:"), ids, chunk)
+    assert not any("\ufffd" in d for d in deltas), deltas
+    assert "".join(deltas) == tok.decode(ids) == MIXED
+    assert deltas[-1] == ""  # nothing was left for the flush
+    assert sum(bool(d) for d in deltas) >= 8  # text streams, not all at the end
+
+
+def test_emoji_is_held_until_its_last_byte(tok):
+    ids = encode(tok, ROBOT)
+    assert len(ids) == 3
+    detok = IncrementalDetokenizer(tok, encode(tok, "A robot:"))
+    assert detok.add(ids[:1]) == ""
+    assert detok.add(ids[1:2]) == ""
+    assert detok.add(ids[2:]) == ROBOT
+    assert detok.add(encode(tok, " ok")) == " ok"
+
+
+def test_flush_releases_an_incomplete_tail(tok):
+    ids = encode(tok, "go" + ROBOT)
+    detok = IncrementalDetokenizer(tok, encode(tok, "Hi"))
+    assert detok.add(ids[:1]) == "go"
+    assert detok.add(ids[1:-1]) == ""  # the robot's last byte never comes
+    tail = detok.flush()
+    assert tail == tok.decode(ids[1:-1]) and tail.startswith(" \ufffd")
+    assert detok.flush() == ""
+
+
+@pytest.mark.parametrize("text", [MIXED, "Hello  world,\n  indented\tline. Don't stop!"])
+def test_every_prompt_boundary_gives_the_rest_of_the_text(tok, text):
+    """Split one text's tokens into prompt and completion at every place: the completion's
+    text is the full text minus the prompt's (spaces and merges right at the boundary)."""
+    ids = encode(tok, text)
+    full = tok.decode(ids)
+    for cut in range(1, len(ids)):
+        prompt_text = tok.decode(ids[:cut])
+        if "\ufffd" in prompt_text[-1:]:
+            continue  # the prompt ends inside a character: its text is not a prefix
+        assert full.startswith(prompt_text)
+        assert "".join(stream(tok, ids[:cut], ids[cut:])) == full[len(prompt_text):], cut
+
+
+def test_prompt_longer_than_the_context_window(tok):
+    prompt = encode(tok, "word " * 50)
+    ids = encode(tok, "end 🤖 of story")
+    assert "".join(stream(tok, prompt, ids)) == "end 🤖 of story"
+
+
+def test_metaspace_space_at_the_prompt_boundary():
+    """SentencePiece-style decoding drops a leading "▁" at the start of the text: decoded
+    alone the first completion token loses its space, after the prompt it keeps it."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from frontend.tokenizer import Tokenizer
+    words = ["<unk>", "</s>", "▁Hello", "▁world", "▁again", "!"]
+    backend = RustTokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tok = Tokenizer(backend, {"eos_token": "</s>"}, None)
+    assert tok.decode([3]) == "world"
+    assert tok.decode([2, 3]) == "Hello world"
+    assert stream(tok, [2], [3, 4, 5]) == [" world", " again", "!", ""]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_follow_skip_special_tokens(tok, skip):
+    eos = tok.convert_ids_to_tokens(tok.eos_token_id)
+    assert eos == "<|im_end|>"
+    ids = encode(tok, "Done.") + [tok.eos_token_id] + encode(tok, " More")
+    text = "".join(stream(tok, encode(tok, "Go"), ids, skip_special_tokens=skip))
+    assert text == ("Done. More" if skip else "Done.<|im_end|> More")
+
+
+def feed(matcher: StopStringMatcher, deltas: list[str]) -> tuple[list[str], str | None]:
+    """Released text per delta, until a stop string; and that stop string."""
+    released = []
+    for d in deltas:
+        text, stop = matcher.add(d)
+        released.append(text)
+        if stop is not None:
+            return released, stop
+    return released, None
+
+
+def test_stop_string_across_deltas():
+    released, stop = feed(StopStringMatcher(["STOP"]), ["abc S", "T", "O", "P and more", "never"])
+    assert stop == "STOP"
+    assert released == ["abc ", "", "", ""]
+
+
+def test_stop_string_across_tokens(tok):
+    """Real token deltas: the stop string is split over tokens, found once complete."""
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = encode(tok, text)
+    detok, matcher = IncrementalDetokenizer(tok, encode(tok, "Say:")), StopStringMatcher(["wn fox j"])
+    released, stop = feed(matcher, [detok.add([i]) for i in ids])
+    assert stop == "wn fox j"
+    assert "".join(released) == "The quick bro"
+    assert len(released) < len(ids)  # it stopped before the end
+
+
+def test_held_back_prefix_released_when_not_a_stop():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.add("abc ST") == ("abc ", None)
+    assert matcher.add("O") == ("", None)
+    assert matcher.pending == "STO"
+    assert matcher.add("RM") == ("STORM", None)
+    assert matcher.pending == ""
+
+
+def test_held_back_prefix_released_by_flush():
+    matcher = StopStringMatcher(["STOP"])
+    assert matcher.add("abc STO") == ("abc ", None)
+    assert matcher.flush() == "STO"
+    assert matcher.flush() == ""
+
+
+def test_include_stop_str_in_output():
+    released, stop = feed(StopStringMatcher(["STOP"], include_stop_str_in_output=True),
+                          ["abc S", "TO", "P tail"])
+    assert stop == "STOP"
+    assert "".join(released) == "abc STOP"
+
+
+def test_earliest_stop_string_wins():
+    matcher = StopStringMatcher(["world", "lo w", "xyz"])
+    assert matcher.add("hello world") == ("hel", "lo w")
+    released, stop = feed(StopStringMatcher(["world", "o"]), ["hell", "o world"])
+    assert (released, stop) == (["hell", ""], "o")
+
+
+def test_longest_possible_start_is_held():
+    # "ab" could begin "abc", and "b" could begin "bd": hold the longer one.
+    matcher = StopStringMatcher(["abc", "bd"])
+    assert matcher.add("xab") == ("x", None)
+    assert matcher.add("d") == ("a", "bd")
+
+
+def test_overlapping_prefixes_of_one_stop_string():
+    matcher = StopStringMatcher(["aab"])
+    assert [matcher.add(c) for c in "xaa"] == [("x", None), ("", None), ("", None)]
+    assert matcher.add("a") == ("a", None)  # "aaa": only the last "aa" may still begin "aab"
+    assert matcher.add("b") == ("", "aab")
+    repeated = StopStringMatcher(["abab"])
+    released, stop = feed(repeated, list("abaabab"))
+    assert stop == "abab" and "".join(released) == "aba"
+
+
+def test_no_stop_strings_releases_everything():
+    matcher = StopStringMatcher([])
+    assert matcher.add("any text") == ("any text", None)
+    assert matcher.flush() == ""
