@@ -12,7 +12,8 @@ from pagedserve.v1 import engine_ipc_pb2 as ipc
 from pagedserve.v1 import generation_pb2 as gen
 
 # SamplingParams fields that proto3 marks `optional` (their default is not zero).
-_OPTIONAL = ("n", "temperature", "top_p", "seed", "max_tokens", "logprobs", "repetition_penalty")
+_OPTIONAL = ("n", "temperature", "top_p", "seed", "max_tokens", "logprobs", "repetition_penalty",
+             "prompt_logprobs")
 _PLAIN = ("top_k", "min_p", "min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty")
 
 
@@ -47,6 +48,9 @@ def output_to_proto(out: EngineCoreOutput, request_id: str) -> ipc.RequestOutput
         msg.stop_token_id = out.stop_token_id
     for token_id, logprobs in zip(out.new_token_ids, out.new_logprobs or ()):
         msg.logprobs.append(logprobs_to_proto(token_id, logprobs))
+    if out.prompt_logprobs is not None:  # position 0 has none, so the message starts at 1
+        msg.prompt_logprobs.extend(logprobs_to_proto(token_id, logprobs) for token_id, logprobs
+                                   in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
     return msg
 
 

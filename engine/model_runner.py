@@ -18,10 +18,11 @@ from engine.cpu_tuning import bucket, tune_cpu
 from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, load_model, read_arch_config
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.request import sample_request_id
-from engine.sampler import Sampler, SamplingRow
+from engine.request import Request, sample_request_id
+from engine.sampler import Sampler, SamplingRow, prompt_logprobs
 
 MAX_DEFAULT_MODEL_LEN = 8192
+PROMPT_LOGPROBS_ROWS = 512  # prompt positions scored per LM-head call
 
 
 class ModelRunner:
@@ -85,9 +86,10 @@ class ModelRunner:
         else:
             input_ids, positions, meta, last_rows = self._prepare(order)
             hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
+        prompt_lps = self._prompt_logprobs(order, hidden)
         sampling = [s for s in order if s.num_samples]
         if not sampling:
-            return ModelRunnerOutput(model_s=time.perf_counter() - start)
+            return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start)
         logits = self.model.compute_logits(hidden[last_rows])[:len(sampling)]
         model_end = time.perf_counter()
         rows, row_owner = self._sampling_rows(sampling)
@@ -95,8 +97,37 @@ class ModelRunner:
             logits = logits[torch.tensor(row_owner, device=logits.device)]
         sampled = self.sampler(logits, rows)
         out = self._group(sampling, row_owner, sampled)
+        out.prompt_logprobs = prompt_lps
         out.model_s, out.sample_s = model_end - start, time.perf_counter() - model_end
         return out
+
+    def _prompt_logprobs(self, order: list[ScheduledRequest], hidden: torch.Tensor
+                         ) -> dict[str, list[dict[int, float]]]:
+        """Score the prompt tokens this step's chunks reach, for requests that asked
+        (prompt_logprobs): LM-head logits on their chunk's rows, not only the last one. Row
+        offsets are the same in `_prepare`'s packing and the decode graph's (one token each)."""
+        out: dict[str, list[dict[int, float]]] = {}
+        row = 0
+        for s in order:
+            r = s.request
+            if r.needs_prompt_logprobs:
+                # The row at position p scores prompt token p+1; the last prompt row samples.
+                start = r.num_computed_tokens
+                num_rows = min(start + s.num_new_tokens, r.num_prompt_tokens - 1) - start
+                if num_rows > 0:
+                    out[r.request_id] = self._score_prompt(hidden[row:row + num_rows], r, start)
+            row += s.num_new_tokens
+        return out
+
+    def _score_prompt(self, hidden: torch.Tensor, request: Request, start: int) -> list[dict[int, float]]:
+        entries: list[dict[int, float]] = []
+        num_top = request.sampling_params.prompt_logprobs
+        # Slices bound the [rows, vocab] logits of a long chunk.
+        for first in range(0, hidden.shape[0], PROMPT_LOGPROBS_ROWS):
+            rows = hidden[first:first + PROMPT_LOGPROBS_ROWS]
+            targets = request.prompt_token_ids[start + first + 1:start + first + 1 + rows.shape[0]]
+            entries += prompt_logprobs(self.model.compute_logits(rows), targets, num_top)
+        return entries
 
     def _prepare(self, order: list[ScheduledRequest]):
         bs = self.block_size

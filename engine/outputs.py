@@ -45,6 +45,9 @@ class ModelRunnerOutput:
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)  # n tokens for a forking prompt, else 1
     logprobs: list[list[dict[int, float] | None]] = field(default_factory=list)
+    # Requests scoring their prompt this step (params.prompt_logprobs): one entry per prompt
+    # position this chunk reached, in order (a chunk's rows predict positions start+1..).
+    prompt_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     # Wall time of the forward and of sampling, for metrics. On CUDA the forward is only
     # launched when its time is taken, so the wait for it shows up in sample_s.
     model_s: float = 0.0
@@ -66,6 +69,8 @@ class EngineCoreOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token (position 0: None), on
     # the request's first output only.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Alongside prompt_logprobs only: the prompt tokens they score, for output_to_proto.
+    prompt_token_ids: list[int] | None = None
 
     @property
     def finished(self) -> bool:

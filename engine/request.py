@@ -68,6 +68,9 @@ class Request:
     last_token_time: float | None = None  # when its latest token came out, for TTFT and ITL
     # Seeds are per sample: sample i of a seeded request uses seed + i.
     seed: int | None = None
+    # With params.prompt_logprobs: entries for prompt positions 1.. computed so far, gathered
+    # chunk by chunk until the first output carries them.
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -95,6 +98,13 @@ class Request:
     def needs_fork(self) -> bool:
         """The first sample of an n>1 prompt, before its siblings exist."""
         return self.sampling_params.n > 1 and self.sample_index == 0 and not self.output_token_ids
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its prefill must score the prompt: asked for, and not yet emitted (they go out with
+        the first output token). Only sample 0 runs an n>1 prompt, so only it scores it."""
+        return (self.sampling_params.prompt_logprobs is not None and self.sample_index == 0
+                and not self.output_token_ids)
 
     def append_output(self, token_id: int, logprobs: dict[int, float] | None) -> None:
         self.output_token_ids.append(token_id)

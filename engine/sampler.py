@@ -199,15 +199,32 @@ def _collect_logprobs(raw_logprobs: torch.Tensor | None, logprob_idx: list[int],
     out: list[dict[int, float] | None] = [None] * len(rows)
     if raw_logprobs is None:
         return out
-    sampled = _index([token_ids[i] for i in logprob_idx], raw_logprobs).unsqueeze(1)
-    sampled_lp = raw_logprobs.gather(1, sampled).squeeze(1).tolist()
-    max_n = min(max(rows[i].params.logprobs for i in logprob_idx), raw_logprobs.shape[-1])
-    top_lp, top_ids = raw_logprobs.topk(max_n, dim=-1)  # k = 0 gives empty rows
-    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
-    for j, i in enumerate(logprob_idx):
-        n = rows[i].params.logprobs
-        # Sampled token first, as vLLM orders them; a top-N copy has the same value.
-        entry = {token_ids[i]: sampled_lp[j]}
-        entry.update(zip(top_ids[j][:n], top_lp[j][:n]))
+    entries = _logprob_entries(raw_logprobs, [token_ids[i] for i in logprob_idx],
+                               [rows[i].params.logprobs for i in logprob_idx])
+    for i, entry in zip(logprob_idx, entries):
         out[i] = entry
     return out
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], num_top: int) -> list[dict[int, float]]:
+    """Row j of `logits` [R, V] scores `target_ids[j]`, the prompt token after it: its raw
+    logprob plus the top-`num_top`, the same entries as the sampler's `logprobs`."""
+    raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return _logprob_entries(raw_logprobs, target_ids, [num_top] * len(target_ids))
+
+
+def _logprob_entries(raw_logprobs: torch.Tensor, token_ids: list[int], top_n: list[int]
+                     ) -> list[dict[int, float]]:
+    """Row j: {token_ids[j]: its logprob, then the top_n[j] most likely}, as plain floats."""
+    chosen = _index(token_ids, raw_logprobs).unsqueeze(1)
+    chosen_lp = raw_logprobs.gather(1, chosen).squeeze(1).tolist()
+    max_n = min(max(top_n), raw_logprobs.shape[-1])
+    top_lp, top_ids = raw_logprobs.topk(max_n, dim=-1)  # k = 0 gives empty rows
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    entries = []
+    for j, n in enumerate(top_n):
+        # The chosen token first, as vLLM orders them; a top-N copy has the same value.
+        entry = {token_ids[j]: chosen_lp[j]}
+        entry.update(zip(top_ids[j][:n], top_lp[j][:n]))
+        entries.append(entry)
+    return entries

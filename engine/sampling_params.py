@@ -37,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per token; 0 = sampled token only
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token; 0 = its own only
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -75,6 +76,8 @@ class SamplingParams:
              hint=" (and at most max_tokens)")
         if self.logprobs is not None:
             _int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, low_open=True)

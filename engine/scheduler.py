@@ -93,7 +93,9 @@ class Scheduler:
             seats = sum(r.num_seats for r in self.running)
             if self.running and seats + request.num_seats > self.config.max_num_seqs:
                 break
-            cached_blocks, num_cached = self.block_manager.get_computed_blocks(request.all_token_ids)
+            cached_blocks, num_cached = [], 0
+            if not request.needs_prompt_logprobs:  # else every prompt position must run, as in vLLM
+                cached_blocks, num_cached = self.block_manager.get_computed_blocks(request.all_token_ids)
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(request.request_id, request.all_token_ids,
                                                num_cached + num_new, cached_blocks):
@@ -115,6 +117,8 @@ class Scheduler:
         """Advance computed tokens, append sampled ones, fork n>1 prompts, finish stopped requests."""
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+        for request_id, entries in result.prompt_logprobs.items():
+            self.requests[request_id].prompt_logprobs += entries
         outputs, now = [], time.monotonic()
         for request_id, tokens, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
             request = self.requests[request_id]
@@ -123,6 +127,7 @@ class Scheduler:
                 if self.stats is not None:
                     self.stats.observe_token(sample, now)
                 sample.last_token_time = now
+                prompt_logprobs = self._take_prompt_logprobs(sample)
                 sample.append_output(token, token_logprobs)
                 status = self._check_stop(sample, token)
                 if status is not None:
@@ -132,8 +137,21 @@ class Scheduler:
                     request_id=sample.parent_id or sample.request_id, sample_index=sample.sample_index,
                     new_token_ids=[token], new_logprobs=None if token_logprobs is None else [token_logprobs],
                     finish_reason=sample.status.finish_reason, stop_token_id=sample.stop_token_id,
-                    num_prompt_tokens=sample.num_prompt_tokens, num_cached_tokens=sample.num_cached_tokens))
+                    num_prompt_tokens=sample.num_prompt_tokens, num_cached_tokens=sample.num_cached_tokens,
+                    prompt_logprobs=prompt_logprobs,
+                    prompt_token_ids=None if prompt_logprobs is None else sample.prompt_token_ids))
         return outputs
+
+    @staticmethod
+    def _take_prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
+        """The whole prompt's entries, for the output carrying the request's first token."""
+        if not request.needs_prompt_logprobs:
+            return None
+        if len(request.prompt_logprobs) != request.num_prompt_tokens - 1:
+            raise RuntimeError(f"{request.request_id}: {len(request.prompt_logprobs)} prompt logprobs "
+                               f"for a {request.num_prompt_tokens}-token prompt")
+        entries, request.prompt_logprobs = [None, *request.prompt_logprobs], []
+        return entries
 
     def _fork(self, parent: Request, count: int) -> list[Request]:
         """Siblings 1..count of an n>1 prompt, sharing its blocks copy-on-write."""
@@ -179,6 +197,7 @@ class Scheduler:
         self.block_manager.free(victim.request_id, step_discarded=taken_back is not None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.prompt_logprobs = []  # its recompute scores the prompt again from position 1
         victim.num_preemptions += 1
         self.num_preemptions += 1
         out.num_preempted += 1
