@@ -17,7 +17,7 @@ class EngineConfig:
 
     model: str | None = None  # HF folder or .gguf file; None = the bundled SmolLM2
     tokenizer: str | None = None  # defaults to the model's own
-    dtype: str = "float32"
+    dtype: str = "auto"  # bfloat16 where bf16 is fast (CUDA, CPUs with bf16 instructions), else float32
     device: str = "cpu"
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit KV pool size; wins over kv_cache_memory_gb

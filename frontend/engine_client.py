@@ -167,8 +167,14 @@ class EngineClient:
                 await self._send(msg)
             except EngineLost:
                 pass  # nobody to talk to yet; the silence check below handles it
+            slept_from = time.monotonic()
             await asyncio.sleep(self.heartbeat_s)
-            if self.connected.is_set() and time.monotonic() - self._last_heard > self.timeout_s:
+            now = time.monotonic()
+            if now - slept_from > 2 * self.heartbeat_s:
+                # Our own loop stalled (a slow callback or import): no pings went out and the
+                # engine's answers may sit unread. That silence is ours; give the engine a new clock.
+                self._last_heard = now
+            elif self.connected.is_set() and now - self._last_heard > self.timeout_s:
                 self._lose("no answer from the engine for %.1fs" % self.timeout_s)
 
     def _lose(self, reason: str) -> None:

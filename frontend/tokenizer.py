@@ -17,6 +17,9 @@ import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as RustTokenizer
+# At start-up, not on the first chat request: importing transformers takes 1-3 s, and
+# in a request it would stall the event loop (and with it every stream and heartbeat).
+from transformers.utils.chat_template_utils import render_jinja_template
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                    "special_tokens_map.json")
@@ -84,7 +87,6 @@ class Tokenizer:
                             continue_final_message: bool = False, tools: list[dict] | None = None,
                             **kwargs: object) -> str:
         """The rendered prompt text (transformers' renderer; `tokenize=False` in its terms)."""
-        from transformers.utils.chat_template_utils import render_jinja_template
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
         rendered, _ = render_jinja_template(

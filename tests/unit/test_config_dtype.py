@@ -1,18 +1,45 @@
-"""`--dtype auto`: bfloat16 where bf16 is fast, float32 elsewhere, and a real dtype for the
-rest of the engine."""
+"""`--dtype auto`, the default: bfloat16 where bf16 is fast, float32 elsewhere, and a real
+dtype for the rest of the engine."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 
 from engine import config
+from engine import main as engine_main
+from engine.arg_utils import add_engine_args, engine_config_from_args
 from engine.config import EngineConfig, resolve_dtype
+from pagedserve import serve
 
 
 @pytest.mark.parametrize("has_bf16, expected", [(True, "bfloat16"), (False, "float32")])
 def test_auto_on_cpu_follows_bf16_instructions(monkeypatch, has_bf16, expected):
     monkeypatch.setattr(config, "cpu_has_bf16", lambda: has_bf16)
     assert EngineConfig(dtype="auto").dtype == expected
+
+
+@pytest.mark.parametrize("has_bf16, expected", [(True, "bfloat16"), (False, "float32")])
+def test_default_is_auto_for_llm_engine_and_serve(monkeypatch, has_bf16, expected):
+    monkeypatch.setattr(config, "cpu_has_bf16", lambda: has_bf16)
+    assert EngineConfig().dtype == expected
+    assert EngineConfig.from_kwargs(model=None).dtype == expected  # what LLM() builds
+    assert EngineConfig(device="cuda").dtype == "bfloat16"
+    for add_arguments in (engine_main.add_arguments, serve.add_arguments):
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        args = parser.parse_args([])
+        assert args.dtype == "auto"
+        assert engine_config_from_args(args).dtype == expected
+        assert engine_config_from_args(parser.parse_args(["--dtype", "float32"])).dtype == "float32"
+
+
+def test_help_names_auto_as_the_default():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    text = " ".join(parser.format_help().split())
+    assert "float32 elsewhere (default: auto)" in text, text
 
 
 def test_auto_on_cuda_is_bf16_and_explicit_dtypes_stay():
