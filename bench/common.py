@@ -10,6 +10,9 @@ import statistics
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# The /proc/cpuinfo flags that decide which SIMD paths oneDNN and llama.cpp's ggml take.
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 def machine_info(device: str = "cpu") -> dict:
@@ -22,6 +25,7 @@ def machine_info(device: str = "cpu") -> dict:
         "memory_gb": _memory_gb(), "device": device,
         # What CPU matmuls run on: bf16 is ~5x slower than float32 without bf16 instructions.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_bf16": cpu_has_bf16(),
+        "cpu_flags": _cpu_flags(),
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
@@ -36,6 +40,18 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def _cpu_flags() -> list[str]:
+    """The SIMD_FLAGS this CPU has, in SIMD_FLAGS order."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in SIMD_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
 
 
 def _memory_gb() -> float | None:

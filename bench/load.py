@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,15 +36,16 @@ def arrival_offsets_s(num: int, rate: float, burstiness: float, seed: int | tupl
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One Generate stream, timed on this side of the wire (seconds since its send)."""
+    """One request's stream, timed on this side of the wire (seconds since its send); every
+    API's client fills the same record, so one code path computes the metrics."""
 
     prompt_tokens: int
     expected_output_tokens: int = 0  # what max_tokens asked for
     sent_at_s: float = float("nan")  # since the run's start: its arrival plus any wait for a slot
     ok: bool = False
-    code: str = "OK"  # the gRPC status code's name
+    code: str = "OK"  # the gRPC status code's name, or HTTP_<status> (see bench.openai_client)
     error: str = ""
-    ttft_s: float = float("nan")  # to the first Chunk with tokens
+    ttft_s: float = float("nan")  # to the first Chunk with tokens (OpenAI: with text)
     e2e_s: float = float("nan")
     cached_tokens: int = 0  # prompt tokens the server's prefix cache served
     token_times_s: list[float] = field(default_factory=list)  # one per output token
@@ -53,10 +55,14 @@ class RequestRecord:
         return len(self.token_times_s)
 
 
-async def run_load(stub, requests: list[BenchRequest], offsets_s: list[float], max_concurrency: int | None,
+Send = Callable[[BenchRequest, float], Awaitable[RequestRecord]]  # (request, run start) -> its record
+
+
+async def run_load(send: Send, requests: list[BenchRequest], offsets_s: list[float], max_concurrency: int | None,
                    desc: str = "requests") -> tuple[list[RequestRecord], float]:
-    """Send every request at its offset; returns the records (in request order) and the
-    wall time from the first send to the last finish."""
+    """Send every request at its offset with `send` (one API's client: `generate` here, or
+    bench.openai_client's); returns the records (in request order) and the wall time from the
+    first send to the last finish."""
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), desc=desc, unit="req", disable=None)
     start = time.perf_counter()
@@ -64,10 +70,10 @@ async def run_load(stub, requests: list[BenchRequest], offsets_s: list[float], m
     async def one(request: BenchRequest, offset_s: float) -> RequestRecord:
         await asyncio.sleep(max(0.0, start + offset_s - time.perf_counter()))
         if limit is None:
-            record = await generate(stub, request, start)
+            record = await send(request, start)
         else:
             async with limit:
-                record = await generate(stub, request, start)
+                record = await send(request, start)
         bar.update(1)
         return record
 

@@ -135,3 +135,43 @@ def plot_kernels(rows: list[dict], title: str, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+PEER_PANELS = (("output_tok_s", None, "output tokens / s (higher is better)"),
+               ("median_ttft_ms", "p99_ttft_ms", "TTFT ms, median (bar) and p99 (tick)"),
+               ("median_tpot_ms", "p99_tpot_ms", "TPOT ms, median (bar) and p99 (tick)"))
+
+
+def plot_peers(rows: list[dict], title: str, path: Path) -> Path:
+    """Grouped bars, one group per concurrency and one color per peer, for each PEER_PANELS
+    metric; `rows` are bench.compare_peers' (peer, concurrency, and the summary keys)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peers = list(dict.fromkeys(r["peer"] for r in rows))
+    levels = sorted({r["concurrency"] for r in rows})
+    width = 0.8 / max(1, len(peers))
+    fig, axes = plt.subplots(1, len(PEER_PANELS), figsize=(5 * len(PEER_PANELS), 4.5))
+    for ax, (key, tick_key, label) in zip(axes, PEER_PANELS):
+        for i, peer in enumerate(peers):
+            points = [(levels.index(r["concurrency"]) + (i - (len(peers) - 1) / 2) * width, r)
+                      for r in rows if r["peer"] == peer and r.get(key) is not None]
+            if not points:
+                continue
+            bars = ax.bar([x for x, _ in points], [r[key] for _, r in points], width, color=f"C{i}", label=peer)
+            ax.bar_label(bars, fmt="%.0f" if key == "output_tok_s" else "%.1f", fontsize=7, padding=2)
+            if tick_key:
+                ax.scatter([x for x, _ in points], [r[tick_key] for _, r in points], marker="_", s=200,
+                           color="black", zorder=3)
+        if tick_key:
+            ax.set_yscale("log")  # concurrency 1 and 32 differ by orders of magnitude
+        ax.set_xticks(range(len(levels)), [f"concurrency {c}" for c in levels])
+        ax.set_title(label, fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,8 +1,11 @@
-"""`pagedserve bench serve`: latency and throughput of a server over gRPC, under load.
+"""`pagedserve bench serve`: latency and throughput of a server under load, over gRPC or
+over the OpenAI API.
 
 Without --target it starts the server itself on the bundled model (or --model), one backend
 at a time so that two never share cores: `pagedserve` (`pagedserve serve` with the engine
 flags given) or `hf` (bench.hf_server: HF transformers generate, one request at a time).
+`--backend openai --target http://HOST:PORT/v1` drives a running OpenAI-compatible server
+instead (pagedserve's HTTP API, vLLM, llama-server: see bench.openai_client).
 Each run sends --num-prompts requests of a dataset (see bench.datasets) on an arrival
 schedule (see bench.load), greedy with eos ignored so that every request produces exactly
 its planned output length, and reports what bench.serve_metrics computes. --sweep-rates
@@ -43,11 +46,11 @@ __all__ = ["add_arguments", "run"]
 class RunResult:
     """One (backend, rate) run: where its JSON went and what it measured."""
 
-    backend: str
+    backend: str  # or the --label that names it
     rate: float
     path: Path
     summary: dict
-    model: dict  # GetModelInfo of the server it ran on
+    model: dict  # GetModelInfo of the server it ran on (OpenAI: the same keys, see bench.openai_client)
     dataset: dict
 
 
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _serving(backend: str, bench: _Bench) -> Iterator[tuple[str, list[str] | None]]:
     """(address, the server's command line, None with --target) while the server runs."""
-    if bench.args.target:
+    if bench.args.target:  # always so with --backend openai: this benchmark starts no such server
         yield bench.args.target, None
         return
     # Streams beyond the frontend's cap would fail as RESOURCE_EXHAUSTED: the benchmark's
@@ -99,26 +102,30 @@ def _serving(backend: str, bench: _Bench) -> Iterator[tuple[str, list[str] | Non
 
 def _one_run(address: str, command: list[str] | None, backend: str, index: int, rate: float,
              bench: _Bench) -> RunResult:
-    args, label = bench.args, f"{backend} @ {rate_label(rate)} req/s"
-    workload = build_workload(address, args, bench.plan, index)
-    records, duration_s = asyncio.run(drive(address, workload, rate, args, index, label))
+    args = bench.args
+    name = args.label or backend
+    label = f"{name} @ {rate_label(rate)} req/s"
+    workload = build_workload(address, args, bench.plan, index, backend)
+    records, duration_s = asyncio.run(drive(address, workload, rate, args, index, label, backend))
     summary = summarize(records, duration_s, bench.plan.slos)
     ratios = _offline_ratios(summary, bench.offline)
     print_run(label, summary, bench.offline, ratios)
     offline = {"offline": bench.offline} if bench.offline else {}
+    api = "openai" if backend == "openai" else "grpc"
     payload = {
-        "machine": machine_info(bench.config.device), "backend": backend, "target": args.target,
+        "machine": machine_info(bench.config.device), "backend": backend, "label": name, "api": api,
+        "target": args.target,
         "server_command": command, "model": workload.model,
         "engine_config": vars(bench.config) if command and backend == "pagedserve" else None,
         "dataset": workload.dataset, "request_rate": rate_label(rate), "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency, "run_index": index,
-        "args": {k: _jsonable(v) for k, v in vars(args).items() if k not in ("command", "bench")},
-        "results": {"grpc": summary, **offline}, "ratios": ratios,
+        "args": {k: _jsonable(v) for k, v in vars(args).items() if k not in ("command", "bench", "api_key")},
+        "results": {api: summary, **offline}, "ratios": ratios,
         "requests": [_record_json(r) for r in records],
     }
-    path = write_result("serve", payload, args.output_dir, suffix=f"-{backend}-rate{rate_label(rate)}")
+    path = write_result("serve", payload, args.output_dir, suffix=f"-{name}-rate{rate_label(rate)}")
     print(f"wrote {path}\n")
-    return RunResult(backend, rate, path, summary, workload.model, workload.dataset)
+    return RunResult(name, rate, path, summary, workload.model, workload.dataset)
 
 
 def _offline_ratios(summary: dict, offline: dict | None) -> dict:

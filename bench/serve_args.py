@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from bench.servers import BACKENDS
 from engine.arg_utils import add_engine_args
 
 DATASETS = ("random", "sharegpt", "prefix-repetition")
+API_BACKENDS = ("openai",)  # an API, not a server: it needs a --target
 
 
 @dataclass
@@ -31,11 +33,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="what to benchmark: pagedserve (`pagedserve serve`), hf (HF transformers generate, one "
                         "request at a time, behind the same gRPC API: bench.hf_server), or a comma list to run "
                         "the same workload on each in turn; hf takes --model, --tokenizer, --dtype, --device, "
-                        "--num-threads and --max-model-len from the engine flags (default: pagedserve)")
-    p.add_argument("--target", default=None, metavar="HOST:PORT",
-                   help="a running server to benchmark (default: start each backend here with the engine flags "
-                        "below, one at a time, and stop it after; with --target they are ignored and --backend "
-                        "only labels the results)")
+                        "--num-threads and --max-model-len from the engine flags; openai: the OpenAI API of "
+                        "the server at --target (streaming /completions), with --model and --tokenizer naming "
+                        "the served model's local files, for its vocabulary and token counts (default: "
+                        "pagedserve)")
+    p.add_argument("--target", default=None, metavar="HOST:PORT|URL",
+                   help="a running server to benchmark: HOST:PORT of a gRPC one, or with --backend openai the "
+                        "base URL of an OpenAI-compatible one, http://HOST:PORT/v1 (default: start each backend "
+                        "here with the engine flags below, one at a time, and stop it after; with a gRPC "
+                        "--target they are ignored and --backend only labels the results)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="openai: the requests' `model` (default: the first id of GET TARGET/models)")
+    p.add_argument("--api-key", default=None, help="openai: sent as `Authorization: Bearer KEY` (never saved)")
+    p.add_argument("--label", default=None,
+                   help="names the run in file names and tables instead of the backend, e.g. llama-server "
+                        "(one backend only)")
     p.add_argument("--dataset-name", choices=DATASETS, default=None,
                    help="random token ids, ShareGPT conversations (text), or prefix-repetition (many prompts "
                         "sharing long prefixes: shows prefix caching) (default: random, or sharegpt with "
@@ -86,12 +98,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> ServePlan:
     """Raises SystemExit with a message that says what to change."""
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    bad = [b for b in backends if b not in BACKENDS]
+    bad = [b for b in backends if b not in BACKENDS + API_BACKENDS]
     if not backends or bad or len(set(backends)) != len(backends):
-        _fail(f"--backend: a comma list of distinct names from {', '.join(BACKENDS)}, got {args.backend!r}")
+        _fail(f"--backend: a comma list of distinct names from {', '.join(BACKENDS)}, or openai with "
+              f"--target, got {args.backend!r}")
     if args.target and len(backends) > 1:
         _fail("--target benchmarks whatever runs there: give one --backend (it only labels the "
               "results), or drop --target to start each backend here")
+    _check_target(args, backends)
+    if args.label is not None and (len(backends) > 1 or not re.fullmatch(r"[A-Za-z0-9_.-]+", args.label)):
+        _fail(f"--label: one backend, and letters, digits, '.', '-', '_' only (it goes in file names), "
+              f"got {args.label!r}")
     if args.request_rate is not None and args.sweep_rates is not None:
         _fail("give --request-rate or --sweep-rates, not both")
     rates = args.sweep_rates or [args.request_rate if args.request_rate is not None else math.inf]
@@ -109,6 +126,19 @@ def check_args(args: argparse.Namespace) -> ServePlan:
     except ValueError as e:
         _fail(str(e))
     return ServePlan(backends, rates, dataset, path, slos)
+
+
+def _check_target(args: argparse.Namespace, backends: list[str]) -> None:
+    url = bool(args.target) and args.target.startswith(("http://", "https://"))
+    if "openai" in backends:
+        if not url or len(backends) > 1:
+            _fail("--backend openai drives a running server: give it alone, with --target http://HOST:PORT/v1 "
+                  "(this benchmark does not start one)")
+        args.target = args.target.rstrip("/")
+    elif url:
+        _fail(f"--target {args.target} is a URL: add --backend openai (the other backends speak gRPC, HOST:PORT)")
+    elif args.served_model_name or args.api_key:
+        _fail("--served-model-name and --api-key are for --backend openai")
 
 
 def _check_numbers(args: argparse.Namespace) -> None:

@@ -1,20 +1,25 @@
 """One run's requests, sending them, and the in-process offline reference.
 
-The dataset is built against the server it will run on: GetModelInfo gives the vocabulary
-and the length limit, and ShareGPT text is counted with the server's own Tokenize.
+The dataset is built against the server it will run on: over gRPC, GetModelInfo gives the
+vocabulary and the length limit and ShareGPT text is counted with the server's own Tokenize;
+over the OpenAI API, bench.openai_client reads the same facts from the model's local files.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import functools
 import gc
 import statistics
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
 from bench.datasets import (BenchRequest, load_sharegpt, prefix_repetition_requests, random_requests,
                             sharegpt_requests)
-from bench.load import RequestRecord, arrival_offsets_s, generate, run_load
+from bench.load import RequestRecord, Send, arrival_offsets_s, generate, run_load
 from engine.config import EngineConfig
 
 NUM_WARMUP = 2
@@ -36,7 +41,11 @@ def run_seed(seed: int, index: int) -> str:
     return f"{seed}:run{index}"
 
 
-def build_workload(address: str, args: argparse.Namespace, plan, index: int) -> Workload:
+def build_workload(address: str, args: argparse.Namespace, plan, index: int, backend: str) -> Workload:
+    if backend == "openai":
+        from bench.openai_client import describe_target
+        model, count_tokens = describe_target(args)
+        return _workload(model, count_tokens, args, plan, index)
     import grpc
 
     from pagedserve.v1 import info_pb2, info_pb2_grpc
@@ -47,29 +56,36 @@ def build_workload(address: str, args: argparse.Namespace, plan, index: int) -> 
             raise SystemExit(f"GetModelInfo on {address} failed: {e.code().name}: {e.details()}") from e
         model = {"model_name": info.model_name, "architecture": info.architecture, "dtype": info.dtype,
                  "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}
-        requests, dataset = _requests(channel, args, plan, info, index)
+        return _workload(model, _grpc_token_counter(channel), args, plan, index)
+
+
+def _workload(model: dict, count_tokens: Callable[[str, bool], int], args: argparse.Namespace, plan,
+              index: int) -> Workload:
+    requests, dataset = _requests(count_tokens, args, plan, model, index)
     dataset.update({"name": plan.dataset, "num_prompts": len(requests), "seed": args.seed,
                     "mean_prompt_len": statistics.fmean(r.prompt_len for r in requests),
                     "mean_output_len": statistics.fmean(r.output_len for r in requests)})
     return Workload(requests, model, dataset)
 
 
-def _requests(channel, args: argparse.Namespace, plan, info, index: int) -> tuple[list[BenchRequest], dict]:
+def _requests(count_tokens: Callable[[str, bool], int], args: argparse.Namespace, plan, model: dict,
+              index: int) -> tuple[list[BenchRequest], dict]:
     seed = run_seed(args.seed, index)
     if plan.dataset == "random":
         requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
-                                   args.random_range_ratio, info.vocab_size, seed)
+                                   args.random_range_ratio, model["vocab_size"], seed)
         return requests, {"input_len": args.random_input_len, "output_len": args.random_output_len,
                           "range_ratio": args.random_range_ratio}
     if plan.dataset == "prefix-repetition":
         requests = prefix_repetition_requests(args.num_prompts, args.prefix_len, args.suffix_len, args.num_prefixes,
-                                              args.prefix_output_len, info.vocab_size, seed)
+                                              args.prefix_output_len, model["vocab_size"], seed)
         return requests, {"prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
                           "num_prefixes": args.num_prefixes, "output_len": args.prefix_output_len}
-    return _sharegpt(channel, args, plan, info)
+    return _sharegpt(count_tokens, args, plan, model)
 
 
-def _sharegpt(channel, args: argparse.Namespace, plan, info) -> tuple[list[BenchRequest], dict]:
+def _grpc_token_counter(channel) -> Callable[[str, bool], int]:
+    """Counts with the server's own Tokenize (while `channel` is open)."""
     from pagedserve.v1 import tokenization_pb2, tokenization_pb2_grpc
     tokenize = tokenization_pb2_grpc.TokenizationStub(channel).Tokenize
 
@@ -77,9 +93,14 @@ def _sharegpt(channel, args: argparse.Namespace, plan, info) -> tuple[list[Bench
         request = tokenization_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
         return len(tokenize(request, timeout=30).token_ids)
 
+    return count_tokens
+
+
+def _sharegpt(count_tokens: Callable[[str, bool], int], args: argparse.Namespace, plan, model: dict
+              ) -> tuple[list[BenchRequest], dict]:
     try:
         pairs = load_sharegpt(plan.dataset_path)
-        requests, usable = sharegpt_requests(pairs, args.num_prompts, count_tokens, info.max_model_len,
+        requests, usable = sharegpt_requests(pairs, args.num_prompts, count_tokens, model["max_model_len"],
                                              args.sharegpt_output_len, args.seed)
     except ValueError as e:
         raise SystemExit(f"bench serve: {e}") from e
@@ -91,21 +112,31 @@ def _sharegpt(channel, args: argparse.Namespace, plan, info) -> tuple[list[Bench
 
 
 async def drive(address: str, workload: Workload, rate: float, args: argparse.Namespace, index: int,
-                label: str) -> tuple[list[RequestRecord], float]:
-    """A short warm-up on other prompts, then the timed run."""
-    import asyncio
-
-    import grpc
-
-    from pagedserve.v1 import generation_pb2_grpc
+                label: str, backend: str) -> tuple[list[RequestRecord], float]:
+    """A short warm-up on other prompts, then the timed run, over `backend`'s API."""
     offsets_s = arrival_offsets_s(len(workload.requests), rate, args.burstiness, (args.seed, index))
     # Other prompts than the timed ones: the warm-up must not fill the prefix cache for them.
     warmup = random_requests(NUM_WARMUP, WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, 0.0, workload.model["vocab_size"],
                              f"{args.seed}:warmup{index}")
+    async with _sender(address, workload, args, backend) as send:
+        await asyncio.gather(*(send(r, None) for r in warmup))
+        return await run_load(send, workload.requests, offsets_s, args.max_concurrency, desc=label)
+
+
+@contextlib.asynccontextmanager
+async def _sender(address: str, workload: Workload, args: argparse.Namespace, backend: str
+                  ) -> AsyncIterator[Send]:
+    """`send(request, run_start)` over one connection pool of the backend's API."""
+    if backend == "openai":
+        from bench import openai_client
+        async with openai_client.open_client(address, args.api_key) as client:
+            yield functools.partial(openai_client.generate, client, workload.model["model_name"])
+        return
+    import grpc
+
+    from pagedserve.v1 import generation_pb2_grpc
     async with grpc.aio.insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        await asyncio.gather(*(generate(stub, r) for r in warmup))
-        return await run_load(stub, workload.requests, offsets_s, args.max_concurrency, desc=label)
+        yield functools.partial(generate, generation_pb2_grpc.GenerationStub(channel))
 
 
 def time_offline(config: EngineConfig, args: argparse.Namespace) -> dict:

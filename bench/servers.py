@@ -93,8 +93,8 @@ class ServerProcess:
 def server_for(backend: str, config: EngineConfig, max_concurrent_streams: int) -> ServerProcess:
     """The server of `backend` on `config`'s model, dtype and threads."""
     if backend == "pagedserve":
-        cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", "0",
-               "--engine-address", f"tcp://127.0.0.1:{_free_port()}",
+        cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", "0", "--http-port", "0",
+               "--engine-address", f"tcp://127.0.0.1:{free_port()}",
                "--max-concurrent-streams", str(max_concurrent_streams), *engine_flags(config)]
         return ServerProcess("pagedserve serve", cmd)
     if backend == "hf":
@@ -119,7 +119,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
     return flags
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="latency and throughput of a gRPC server under load (pagedserve or an HF baseline)",
         description="Serving benchmark: a dataset (random token ids, ShareGPT text, or prompts sharing "
                     "prefixes) streamed through Generate on Poisson (or gamma) arrivals, against --target "
-                    "or servers started here one at a time (--backend pagedserve, hf, or both). Every "
+                    "or servers started here one at a time (--backend pagedserve, hf, or both), or through "
+                    "the streaming /completions of any OpenAI-compatible server (--backend openai --target "
+                    "http://HOST:PORT/v1: pagedserve's HTTP API, vLLM, llama.cpp's llama-server). Every "
                     "request is greedy with eos ignored and max_tokens set to its planned output length, "
                     "so outputs have exactly that many tokens. Reports throughput, goodput, and TTFT, "
                     "TPOT, ITL and E2E latency (mean, median, p90, p99); writes one JSON per run, and "
