@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
+import weakref
 import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -73,6 +74,10 @@ class AsyncLLM:
         self.input: InputProcessor | None = None  # from the first handshake on
         self.draining = False  # shutting down: refuse new requests, let running ones finish
         self.active: dict[str, Generation] = {}  # by the caller's request id
+        # Admitted but not running yet (an HTTP response starts its generations later, or an
+        # n-prompt request admits n at once): they hold a slot too. Weak, so that one never
+        # run (its client left first) gives its slot back when it is dropped.
+        self.admitted: weakref.WeakValueDictionary[str, Generation] = weakref.WeakValueDictionary()  # by engine_id
         self.http_address = ""  # for the ready line, once the HTTP API listens
 
     @property
@@ -109,21 +114,27 @@ class AsyncLLM:
         """Check everything that can be checked before a response starts."""
         processor = self.require_ready()
         processor.check(prompt, params, prompt_field)
+        if not -2**31 <= priority < 2**31:  # the engine's wire type (gRPC's is int32 already; JSON's is not)
+            raise InvalidRequest(f"priority: must be in [{-2**31}, {2**31 - 1}], got {priority}")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.active:
             raise InvalidRequest(f"request_id {request_id!r} is already in use by a running request")
-        if len(self.active) >= self.max_concurrent_streams:
-            raise EngineOverloaded(f"server busy: {len(self.active)} requests running "
+        num_running = len(self.active) + len(self.admitted)
+        if num_running >= self.max_concurrent_streams:
+            raise EngineOverloaded(f"server busy: {num_running} requests running "
                                    f"(--max-concurrent-streams {self.max_concurrent_streams}); retry later")
         state = RequestState(uuid.uuid4().hex, prompt, params, processor.tokenizer,
                              self.client.welcome.eos_token_ids)
-        return Generation(request_id, state, priority)
+        gen = Generation(request_id, state, priority)
+        self.admitted[gen.engine_id] = gen
+        return gen
 
     async def generate(self, gen: Generation, time_limit_s: float | None = None
                        ) -> AsyncIterator[list[SampleDelta]]:
         """Run an admitted request; yields the deltas that arrived together (several tokens
         per sample under load). Leaving early (cancel, disconnect) stops it in the engine."""
         client, engine_id = self.client, gen.engine_id
+        self.admitted.pop(engine_id, None)
         self.active[gen.request_id] = gen
         gen.queue = client.open_stream(engine_id)
         deadline = None if time_limit_s is None else time.monotonic() + time_limit_s

@@ -100,7 +100,8 @@ async def _drain(llm: AsyncLLM, health_servicer, timeout_s: float, force: asynci
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     log.info("draining: %d requests running, waiting up to %.0fs", len(llm.active), timeout_s)
     deadline = time.monotonic() + timeout_s
-    while llm.active and time.monotonic() < deadline and not force.is_set():
+    # Admitted HTTP requests whose response has not started their generation yet count too.
+    while (llm.active or llm.admitted) and time.monotonic() < deadline and not force.is_set():
         await asyncio.sleep(0.05)
     if llm.active:
         log.warning("drain ended with %d requests still running; they are cancelled", len(llm.active))

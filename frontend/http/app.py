@@ -22,7 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
 
@@ -61,26 +63,59 @@ def build_app(ctx: HttpContext) -> FastAPI:
     async def on_validation_error(request: Request, e: RequestValidationError):
         return HTTPError(400, str(e), "invalid_request_error").response(anthropic(request))
 
-    @app.middleware("http")
-    async def auth_and_log(request: Request, call_next):
-        start = time.monotonic()
-        if ctx.api_key is not None and request.url.path.startswith("/v1/") and not _authorized(request, ctx.api_key):
-            response = HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                 "authentication_error", code="invalid_api_key").response(anthropic(request))
-        else:
-            response = await call_next(request)
-        log.info("method=%s path=%s status=%d ms=%.1f", request.method, request.url.path,
-                 response.status_code, (time.monotonic() - start) * 1000)
-        return response
-
+    app.add_middleware(AuthAndLog, api_key=ctx.api_key)
     _add_openai_routes(app, ctx)
     _add_server_routes(app, ctx)
     return app
 
 
-def _authorized(request: Request, key: str) -> bool:
-    given = request.headers.get("authorization", "")
-    given = given[7:] if given.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
+class AuthAndLog:
+    """The API key check on /v1/* and one log line per request, as plain ASGI. Starlette's
+    BaseHTTPMiddleware (`@app.middleware`) would run each route in a task of its own, and turn
+    a client that leaves during a non-streaming call into "No response returned" 500s."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, path, status, gone = time.monotonic(), scope["path"], 500, False
+
+        async def receive_watched() -> Message:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
+
+        async def send_watched(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and path.startswith("/v1/") and not _authorized(Headers(scope=scope),
+                                                                                      self.api_key):
+                error = HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                  "authentication_error", code="invalid_api_key")
+                await error.response(path == "/v1/messages")(scope, receive, send_watched)
+            else:
+                await self.app(scope, receive_watched, send_watched)
+        except asyncio.CancelledError:
+            # The route gave up on a client that left (unless_disconnected): no one to answer.
+            if not gone or asyncio.current_task().cancelling():
+                raise
+            status = 499  # nginx's "client closed request"
+        finally:
+            log.info("method=%s path=%s status=%d ms=%.1f", scope["method"], path, status,
+                     (time.monotonic() - start) * 1000)
+
+
+def _authorized(headers: Headers, key: str) -> bool:
+    given = headers.get("authorization", "")
+    given = given[7:] if given.lower().startswith("bearer ") else headers.get("x-api-key", "")
     return hmac.compare_digest(given.encode(), key.encode())
 
 

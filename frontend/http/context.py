@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -36,7 +37,8 @@ class HttpContext:
         return [welcome.model_name] if welcome is not None else []
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names():
+        names = self.model_names()  # none before the first engine: its 503 says more than a 404
+        if model is not None and names and model not in names:
             raise not_found(f"The model `{model}` does not exist; GET /v1/models lists the models served here",
                             "model")
 
@@ -77,10 +79,38 @@ async def parse_body(request: Request, model: type[BaseModel]):
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise bad_request(f"body: not valid JSON ({e})", "body") from None
+    except RecursionError:
+        raise bad_request("body: JSON nested too deeply", "body") from None
     if not isinstance(data, dict):
         raise bad_request("body: must be a JSON object", "body")
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise bad_request(f"{where}: holds an unpaired UTF-16 surrogate (U+D800 to U+DFFF); "
+                          "strings must be valid Unicode", where)
     parsed = model.model_validate(data)  # a ValidationError becomes a 400 in the error handler
     unknown = parsed.unknown_fields() if hasattr(parsed, "unknown_fields") else []
     if unknown:
         log.debug("ignored unknown fields in %s: %s", request.url.path, ", ".join(unknown))
     return parsed
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(data: dict) -> str | None:
+    """A field whose string (or key) holds a lone surrogate: json.loads lets one through
+    (a \\ud800 escape, or its bytes: it decodes with surrogatepass), and no tokenizer or
+    protobuf can encode it. A loop, not recursion: bodies may nest deep."""
+    stack: list[tuple[str, object]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path or "body"
+            continue
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            if isinstance(key, str) and _SURROGATE.search(key):
+                return path or "body"  # not the key itself: the error message could not hold it
+            stack.append((f"{path}.{key}" if path else str(key), item))
+    return None

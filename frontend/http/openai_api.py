@@ -140,25 +140,39 @@ def _completion_prompts(processor, body: CompletionRequest) -> list[list[int]]:
 
 
 def _completion_choice(ctx: HttpContext, body: CompletionRequest, g: Generation, s: SampleResult, index: int) -> dict:
-    text, logprobs = s.text, None
-    if body.echo:
-        text = ctx.llm.tokenizer.decode(g.state.prompt, skip_special_tokens=body.skip_special_tokens) + text
-    if body.logprobs is not None:
-        positions, ids = list(s.logprobs), list(s.token_ids)
-        if body.echo:
-            positions, ids = list(g.state.prompt_logprobs or [None] * len(g.state.prompt)) + positions, \
-                g.state.prompt + ids
-        logprobs = _completion_logprobs(ctx, positions, ids)
+    text, logprobs = _completion_output(ctx, body, g, s.text, s.logprobs, s.token_ids, body.echo)
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(s.finish_reason),
             "stop_reason": stop_reason(s.finish_reason, s.stop_reason)}
 
 
 def _completion_chunk(body: CompletionRequest, ctx: HttpContext):
+    offsets: dict[int, int] = {}  # per choice: the length of its text so far, where text_offset goes on
+
     def make(g: Generation, index: int, d: SampleDelta) -> dict:
-        logprobs = _completion_logprobs(ctx, d.logprobs, d.token_ids) if body.logprobs is not None else None
-        return {"index": index, "text": d.text, "logprobs": logprobs, "finish_reason": finish_reason(d.finish_reason),
+        echo = body.echo and index not in offsets  # the prompt comes first, in the choice's first chunk
+        start = offsets.setdefault(index, 0)
+        text, logprobs = _completion_output(ctx, body, g, d.text, d.logprobs, d.token_ids, echo, start)
+        if logprobs is not None:
+            offsets[index] = start + sum(len(t) for t in logprobs["tokens"])
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(d.finish_reason),
                 "stop_reason": stop_reason(d.finish_reason, d.stop_reason)}
     return make
+
+
+def _completion_output(ctx: HttpContext, body: CompletionRequest, g: Generation, text: str,
+                       positions: list[PositionLogprobs], ids: list[int], echo: bool,
+                       start: int = 0) -> tuple[str, dict | None]:
+    """A choice's text and legacy logprobs; with `echo`, the prompt's first (lm-evaluation-harness's
+    loglikelihood reads the prompt's logprobs there)."""
+    if echo:
+        text = ctx.llm.tokenizer.decode(g.state.prompt, skip_special_tokens=body.skip_special_tokens) + text
+    if body.logprobs is None:
+        return text, None
+    positions, ids = list(positions), list(ids)
+    if echo:
+        positions = list(g.state.prompt_logprobs or [None] * len(g.state.prompt)) + positions
+        ids = g.state.prompt + ids
+    return text, _completion_logprobs(ctx, positions, ids, start)
 
 
 def _chat_chunk(ctx: HttpContext):
@@ -170,11 +184,13 @@ def _chat_chunk(ctx: HttpContext):
     return make
 
 
-def _completion_logprobs(ctx: HttpContext, positions: list[PositionLogprobs | None], ids: list[int]) -> dict:
-    """OpenAI's legacy shape; the first prompt token (with echo) has no logprob: null."""
+def _completion_logprobs(ctx: HttpContext, positions: list[PositionLogprobs | None], ids: list[int],
+                         start: int = 0) -> dict:
+    """OpenAI's legacy shape; the first prompt token (with echo) has no logprob: null. A stream's
+    chunks go on from `start`, the length of the text before them."""
     text = ctx.token_text
     tokens = [text(t) for t in ids]
-    offsets, offset = [], 0
+    offsets, offset = [], start
     for t in tokens:
         offsets.append(offset)
         offset += len(t)

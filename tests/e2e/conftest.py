@@ -68,17 +68,25 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout_s: float = 2
 
 def read_grpc_address(proc: subprocess.Popen, timeout_s: float = 60) -> str:
     """Wait for the frontend's `grpc listening on HOST:PORT` line."""
+    return read_addresses(proc, timeout_s, http=False)[0]
+
+
+def read_addresses(proc: subprocess.Popen, timeout_s: float = 60, http: bool = True) -> tuple[str, str | None]:
+    """Wait for the frontend's `grpc listening on HOST:PORT` line and, with `http`, the
+    `http listening on HOST:PORT` line that follows it. Returns (grpc address, http URL or None)."""
     deadline = time.monotonic() + timeout_s
-    seen = []
+    seen, found = [], {}
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
         if not line and proc.poll() is not None:
             break
         seen.append(line)
-        match = re.search(r"grpc listening on (\S+:\d+)", line)
+        match = re.search(r"(grpc|http) listening on (\S+:\d+)", line)
         if match:
+            found[match.group(1)] = match.group(2)
+        if "grpc" in found and ("http" in found or not http):
             drain(proc, seen)
-            return match.group(1)
+            return found["grpc"], f"http://{found['http']}" if "http" in found else None
     raise RuntimeError("frontend did not start:\n" + "".join(seen[-30:]))
 
 
@@ -86,6 +94,7 @@ def read_grpc_address(proc: subprocess.Popen, timeout_s: float = 60) -> str:
 class Frontend:
     proc: subprocess.Popen
     address: str
+    http_url: str | None = None  # http://HOST:PORT of the HTTP API; None when it is off
     channel: grpc.Channel = field(init=False)
 
     def __post_init__(self) -> None:
@@ -134,8 +143,10 @@ def start_engine(address: str, *flags: str) -> subprocess.Popen:
 
 
 def start_frontend(engine_address: str, *flags: str) -> Frontend:
-    proc = pagedserve("frontend", "--engine-address", engine_address, "--grpc-port", "0", "--http-port", "0", *flags)
-    return Frontend(proc, read_grpc_address(proc))
+    args = ["--engine-address", engine_address, "--grpc-port", "0", "--http-port", "0", *flags]
+    proc = pagedserve("frontend", *args)
+    http_ports = [value for flag, value in zip(args, args[1:]) if flag == "--http-port"]
+    return Frontend(proc, *read_addresses(proc, http=http_ports[-1] != "off"))  # the last one given wins
 
 
 @pytest.fixture(scope="module")
@@ -159,5 +170,5 @@ def procs():
     """This module's process helpers, for tests that start their own engines and frontends
     (a test module cannot import them: two conftest modules share that name)."""
     return SimpleNamespace(free_port=free_port, pagedserve=pagedserve, stop=stop, drain=drain,
-                           log_tail=log_tail, read_grpc_address=read_grpc_address, Frontend=Frontend,
-                           start_engine=start_engine, start_frontend=start_frontend)
+                           log_tail=log_tail, read_grpc_address=read_grpc_address, read_addresses=read_addresses,
+                           Frontend=Frontend, start_engine=start_engine, start_frontend=start_frontend)

@@ -1,0 +1,260 @@
+"""The HTTP API's errors, end to end: every bad request gets its status and OpenAI's body
+{"error": {"message", "type", "param", "code"}} with a message that names the problem, the
+official SDKs raise their typed errors, and nothing is ever a 500. Also --api-key (401), a full
+house (429 + Retry-After) and a frontend without an engine (503)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from http_client import (ERROR_KEYS, anthropic_client, assert_error, model_name, no_new_server_errors, openai_client,
+                         post, server_errors)
+
+BAD = "invalid_request_error"
+LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def model(frontend):
+    return model_name(frontend)
+
+
+@pytest.fixture(autouse=True)
+def kv_free_after(frontend):
+    with no_new_server_errors(frontend):
+        yield
+    frontend.wait_kv_free()
+
+
+@pytest.fixture(scope="module")
+def keyed(engine_address, procs):
+    """A second frontend on the same engine that wants an API key."""
+    fe = procs.start_frontend(engine_address, "--api-key", "secret")
+    fe.wait_serving()
+    yield fe
+    fe.close()
+
+
+@pytest.fixture(scope="module")
+def limited(engine_address, procs):
+    fe = procs.start_frontend(engine_address, "--max-concurrent-streams", "1")
+    fe.wait_serving()
+    yield fe
+    fe.close()
+
+
+@pytest.fixture(scope="module")
+def orphan(procs):
+    """A frontend whose engine never comes."""
+    fe = procs.start_frontend(f"tcp://127.0.0.1:{procs.free_port()}")
+    yield fe
+    fe.close()
+
+
+# -- bad bodies, raw -------------------------------------------------------------------------
+
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+COMPLETION = {"prompt": "Hi", "max_tokens": 2}
+# (route, body, words the message must hold, the param it names)
+BAD_BODIES = {
+    "malformed JSON": ("/v1/completions", b'{"prompt": "Hi",', ["not valid JSON"], "body"),
+    "empty body": ("/v1/chat/completions", b"", ["not valid JSON"], "body"),
+    "JSON array": ("/v1/completions", b'[{"prompt": "Hi"}]', ["JSON object"], "body"),
+    "JSON string": ("/v1/messages", b'"hello"', ["JSON object"], "body"),
+    "nested too deep": ("/v1/completions", b'{"prompt": ' + b"[" * 20000 + b"]" * 20000 + b"}", ["nested"], "body"),
+    "temperature type": ("/v1/completions", {**COMPLETION, "temperature": "hot"}, ["temperature"], "temperature"),
+    "temperature range": ("/v1/completions", {**COMPLETION, "temperature": -1}, ["temperature", "-1"], "temperature"),
+    "n range": ("/v1/completions", {**COMPLETION, "n": 0}, ["n: "], "n"),
+    "top_p range": ("/v1/chat/completions", {**CHAT, "top_p": 2}, ["top_p"], "top_p"),
+    "max_tokens range": ("/v1/completions", {**COMPLETION, "max_tokens": 0}, ["max_tokens"], "max_tokens"),
+    "best_of": ("/v1/completions", {**COMPLETION, "best_of": 2}, ["best_of"], "best_of"),
+    "json_object": ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
+                    ["response_format", "not supported yet"], "response_format"),
+    "tools": ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+              ["tools", "not supported"], "tools"),
+    "no prompt": ("/v1/completions", {"max_tokens": 2}, ["prompt", "required"], "prompt"),
+    "no messages": ("/v1/chat/completions", {"max_tokens": 2}, ["messages", "required"], "messages"),
+    "empty messages": ("/v1/chat/completions", {"messages": [], "max_tokens": 2}, ["messages"], "messages"),
+    "token out of vocab": ("/v1/completions", {**COMPLETION, "prompt": [10**9]}, ["vocabulary"], "prompt"),
+    "prompt too long": ("/v1/completions", {**COMPLETION, "prompt": "word " * 3000}, ["maximum length"], None),
+    "output too long": ("/v1/completions", {**COMPLETION, "max_tokens": 100_000}, ["maximum length"], None),
+    "priority range": ("/v1/completions", {**COMPLETION, "priority": 2**40}, ["priority"], "priority"),
+    "lone surrogate": ("/v1/completions", b'{"prompt": "a\\ud800b", "max_tokens": 2}', ["surrogate"], "prompt"),
+    "anthropic max_tokens": ("/v1/messages", {"model": "m", "messages": CHAT["messages"]}, ["max_tokens"],
+                             "max_tokens"),
+    "tokenize both": ("/tokenize", {"prompt": "Hi", "messages": CHAT["messages"]}, ["prompt or messages"], "prompt"),
+    "detokenize vocab": ("/detokenize", {"tokens": [-1]}, ["vocabulary"], "tokens"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BODIES)
+def test_bad_body_is_400_naming_the_field(frontend, model, case):
+    route, body, words, param = BAD_BODIES[case]
+    if isinstance(body, dict) and route == "/v1/messages":
+        body = {**body, "model": model}
+    error = assert_error(post(frontend, route, body), 400, BAD, *words, anthropic_shape=route == "/v1/messages")
+    assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("route,body", [("/v1/completions", {**COMPLETION, "temperature": -1}),
+                                        ("/v1/chat/completions", {**CHAT, "n": 0}),
+                                        ("/v1/messages", {**CHAT, "model": "", "temperature": -1})])
+def test_bad_streaming_request_is_a_real_400(frontend, model, route, body):
+    body = {**body, "stream": True, **({"model": model} if route == "/v1/messages" else {})}
+    with httpx.stream("POST", f"{frontend.http_url}{route}", json=body, timeout=30) as r:
+        r.read()
+        assert_error(r, 400, BAD, anthropic_shape=route == "/v1/messages")
+
+
+def test_sdk_errors_are_typed(frontend, model):
+    client = openai_client(frontend)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, temperature=-1)
+    e = info.value
+    assert e.status_code == 400 and e.type == BAD and e.param == "temperature" and "temperature" in e.message
+    assert set(e.body) == ERROR_KEYS
+    with pytest.raises(openai.BadRequestError) as info:  # the SDK raises before the first chunk
+        client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2, top_p=2, stream=True)
+    assert info.value.param == "top_p"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2,
+                                       response_format={"type": "json_object"})
+    assert "not supported yet" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"best_of": 2})
+    assert info.value.param == "best_of"
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/tokenize"])
+def test_unknown_model_is_404(frontend, route):
+    body = {**COMPLETION, **CHAT, "model": "no-such-model"} if route != "/tokenize" else {"prompt": "Hi",
+                                                                                          "model": "no-such-model"}
+    error = assert_error(post(frontend, route, body), 404, "not_found_error", "no-such-model",
+                         anthropic_shape=route == "/v1/messages")
+    assert error["param"] == "model" and error["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as info:
+        openai_client(frontend).completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+    assert info.value.code == "model_not_found"
+
+
+def test_unknown_route_and_method(frontend):
+    assert_error(httpx.get(f"{frontend.http_url}/v1/nothing-here", timeout=10), 404, "not_found_error", "no route")
+    r = httpx.get(f"{frontend.http_url}/v1/completions", timeout=10)
+    assert r.status_code == 405 and set(r.json()["error"]) == ERROR_KEYS
+
+
+def test_unknown_fields_are_ignored(frontend, model):
+    extra = {"frobnicate": True, "x_custom": {"nested": [1, 2]}, "metadata": {"k": "v"}}
+    client = openai_client(frontend)
+    r = client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body=extra)
+    assert r.usage.completion_tokens == 2
+    r = client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2, extra_body=extra)
+    assert r.usage.completion_tokens == 2
+    m = anthropic_client(frontend).messages.create(model=model, max_tokens=2, messages=CHAT["messages"],
+                                                   extra_body=extra)
+    assert m.usage.output_tokens == 2
+    r = post(frontend, "/tokenize", {"prompt": "Hi", "frobnicate": 1})
+    assert r.status_code == 200
+
+
+# -- --api-key --------------------------------------------------------------------------------
+
+def test_api_key(keyed, model):
+    url = keyed.http_url
+    for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "secret"}, {"x-api-key": "nope"}):
+        r = httpx.post(f"{url}/v1/completions", json=COMPLETION, headers=headers, timeout=30)
+        error = assert_error(r, 401, "authentication_error", "API key")
+        assert error["code"] == "invalid_api_key"
+    assert_error(httpx.get(f"{url}/v1/models", timeout=10), 401, "authentication_error")
+    assert_error(httpx.post(f"{url}/v1/messages", json={}, timeout=10), 401, "authentication_error",
+                 anthropic_shape=True)
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(keyed, api_key="wrong").completions.create(model=model, prompt="Hi", max_tokens=2)
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic_client(keyed, api_key="wrong").messages.create(model=model, max_tokens=2,
+                                                                 messages=CHAT["messages"])
+    r = openai_client(keyed, api_key="secret").completions.create(model=model, prompt="Hi", max_tokens=2)
+    assert r.usage.completion_tokens == 2
+    m = anthropic_client(keyed, api_key="secret").messages.create(model=model, max_tokens=2,
+                                                                  messages=CHAT["messages"])  # x-api-key
+    assert m.usage.output_tokens == 2
+    # the routes outside /v1 stay open, as in vLLM: probes and scrapers carry no key
+    for path in ("/health", "/version", "/metrics"):
+        assert httpx.get(f"{url}{path}", timeout=10).status_code == 200, path
+    keyed.wait_kv_free()
+
+
+# -- a full house: 429 -----------------------------------------------------------------------
+
+def test_full_house_is_429_with_retry_after(limited, model):
+    client = httpx.Client(timeout=60)
+    with client.stream("POST", f"{limited.http_url}/v1/completions", json=LONG_STREAM) as held:
+        assert held.status_code == 200
+        lines = held.iter_lines()  # kept: a closed line iterator closes the stream
+        next(line for line in lines if line.startswith("data: "))
+        with pytest.raises(openai.RateLimitError) as info:
+            openai_client(limited).completions.create(model=model, prompt="Hi", max_tokens=2)
+        e = info.value
+        assert e.status_code == 429 and e.response.headers["retry-after"] == "1"
+        assert e.type == "rate_limit_error" and "busy" in e.message
+        with httpx.stream("POST", f"{limited.http_url}/v1/chat/completions", json={**CHAT, "stream": True},
+                          timeout=30) as r:
+            r.read()
+            assert_error(r, 429, "rate_limit_error", "max-concurrent-streams")
+        with pytest.raises(anthropic.RateLimitError):
+            anthropic_client(limited).messages.create(model=model, max_tokens=2, messages=CHAT["messages"])
+    client.close()
+    deadline = time.monotonic() + 10  # the slot frees once the held stream is gone
+    while True:
+        try:
+            r = openai_client(limited).completions.create(model=model, prompt="Hi", max_tokens=2)
+            break
+        except openai.RateLimitError:
+            assert time.monotonic() < deadline, "the slot never freed"
+            time.sleep(0.1)
+    assert r.usage.completion_tokens == 2
+    limited.wait_kv_free()
+
+
+def test_limit_holds_under_a_burst(limited, model):
+    """A slot is taken at admission, not when the generation starts: a burst of streams, or one
+    request with two prompts, cannot slip past --max-concurrent-streams; a refused request
+    gives back what it took."""
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=limited.http_url, timeout=60) as c:
+            async def one() -> int:
+                body = {"model": model, "prompt": "Hi", "max_tokens": 60, "ignore_eos": True, "stream": True}
+                return (await c.post("/v1/completions", json=body)).status_code
+            return await asyncio.gather(*(one() for _ in range(6)))
+    statuses = asyncio.run(burst())
+    assert sorted(statuses) == [200] + [429] * 5, statuses
+    limited.wait_kv_free()
+    assert_error(post(limited, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2}), 429, "rate_limit_error",
+                 "busy")
+    r = post(limited, "/v1/completions", {"prompt": ["a"], "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    limited.wait_kv_free()
+
+
+# -- no engine: 503 ---------------------------------------------------------------------------
+
+def test_no_engine_is_503(orphan):
+    url = orphan.http_url
+    assert_error(httpx.get(f"{url}/health", timeout=10), 503, "service_unavailable_error", "no engine")
+    for route, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT),
+                        ("/tokenize", {"prompt": "Hi"})):
+        assert_error(post(orphan, route, body, timeout=10), 503, "service_unavailable_error", "engine")
+    assert_error(httpx.get(f"{url}/v1/models", timeout=10), 503, "service_unavailable_error")
+    assert_error(post(orphan, "/v1/messages", {**CHAT, "model": "m"}, timeout=10), 503, "service_unavailable_error",
+                 anthropic_shape=True)
+    with pytest.raises(openai.APIStatusError) as info:
+        openai_client(orphan).completions.create(model="m", prompt="Hi", max_tokens=2, stream=True)
+    assert info.value.status_code == 503
+    assert httpx.get(f"{url}/version", timeout=10).status_code == 200
+    assert not server_errors(orphan)
