@@ -136,11 +136,13 @@ def spread_token_times(chunk_times_s: list[float], num_tokens: int) -> list[floa
 
 def open_client(target: str, api_key: str | None) -> httpx.AsyncClient:
     """A client for `{target}/...`: no connection cap (the benchmark's --max-concurrency is
-    the one that binds) and no proxy from the environment (the target is what is measured)."""
+    the one that binds), no proxy from the environment (the target is what is measured), and a
+    fresh connection per request: llama-server closes a kept-alive connection after a few
+    requests, and a request sent on it just then failed with RemoteProtocolError (2 of 16)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.AsyncClient(base_url=target.rstrip("/") + "/", headers=headers, trust_env=False,
                              timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, pool=None),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
 
 
 async def generate(client: httpx.AsyncClient, model: str, request: BenchRequest,
