@@ -150,6 +150,12 @@ def test_echo_logprobs_for_loglikelihood(client, model, frontend):
     # the continuation's logprob is the one a plain request gives
     plain = client.completions.create(model=model, prompt=PROMPT, max_tokens=1, logprobs=1, temperature=0)
     assert math.isclose(lp.token_logprobs[-1], plain.choices[0].logprobs.token_logprobs[0], abs_tol=1e-4)
+    # gRPC's prompt_logprobs (in Started) are the same numbers
+    started = generate(frontend, text=PROMPT, sampling=greedy(1, prompt_logprobs=1)).started
+    assert [p.sampled.token_id for p in started.prompt_logprobs] == tokenize(frontend, prompt=PROMPT)[1:]
+    assert all(len(p.top) == 1 and p.top[0].logprob >= p.sampled.logprob for p in started.prompt_logprobs)
+    for ours, theirs in zip(started.prompt_logprobs, lp.token_logprobs[1:num_prompt]):
+        assert math.isclose(ours.sampled.logprob, theirs, abs_tol=1e-4)
 
 
 def test_echo_streamed(client, model):
