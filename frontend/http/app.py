@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import ValidationError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
@@ -49,7 +50,8 @@ def build_app(ctx: HttpContext) -> FastAPI:
 
     # Known errors by class; anything else is a bug: 500 with a generic body (from_exception),
     # and Starlette re-raises it so the trace reaches the server log, never the client.
-    for cls in (HTTPError, InvalidRequest, EngineOverloaded, Unavailable, ValidationError, Exception):
+    for cls in (HTTPError, InvalidRequest, EngineOverloaded, Unavailable, ValidationError, ClientDisconnect,
+                Exception):
         app.add_exception_handler(cls, on_error)
 
     @app.exception_handler(StarletteHTTPException)

@@ -5,6 +5,7 @@
     unknown model or route          404  not_found_error
     EngineOverloaded                429  rate_limit_error (+ Retry-After)
     Unavailable (no engine, drain)  503  service_unavailable_error
+    the client left mid-body        499  (logged only: nginx's "client closed request")
     anything else (a bug)           500  internal_error, a generic message; the trace goes to the log
 
 OpenAI's body is {"error": {"message", "type", "param", "code"}}; Anthropic's routes add its
@@ -18,6 +19,7 @@ import re
 
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
 
@@ -62,6 +64,8 @@ def from_exception(e: BaseException) -> HTTPError:
         return HTTPError(429, str(e), "rate_limit_error")
     if isinstance(e, Unavailable):
         return HTTPError(503, str(e), "service_unavailable_error")
+    if isinstance(e, ClientDisconnect):  # it left while we read its body: no one to answer
+        return HTTPError(499, "client closed the request", "client_closed_request")
     log.error("internal error", exc_info=e)
     return HTTPError(500, "internal error; see the server log", "internal_error")
 
