@@ -10,6 +10,7 @@ import time
 import anthropic
 import httpx
 import openai
+import pytest
 
 API_KEY = "test-key"  # any string: the test frontends run without --api-key unless a test says so
 TIMEOUT_S = 120
@@ -125,3 +126,17 @@ def stop_inside(text: str, start: int = 3, length: int = 3) -> tuple[str, int]:
         if piece.strip() and text.find(piece) == i:
             return piece, i
     raise AssertionError(f"no piece of {text!r} to use as a stop string")
+
+
+# Fixtures every HTTP test module uses; a module takes them by importing their names.
+@pytest.fixture(scope="module")
+def model(frontend):
+    return model_name(frontend)
+
+
+@pytest.fixture(autouse=True)
+def kv_free_after(frontend):
+    """After each test: no 500 or crash was logged, and every KV block is free."""
+    with no_new_server_errors(frontend):
+        yield
+    frontend.wait_kv_free()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from http_client import anthropic_client, model_name, no_new_server_errors, stop_inside, tokenize
+from http_client import kv_free_after, model  # noqa: F401 - shared fixtures
+from http_client import anthropic_client, stop_inside, tokenize
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 SHORT = [{"role": "user", "content": "Reply with one word: yes or no. Is the sky blue?"}]
@@ -18,18 +19,6 @@ GREEDY = {"temperature": 0}  # not a parameter of this SDK's create(): sent as a
 def client(frontend):
     with anthropic_client(frontend) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def model(frontend):
-    return model_name(frontend)
-
-
-@pytest.fixture(autouse=True)
-def kv_free_after(frontend):
-    with no_new_server_errors(frontend):
-        yield
-    frontend.wait_kv_free()
 
 
 def test_create_max_tokens(client, model, frontend):

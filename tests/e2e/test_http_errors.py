@@ -13,23 +13,12 @@ import httpx
 import openai
 import pytest
 
-from http_client import (ERROR_KEYS, anthropic_client, assert_error, model_name, no_new_server_errors, openai_client,
+from http_client import kv_free_after, model  # noqa: F401 - shared fixtures
+from http_client import (ERROR_KEYS, anthropic_client, assert_error, openai_client,
                          post, server_errors)
 
 BAD = "invalid_request_error"
 LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
-
-
-@pytest.fixture(scope="module")
-def model(frontend):
-    return model_name(frontend)
-
-
-@pytest.fixture(autouse=True)
-def kv_free_after(frontend):
-    with no_new_server_errors(frontend):
-        yield
-    frontend.wait_kv_free()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from grpc_client import generate, greedy
-from http_client import (async_openai_client, model_name, no_new_server_errors, openai_client, post, stop_inside,
+from http_client import kv_free_after, model  # noqa: F401 - shared fixtures
+from http_client import (async_openai_client, openai_client, post, stop_inside,
                          tokenize)
 from pagedserve.v1 import info_pb2
 
@@ -25,18 +26,6 @@ GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 def client(frontend):
     with openai_client(frontend) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def model(frontend):
-    return model_name(frontend)
-
-
-@pytest.fixture(autouse=True)
-def kv_free_after(frontend):
-    with no_new_server_errors(frontend):
-        yield
-    frontend.wait_kv_free()
 
 
 def greedy_text(client, model, prompt, max_tokens: int = 16) -> str:
