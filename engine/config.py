@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cupy")
+QUANTIZATIONS = (None, "none", "int4", "int8")
 
 
 @dataclass
@@ -28,7 +30,8 @@ class EngineConfig:
     max_waiting_requests: int | None = None  # admission: refuse new requests past this many waiting
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: cpu kernels on CPU where they build, else torch
+    quantization: str | None = None  # int4 | int8: quantize float weights at load; none: dequantize GGUF
     cuda_graphs: bool | None = None  # decode in CUDA graphs; None: on for device cuda + backend cupy
     num_threads: int | None = None  # CPU: torch intra-op threads (default: all cores)
 
@@ -50,14 +53,19 @@ class EngineConfig:
             raise ValueError(f"dtype: must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
-        if self.attention_backend not in ("torch", "cupy"):
-            raise ValueError(f"attention_backend: must be 'torch' or 'cupy', got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of none, int4, int8 (or unset), got {self.quantization!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         on_cuda = self.device.startswith("cuda")
         self.dtype = resolve_dtype(self.dtype, self.device)  # the rest of the engine sees a real dtype
         if self.attention_backend == "cupy" and not on_cuda:
             raise ValueError("attention_backend: 'cupy' runs CUDA kernels; it needs device 'cuda'")
+        if self.attention_backend == "cpu" and on_cuda:
+            raise ValueError("attention_backend: 'cpu' runs CPU kernels; it needs device 'cpu'")
         if self.cuda_graphs is None:  # resolved here, so the rest of the engine sees a bool
             self.cuda_graphs = on_cuda and self.attention_backend == "cupy"
         elif self.cuda_graphs and not (on_cuda and self.attention_backend == "cupy"):

@@ -34,9 +34,10 @@ class ModelRunner:
             tune_cpu(config.num_threads)
         self.arch = read_arch_config(model_path)
         self.max_model_len = self._max_model_len()
-        self.model = load_model(model_path, self.arch, config.dtype, config.device, self.max_model_len)
+        self.model = load_model(model_path, self.arch, config.dtype, config.device, self.max_model_len,
+                                config.quantization)
         self.backend = get_attention_backend(config.attention_backend, self.arch.num_heads,
-                                             self.arch.num_kv_heads, self.arch.head_dim)
+                                             self.arch.num_kv_heads, self.arch.head_dim, config.device)
         self.block_size = config.block_size
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_memory_gb)
         shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size)

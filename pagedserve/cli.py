@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
                     "128-8192, MHA and GQA 8:1, head 128, bf16, single-pass and split-K; the fixed "
                     "cost per call and the launch cost of data_ptr, __cuda_array_interface__ and "
                     "DLPack. Writes JSON and a PNG. Exits 1 without a CUDA GPU and cupy."))
+    from bench.formats import add_arguments as add_formats
+    add_formats(bench_kinds.add_parser(
+        "formats", help="each weight format's speed beside its perplexity (CPU, in-process)",
+        description="Weight formats of one GGUF model, in-process on CPU: float32 and bfloat16 "
+                    "(dequantized), int8 and int4 (quantized at load from its float export), and the "
+                    "GGUF's own blocks run as stored. For each: perplexity on a fixed text of our own, "
+                    "time per output token of one stream, output tok/s of a batch, and prefill tok/s "
+                    "of a long prompt, with ratios to float32 from the same run. Writes JSON and a PNG."))
     from bench.soak import add_arguments as add_soak
     add_soak(bench_kinds.add_parser(
         "soak", help="minutes of mixed load with cancels; checks for KV, RSS and request leaks",
@@ -98,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "kernels":
         from bench.kernels import run
+        return run(args)
+    if args.command == "bench" and args.bench == "formats":
+        from bench.formats import run
         return run(args)
     if args.command == "bench" and args.bench == "soak":
         from bench.soak import run

@@ -1,7 +1,8 @@
 """Attention backends: how K/V are written to and read from the paged cache.
 
 The model calls `AttentionBackend.forward` and nothing else, so a backend (the
-torch reference here, CuPy kernels on GPU) plugs in without touching models.
+torch reference here, C++ kernels on CPU, CuPy kernels on GPU) plugs in without
+touching models.
 
 A step's tokens are laid out flat, decodes first, then prefill chunks:
 
@@ -68,8 +69,26 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int
+def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: str
                           ) -> AttentionBackend:
+    """The backend `name` ("auto": the CPU kernels on a CPU device where they build and fit
+    the head size, else torch) for a model on `device`."""
+    on_cpu = torch.device(device).type == "cpu"
+    if name == "auto":
+        import cpu_kernels
+        # available() builds the kernels on first use; a failed build logs one warning.
+        fits = head_dim % 8 == 0
+        name = "cpu" if on_cpu and fits and cpu_kernels.available("paged_attention") else "torch"
+    if name == "cpu":
+        import cpu_kernels
+        if not on_cpu:
+            raise ValueError(f"attention_backend 'cpu' runs CPU kernels; the model is on {device!r}")
+        reason = cpu_kernels.unavailable_reason("paged_attention")
+        if reason is not None:
+            raise ValueError(f"attention_backend 'cpu' needs the C++ attention kernel, which is unavailable: "
+                             f"{reason.rstrip('.')}; use 'torch' (or 'auto', which falls back to it)")
+        from engine.attention.cpu_backend import CpuAttentionBackend
+        return CpuAttentionBackend(num_heads, num_kv_heads, head_dim)
     if name == "torch":
         from engine.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
@@ -81,4 +100,4 @@ def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim
                              "install the gpu extra (pip install 'pagedserve[gpu]') or use 'torch'")
         from engine.attention.cupy_backend import CupyAttentionBackend
         return CupyAttentionBackend(num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"attention_backend: {name!r} is not available (available: torch, cupy)")
+    raise ValueError(f"attention_backend: {name!r} is not available (available: auto, torch, cpu, cupy)")

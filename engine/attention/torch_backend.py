@@ -35,16 +35,23 @@ class TorchAttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.num_decode_tokens:
-            tables, lens = meta.decode_block_tables, meta.decode_context_lens
-            if tables.device.type == "cpu":
-                tables, lens = _pad_decode(tables, lens)
-            block_size = meta.backend_state["block_size"]
-            positions = torch.arange(tables.shape[1] * block_size, device=tables.device)
-            # [1, B, 1, L]: True where the key position lies past the context.
-            mask = positions[None, :] >= lens[:, None]
-            meta.backend_state["decode_mask"] = mask[None, :, None, :]
-            meta.backend_state["decode_blocks"] = tables.flatten()
-            meta.backend_state["decode_shape"] = tables.shape
+            self._prepare_decode(meta)
+        meta.backend_state["prefill_masks"] = self._prefill_masks(meta)
+
+    def _prepare_decode(self, meta: AttentionMetadata) -> None:
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        if tables.device.type == "cpu":
+            tables, lens = _pad_decode(tables, lens)
+        block_size = meta.backend_state["block_size"]
+        positions = torch.arange(tables.shape[1] * block_size, device=tables.device)
+        # [1, B, 1, L]: True where the key position lies past the context.
+        mask = positions[None, :] >= lens[:, None]
+        meta.backend_state["decode_mask"] = mask[None, :, None, :]
+        meta.backend_state["decode_blocks"] = tables.flatten()
+        meta.backend_state["decode_shape"] = tables.shape
+
+    @staticmethod
+    def _prefill_masks(meta: AttentionMetadata) -> list[torch.Tensor | None]:
         masks = []
         for chunk in meta.prefills:
             start = chunk.context_len - chunk.num_tokens
@@ -54,7 +61,7 @@ class TorchAttentionBackend:
                 masks.append(k_pos[None, :] <= q_pos[:, None])
             else:
                 masks.append(None)  # plain causal attention
-        meta.backend_state["prefill_masks"] = masks
+        return masks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -1,5 +1,7 @@
-"""Read a GGUF file: architecture from its metadata, dequantized weights under HF names.
+"""Read a GGUF file: architecture from its metadata, weights under HF names.
 
+Q4_0, Q4_1 and Q8_0 tensors can come out as they are stored (`QuantizedTensor`, for the
+quantized layers); everything else is dequantized to float32 by gguf-py.
 `gguf` is imported lazily: only GGUF users need it (the GPU image lacks it).
 """
 
@@ -12,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.layers.quantized import QuantizedTensor
 from engine.models.config import SUPPORTED, ModelArchConfig
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
@@ -68,19 +71,56 @@ def read_gguf_config(path: Path) -> ModelArchConfig:
         sliding_window=key("attention.sliding_window"))
 
 
-def iter_gguf_weights(path: Path, cfg: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, fp32 tensor) for every tensor in the file."""
+# GGUF block type -> (our format, bytes per block of 32): fp16 d, [fp16 m,] then the values.
+_BLOCK_TYPES = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q8_0": ("int8", 34)}
+
+
+def gguf_block_formats(path: Path) -> dict[str, str]:
+    """HF tensor name -> "int4" | "int8", for the tensors that can run as stored."""
+    return {_hf_name(t.name): _BLOCK_TYPES[t.tensor_type.name][0]
+            for t in _reader(path).tensors if t.tensor_type.name in _BLOCK_TYPES}
+
+
+def iter_gguf_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (HF name, weight) for every tensor in the file: float32 tensors, or with
+    `keep_quantized` the Q4_0/Q4_1/Q8_0 ones as stored."""
     from gguf.quants import dequantize
 
-    reader = _reader(path)
-    for tensor in reader.tensors:
+    for tensor in _reader(path).tensors:
         name = _hf_name(tensor.name)
-        array = dequantize(tensor.data, tensor.tensor_type)
-        weight = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
+        if keep_quantized and tensor.tensor_type.name in _BLOCK_TYPES:
+            weight = _blocks(np.asarray(tensor.data), tensor.tensor_type.name)
+        else:
+            array = dequantize(tensor.data, tensor.tensor_type)
+            weight = torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
         if cfg.model_type in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
-            weight = _unpermute_rotary(weight, heads)
+            if isinstance(weight, QuantizedTensor):
+                weight = weight.map_rows(lambda t: _unpermute_rotary(t, heads))
+            else:
+                weight = _unpermute_rotary(weight, heads)
         yield name, weight
+
+
+def _blocks(raw: np.ndarray, kind: str) -> QuantizedTensor:
+    """[N, blocks * bytes per block] raw GGUF rows -> our block layout (scales as float32)."""
+    fmt, size = _BLOCK_TYPES[kind]
+    blocks = raw.reshape(raw.shape[0], -1, size)
+
+    def half(offset: int) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(blocks[..., offset:offset + 2]).view(np.float16)[..., 0]
+                                .astype(np.float32))
+
+    def values(offset: int, dtype) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(blocks[..., offset:]).view(dtype).reshape(raw.shape[0], -1))
+
+    d = half(0)
+    if kind == "Q8_0":
+        return QuantizedTensor(fmt, values(2, np.int8), d)
+    if kind == "Q4_1":
+        return QuantizedTensor(fmt, values(4, np.uint8), d, half(2))
+    return QuantizedTensor(fmt, values(2, np.uint8), d, -8 * d)  # Q4_0: w = d * (q - 8)
 
 
 def _hf_name(gguf_name: str) -> str:

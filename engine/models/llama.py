@@ -18,6 +18,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.layers.norm import RMSNorm
+from engine.layers.quantized import QuantEmbedding, QuantizedTensor, QuantLinear
 from engine.layers.rotary import RotaryEmbedding, apply_rotary
 from engine.models.config import ModelArchConfig
 
@@ -117,10 +118,25 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def init_non_persistent(self, device: str | torch.device) -> None:
-        """After building on the meta device: recompute buffers and re-tie embeddings."""
+        """After building on the meta device: recompute buffers and re-tie embeddings
+        (a quantized head and its embedding share one table already)."""
         self.model.rotary.build(device)
-        if self.config.tie_word_embeddings:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @staticmethod
+    def linear_sources(cfg: ModelArchConfig) -> dict[str, list[str]]:
+        """Each linear layer's name -> the checkpoint tensors it is built from (fused
+        layers have several; a tied head reads the embedding)."""
+        out = {}
+        for i in range(cfg.num_layers):
+            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            out[f"{attn}.qkv_proj"] = [f"{attn}.{p}.weight" for p in ("q_proj", "k_proj", "v_proj")]
+            out[f"{attn}.o_proj"] = [f"{attn}.o_proj.weight"]
+            out[f"{mlp}.gate_up_proj"] = [f"{mlp}.{p}.weight" for p in ("gate_proj", "up_proj")]
+            out[f"{mlp}.down_proj"] = [f"{mlp}.down_proj.weight"]
+        out["lm_head"] = ["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        return out
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
@@ -129,10 +145,14 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (HF names) into our parameters, stacking fused ones.
-        Raises if any parameter is left unloaded."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into our parameters and quantized layers,
+        stacking fused ones. Raises if anything is left unloaded."""
         params = dict(self.named_parameters())
+        quantized = {f"{n}.weight": m for n, m in self.named_modules()
+                     if isinstance(m, QuantLinear) and not n.endswith(".table")}
+        if isinstance(self.model.embed_tokens, QuantEmbedding):  # tied: the head is the table
+            quantized["model.embed_tokens.weight"] = self.model.embed_tokens.table
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
@@ -140,11 +160,17 @@ class LlamaForCausalLM(nn.Module):
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # same tensor as embed_tokens
             name, shard = _fused_name(name)
-            if name not in params:
+            sizes = self._shard_sizes(name)
+            if name in quantized:
+                quantized[name].load_rows(tensor, 0 if shard is None else sum(sizes[:shard]))
+            elif name in params:
+                if isinstance(tensor, QuantizedTensor):
+                    tensor = tensor.dequantize()
+                _copy_shard(params[name], tensor, shard, sizes)
+            else:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.model_type}")
-            _copy_shard(params[name], tensor, shard, self._shard_sizes(name))
             loaded.add(name if shard is None else f"{name}#{shard}")
-        self._check_all_loaded(params, loaded)
+        self._check_all_loaded([*params, *quantized], loaded)
 
     def _shard_sizes(self, name: str) -> list[int]:
         c = self.config
@@ -152,9 +178,9 @@ class LlamaForCausalLM(nn.Module):
             return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         return [c.intermediate_size, c.intermediate_size]
 
-    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
+    def _check_all_loaded(self, names: list[str], loaded: set[str]) -> None:
         missing = []
-        for name in params:
+        for name in names:
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue
             num_shards = 3 if "qkv_proj" in name else 2 if "gate_up_proj" in name else 0

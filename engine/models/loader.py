@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import cpu_kernels
+from engine.layers.quantized import QuantizedTensor, dequantize_modules, quantize_modules
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 
@@ -58,10 +60,11 @@ def read_arch_config(path: Path) -> ModelArchConfig:
     return ModelArchConfig.from_hf(AutoConfig.from_pretrained(str(path)))
 
 
-def iter_weights(path: Path, cfg: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = False
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     if is_gguf(path):
         from engine.models.gguf_loader import iter_gguf_weights
-        yield from iter_gguf_weights(path, cfg)
+        yield from iter_gguf_weights(path, cfg, keep_quantized)
         return
     from safetensors import safe_open
     files = sorted(path.glob("*.safetensors"))
@@ -73,22 +76,55 @@ def iter_weights(path: Path, cfg: ModelArchConfig) -> Iterator[tuple[str, torch.
                 yield name, f.get_tensor(name)
 
 
-def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_positions: int
-               ) -> LlamaForCausalLM:
-    """Build the model directly on `device` in `dtype`, then copy the weights in."""
+def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_positions: int,
+               quantization: str | None = None) -> LlamaForCausalLM:
+    """Build the model directly on `device` in `dtype`, then copy the weights in. Layers
+    whose weights are quantized (GGUF blocks, or `quantization` int4/int8 of float weights)
+    stay quantized where the CPU kernels run; elsewhere they are dequantized."""
+    formats = linear_formats(path, cfg, quantization)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[dtype])
     try:
         with torch.device("meta"):  # no time spent on random init of weights we overwrite
             model = LlamaForCausalLM(cfg, max_positions)
+            quantize_modules(model, formats, cfg.tie_word_embeddings)
         model = model.to_empty(device=device)
         model.init_non_persistent(device)
     finally:
         torch.set_default_dtype(previous)
-    weights = tqdm(iter_weights(path, cfg), desc=f"loading {path.name}", unit="tensor",
-                   leave=False, disable=None)
+    weights = tqdm(iter_weights(path, cfg, keep_quantized=bool(formats)), desc=f"loading {path.name}",
+                   unit="tensor", leave=False, disable=None)
     model.load_weights(weights)
+    # Without the kernels, layers loaded as blocks become dense layers of the same weights.
+    if formats and not (device == "cpu" and cpu_kernels.available("quant_linear")):
+        dequantize_modules(model, DTYPES[dtype])
     return model.eval()
+
+
+def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None) -> dict[str, str]:
+    """Linear layer name -> "int4" | "int8" for the layers to keep quantized: a GGUF's
+    Q4_0/Q4_1/Q8_0 tensors as stored (unless quantization is "none"), or every linear
+    layer of a float checkpoint with quantization int4/int8. Fused layers stay dense
+    when their parts are stored differently; layers whose input width is not a multiple
+    of 32 stay dense."""
+    if quantization == "none":
+        return {}
+    if is_gguf(path):
+        if quantization is not None:
+            raise ValueError(f"quantization {quantization!r}: a GGUF file's Q4_0/Q4_1/Q8_0 weights "
+                             "run as stored; use 'none' to dequantize them instead")
+        from engine.models.gguf_loader import gguf_block_formats
+        stored = gguf_block_formats(path)
+    elif quantization is None:
+        return {}
+    else:
+        stored = None
+    formats = {}
+    for layer, sources in LlamaForCausalLM.linear_sources(cfg).items():
+        found = {quantization} if stored is None else {stored.get(s) for s in sources}
+        if len(found) == 1 and None not in found:
+            formats[layer] = found.pop()
+    return formats
 
 
 def load_tokenizer(path: Path, tokenizer: str | None = None):

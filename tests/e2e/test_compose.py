@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -132,6 +133,10 @@ def test_dockerfile():
     assert 'ENTRYPOINT ["pagedserve"]' in lines
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
+    assert "g++" in text and "python -m cpu_kernels.warm" in text  # the CPU kernels can build
+    packages = re.search(r'include = \[(.*?)\]', (ROOT / "pyproject.toml").read_text()).group(1)
+    for package in re.findall(r'"(\w+)\*"', packages):  # every package the wheel carries is copied
+        assert f"COPY {package} {package}" in lines, package
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", ".git", "bench/results"} <= set(ignored)
 

@@ -40,7 +40,9 @@ def reference(bundled_hf_model, prompts) -> list[torch.Tensor]:
 
 
 def make_core(bundled_path, **overrides) -> EngineCore:
-    config = EngineConfig(**{"dtype": "float32", "num_kv_blocks": 64, "num_threads": 1, **overrides})
+    # quantization "none": HF reads the GGUF dequantized to float32, so must we.
+    config = EngineConfig(**{"dtype": "float32", "quantization": "none", "num_kv_blocks": 64,
+                             "num_threads": 1, **overrides})
     return EngineCore(config, eos_token_ids(load_tokenizer(bundled_path)))
 
 

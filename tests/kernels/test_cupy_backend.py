@@ -42,7 +42,7 @@ def test_matches_torch_backend(dtype, block_size):
     heads, kv_heads, dim, num_blocks = 16, 4, 128, 200
     outs, caches = [], []
     for name in ("torch", "cupy"):
-        backend = get_attention_backend(name, heads, kv_heads, dim)
+        backend = get_attention_backend(name, heads, kv_heads, dim, "cuda")
         torch.manual_seed(0)
         cache = torch.randn(backend.kv_cache_shape(num_blocks, block_size), device="cuda").to(dtype)
         meta = step_metadata(block_size, num_blocks, torch.Generator().manual_seed(1))

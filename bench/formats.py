@@ -1,0 +1,211 @@
+"""`pagedserve bench formats`: each weight format's speed beside its accuracy, in one run.
+
+Formats of the bundled SmolLM2 (or --model, a GGUF):
+  float32, bfloat16   the GGUF dequantized (`--quantization none`): the reference
+  int8, int4          that float checkpoint quantized at load (`--quantization int8|int4`);
+                      its HF folder is exported once from the GGUF by transformers
+  gguf                the GGUF's own blocks run as stored (Q4_1 layers, Q8_0 head)
+
+For each, in-process (`LLM`), with prefix caching off:
+  - perplexity on bench/data/perplexity.txt (prompt logprobs), and its ratio to float32's;
+  - one stream: time per output token after a --input-len prompt;
+  - --batch streams at once: output tokens/s over --input-len in / --output-len out;
+  - prefill: prompt tokens/s of one --prefill-len prompt.
+Speeds are medians of --repeats runs, compared as ratios to float32 measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from bench.common import machine_info, median, print_table, write_result
+
+FORMATS = {
+    "float32": dict(dtype="float32", quantization="none"),
+    "bfloat16": dict(dtype="bfloat16", quantization="none"),
+    "int8": dict(dtype="float32", quantization="int8", hf=True),
+    "int4": dict(dtype="float32", quantization="int4", hf=True),
+    "gguf": dict(dtype="float32"),
+}
+TEXT = Path(__file__).resolve().parent / "data" / "perplexity.txt"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a GGUF file (default: the bundled SmolLM2)")
+    p.add_argument("--formats", default=",".join(FORMATS), type=_format_list,
+                   help=f"comma-separated, from {', '.join(FORMATS)} (default: all)")
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per stream (default: 128)")
+    p.add_argument("--batch", type=int, default=32, help="streams at once (default: 32)")
+    p.add_argument("--prefill-len", type=int, default=2048, help="the long prompt (default: 2048)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default: 3)")
+    p.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
+
+
+def _format_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in FORMATS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"formats must be among {', '.join(FORMATS)}, got {text!r}")
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    from engine.models.loader import resolve_model_path
+    gguf = resolve_model_path(args.model)
+    results = {}
+    for name in args.formats:
+        spec = dict(FORMATS[name])
+        model = str(hf_export(gguf) if spec.pop("hf", False) else gguf)
+        print(f"\n== {name}: {model} {spec}")
+        results[name] = measure(model, spec, args)
+    ratios = _ratios(results)
+    _report(results, ratios)
+    path = write_result("formats", {
+        "machine": machine_info("cpu"), "model": str(gguf),
+        "workload": {k: getattr(args, k) for k in ("input_len", "output_len", "batch", "prefill_len",
+                                                   "repeats", "num_threads")},
+        "text": {"file": TEXT.name, "words": len(TEXT.read_text().split())},
+        "results": results, "ratios_to_float32": ratios}, args.output_dir)
+    chart = _plot(results, path.with_suffix(".png"))
+    print(f"\nwrote {path} and {chart.name}")
+    return 0
+
+
+def hf_export(gguf: Path) -> Path:
+    """The GGUF as a float32 HF folder (safetensors + tokenizer), written once by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from engine.models.loader import cache_dir
+    folder = cache_dir() / "hf-export" / f"{gguf.stem}-{gguf.stat().st_size}"
+    if not (folder / "config.json").is_file():
+        from safetensors.torch import save_file
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        folder.mkdir(parents=True, exist_ok=True)
+        # save_pretrained refuses GGUF-loaded models: write the tensors and config ourselves.
+        state = {k: v.contiguous() for k, v in model.state_dict().items()
+                 if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
+        save_file(state, str(folder / "model.safetensors"))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder))
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def measure(model: str, spec: dict, args) -> dict:
+    from engine import LLM, SamplingParams
+    llm = LLM(model, enable_prefix_caching=False, num_threads=args.num_threads, **spec)
+    vocab = llm.engine.vocab_size
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
+    greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    out = {"perplexity": perplexity(llm)}
+    out["tpot_ms"] = median([_tpot(llm, prompts[0], args.output_len) for _ in
+                             tqdm(range(args.repeats), desc="one stream", unit="run")]) * 1e3
+    times = []
+    for _ in tqdm(range(args.repeats), desc=f"{args.batch} streams", unit="run"):
+        start = time.perf_counter()
+        llm.generate(prompts, greedy)
+        times.append(time.perf_counter() - start)
+    out["batch_output_tok_s"] = args.batch * args.output_len / median(times)
+    long_prompt = [rng.randrange(100, vocab) for _ in range(args.prefill_len)]
+    times = []
+    for _ in tqdm(range(args.repeats), desc="prefill", unit="run"):
+        start = time.perf_counter()
+        llm.generate([long_prompt], SamplingParams(temperature=0, max_tokens=1))
+        times.append(time.perf_counter() - start)
+    out["prefill_tok_s"] = args.prefill_len / median(times)
+    out["weights"] = describe_weights(llm)
+    return out
+
+
+def _tpot(llm, prompt: list[int], output_len: int) -> float:
+    """Seconds per output token after the first, for one request alone."""
+    from engine import SamplingParams
+    core = llm.engine
+    core.add_request(f"tpot-{time.monotonic_ns()}", prompt,
+                     SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    first = None
+    while core.has_unfinished_requests():
+        core.step()
+        first = first or time.perf_counter()
+    return (time.perf_counter() - first) / (output_len - 1)
+
+
+def perplexity(llm) -> float:
+    from engine import SamplingParams
+    out = llm.generate(TEXT.read_text(), SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    nll = [-next(iter(entry.values())) for entry in out.prompt_logprobs[1:]]
+    return math.exp(sum(nll) / len(nll))
+
+
+def describe_weights(llm) -> dict:
+    """Parameter bytes by storage type: what each step streams from memory."""
+    from engine.layers.quantized import QuantLinear
+    model = llm.engine.model_runner.model
+    sizes: dict[str, int] = {}
+    seen = set()
+    for module in model.modules():
+        tensors = ([module.qweight, module.scales, module.zeros] if isinstance(module, QuantLinear)
+                   else list(module.parameters(recurse=False)))
+        key = f"quantized {module.format}" if isinstance(module, QuantLinear) else "dense"
+        for t in tensors:
+            if t is not None and id(t) not in seen:
+                seen.add(id(t))
+                sizes[key] = sizes.get(key, 0) + t.numel() * t.element_size()
+    return {k: round(v / 2**20, 1) for k, v in sizes.items()} | {"unit": "MiB"}
+
+
+def _ratios(results: dict) -> dict:
+    base = results.get("float32")
+    if base is None:
+        return {}
+    return {name: {"perplexity": r["perplexity"] / base["perplexity"],
+                   "tpot_speedup": base["tpot_ms"] / r["tpot_ms"],
+                   "batch_speedup": r["batch_output_tok_s"] / base["batch_output_tok_s"],
+                   "prefill_speedup": r["prefill_tok_s"] / base["prefill_tok_s"]}
+            for name, r in results.items()}
+
+
+def _report(results: dict, ratios: dict) -> None:
+    rows = []
+    for name, r in results.items():
+        ratio = ratios.get(name, {})
+        rows.append([name, f"{r['perplexity']:.3f}", f"{ratio.get('perplexity', math.nan):.4f}",
+                     f"{r['tpot_ms']:.1f}", f"{r['batch_output_tok_s']:.0f}", f"{r['prefill_tok_s']:.0f}",
+                     sum(v for k, v in r["weights"].items() if k != "unit")])
+    print_table(["format", "perplexity", "ppl / fp32", "TPOT ms (1 stream)", "tok/s (batch)",
+                 "prefill tok/s", "weights MiB"], rows)
+
+
+def _plot(results: dict, path: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(results)
+    panels = [("tpot_ms", "TPOT, one stream (ms, lower is better)"),
+              ("batch_output_tok_s", "output tok/s, batch (higher is better)"),
+              ("prefill_tok_s", "prefill tok/s (higher is better)")]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 0.45 * len(names) + 1.8))
+    for ax, (key, title) in zip(axes, panels):
+        bars = ax.barh(names, [results[n][key] for n in names], color="tab:blue")
+        ax.bar_label(bars, fmt="%.0f" if key != "tpot_ms" else "%.1f", padding=3)
+        ax.set_title(title, fontsize=9)
+        ax.invert_yaxis()
+        ax.margins(x=0.2)
+    axes[0].set_yticks(range(len(names)), [f"{n}\nppl {results[n]['perplexity']:.2f}" for n in names])
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,396 @@
+// Paged attention on CPU, reading K/V straight from the paged cache (no gather copy).
+//
+//   kv_cache      [2, Hkv, num_blocks, block_size, D]  0 = K, 1 = V; contiguous
+//   q             [B, Hq, D]  rows may be strided (a view of the fused qkv); heads D apart
+//   block_tables  [B, W] int64, context_lens [B] int64 (>= 1)
+//
+// One work item is (sequence, kv head, partition): all G = Hq / Hkv query heads of a kv
+// head are done together, so each K/V row comes from memory once per group. A block at a
+// time: scores for the whole block, one online-softmax update (running max and sum), then
+// the V accumulation. Contexts longer than kPartitionTokens are split into partitions of
+// that length, combined at the end, so that a small batch still keeps every core busy.
+//
+// Batch invariance: the arithmetic for one sequence depends only on its own length, the
+// block size and the head shapes (partitions are fixed by length, never by batch size or
+// thread count), so its result is bitwise the same alone or in any batch.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kPartitionTokens = 512;
+// Below this many K+V elements in a call, waking threads costs more than it saves.
+constexpr int64_t kSerialElements = 1 << 15;
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is a 16-bit shift
+  __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(x), 16));
+}
+
+inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+inline float hmax(__m256 a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Four sums of four vectors' lanes.
+inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+// exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp).
+// Far below zero it returns 0, as softmax wants.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+// Register tiles: 3 query heads x 4 rows (or 4 chunks of D) make 12 accumulators, plus 3
+// operands: the 16 ymm registers, with each K/V load feeding 3 FMAs.
+constexpr int kHeadTile = 3;
+
+// s[h, t] = q[h] . k[t] for HT heads and the block's n valid rows, four rows at a time.
+// Blocks are scattered (a page or so each) and hardware prefetchers stop at page
+// boundaries, so this also prefetches the next block's K and V rows (next_k/next_v, or
+// null), spread over the loop: a burst of prefetches would stall on the miss buffers.
+template <int HT, typename T>
+void scores_tile(const float* q, const T* k, int64_t n, int64_t D, float* s, int64_t pad, const T* next_k,
+                 const T* next_v) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    __m256 a[HT][4];
+    for (int h = 0; h < HT; ++h)
+      for (int j = 0; j < 4; ++j) a[h][j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      if (next_k && c % kLine == 0) {
+        for (int j = 0; j < 4; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(next_k + (t + j) * D + c), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next_v + (t + j) * D + c), _MM_HINT_T0);
+        }
+      }
+      __m256 qv[HT];
+      for (int h = 0; h < HT; ++h) qv[h] = _mm256_loadu_ps(q + h * D + c);
+      for (int j = 0; j < 4; ++j) {
+        __m256 kv = load8(k + (t + j) * D + c);
+        for (int h = 0; h < HT; ++h) a[h][j] = _mm256_fmadd_ps(kv, qv[h], a[h][j]);
+      }
+    }
+    for (int h = 0; h < HT; ++h) _mm_storeu_ps(s + h * pad + t, hsum4(a[h][0], a[h][1], a[h][2], a[h][3]));
+  }
+  for (; t < n; ++t) {
+    __m256 a[HT];
+    for (int h = 0; h < HT; ++h) a[h] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      __m256 kv = load8(k + t * D + c);
+      for (int h = 0; h < HT; ++h) a[h] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q + h * D + c), a[h]);
+    }
+    for (int h = 0; h < HT; ++h) s[h * pad + t] = hsum(a[h]);
+  }
+}
+
+// acc[h, c:c+8CT] = acc * alpha[h] + sum_t p[h, t] v[t, c:c+8CT] for HT heads.
+template <int HT, int CT, typename T>
+inline void values_tile(const float* p, int64_t pad, const T* v, int64_t n, int64_t D, const float* alpha,
+                        float* acc, int64_t c) {
+  __m256 a[HT][CT];
+  for (int h = 0; h < HT; ++h)
+    for (int j = 0; j < CT; ++j)
+      a[h][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + c + 8 * j), _mm256_set1_ps(alpha[h]));
+  for (int64_t t = 0; t < n; ++t) {
+    __m256 ph[HT];
+    for (int h = 0; h < HT; ++h) ph[h] = _mm256_broadcast_ss(p + h * pad + t);
+    for (int j = 0; j < CT; ++j) {
+      __m256 vv = load8(v + t * D + c + 8 * j);
+      for (int h = 0; h < HT; ++h) a[h][j] = _mm256_fmadd_ps(ph[h], vv, a[h][j]);
+    }
+  }
+  for (int h = 0; h < HT; ++h)
+    for (int j = 0; j < CT; ++j) _mm256_storeu_ps(acc + h * D + c + 8 * j, a[h][j]);
+}
+#endif  // __AVX2__
+
+// Online-softmax update of one head with this block's n scores: turns them into
+// probabilities relative to the new running max m; returns the factor for the old sums.
+inline float softmax_update(float* s, int64_t n, float& m, float& l) {
+  int64_t t = 0;
+  float block_max = -std::numeric_limits<float>::infinity(), sum = 0.f;
+#ifdef __AVX2__
+  __m256 vmax = _mm256_set1_ps(block_max);
+  for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+  block_max = hmax(vmax);
+#endif
+  for (; t < n; ++t) block_max = std::max(block_max, s[t]);
+  const float m_new = std::max(m, block_max);
+  const float alpha = std::exp(m - m_new);  // 0 on the first block (m = -inf)
+  t = 0;
+#ifdef __AVX2__
+  __m256 vm = _mm256_set1_ps(m_new), vsum = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    _mm256_storeu_ps(s + t, p);
+    vsum = _mm256_add_ps(vsum, p);
+  }
+  sum = hsum(vsum);
+#endif
+  for (; t < n; ++t) sum += (s[t] = std::exp(s[t] - m_new));
+  m = m_new;
+  l = l * alpha + sum;
+  return alpha;
+}
+
+#ifdef __AVX2__
+// One block for HT heads: scores, softmax update, V accumulation.
+template <int HT, typename T>
+void heads_tile(const float* q, const T* k, const T* v, int64_t n, int64_t D, float* s, int64_t pad,
+                float* m, float* l, float* alpha, float* acc, const T* next_k, const T* next_v) {
+  scores_tile<HT>(q, k, n, D, s, pad, next_k, next_v);
+  for (int h = 0; h < HT; ++h) alpha[h] = softmax_update(s + h * pad, n, m[h], l[h]);
+  int64_t c = 0;
+  for (; c + 32 <= D; c += 32) values_tile<HT, 4>(s, pad, v, n, D, alpha, acc, c);
+  for (; c < D; c += 8) values_tile<HT, 1>(s, pad, v, n, D, alpha, acc, c);
+}
+#endif
+
+// Per-thread state of one work item, for G heads.
+struct Scratch {
+  std::vector<float> q;       // [G, D] query heads, pre-scaled
+  std::vector<float> scores;  // [G, pad] one block's scores, then probabilities
+  std::vector<float> acc;     // [G, D] running sum of p * v
+  std::vector<float> m, l;    // [G] running max and sum
+  std::vector<float> alpha;   // [G] this block's rescale of the old sums
+};
+
+// One block of n rows (k, v) for all G heads of a kv head.
+template <typename T>
+void attend_block(Scratch& sc, const T* k, const T* v, int64_t n, int64_t G, int64_t D, int64_t pad,
+                  const T* next_k, const T* next_v) {
+#ifdef __AVX2__
+  for (int64_t g = 0; g < G; g += kHeadTile) {
+    const float* q = sc.q.data() + g * D;
+    float *s = sc.scores.data() + g * pad, *acc = sc.acc.data() + g * D;
+    float *m = sc.m.data() + g, *l = sc.l.data() + g, *alpha = sc.alpha.data() + g;
+    const T* nk = g ? nullptr : next_k;  // the first head tile prefetches for all
+    switch (std::min<int64_t>(kHeadTile, G - g)) {
+      case 1: heads_tile<1>(q, k, v, n, D, s, pad, m, l, alpha, acc, nk, next_v); break;
+      case 2: heads_tile<2>(q, k, v, n, D, s, pad, m, l, alpha, acc, nk, next_v); break;
+      default: heads_tile<3>(q, k, v, n, D, s, pad, m, l, alpha, acc, nk, next_v); break;
+    }
+  }
+#else
+  (void)next_k, (void)next_v;  // no prefetching here
+  for (int64_t g = 0; g < G; ++g) {
+    const float* q = sc.q.data() + g * D;
+    float *s = sc.scores.data() + g * pad, *acc = sc.acc.data() + g * D;
+    for (int64_t t = 0; t < n; ++t) {
+      float dot = 0.f;
+      for (int64_t c = 0; c < D; ++c) dot += to_float(k[t * D + c]) * q[c];
+      s[t] = dot;
+    }
+    const float alpha = softmax_update(s, n, sc.m[g], sc.l[g]);
+    for (int64_t c = 0; c < D; ++c) acc[c] *= alpha;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t c = 0; c < D; ++c) acc[c] += s[t] * to_float(v[t * D + c]);
+  }
+#endif
+}
+
+struct Shape {
+  int64_t G, D, Hkv, num_blocks, block_size, width, part_blocks;
+};
+
+// Attention of one kv head's G query heads (sc.q) over the context blocks
+// [first_block, end_block) of a sequence of length len; leaves acc, m, l in `sc`.
+template <typename T>
+void attend_range(const Shape& sh, const T* cache, const int64_t* table, int64_t head, int64_t len,
+                  int64_t first_block, int64_t end_block, Scratch& sc) {
+  const int64_t bs = sh.block_size, block_numel = bs * sh.D, pad = (bs + 7) / 8 * 8;
+  const T* k_head = cache + head * sh.num_blocks * block_numel;
+  const T* v_head = cache + (sh.Hkv + head) * sh.num_blocks * block_numel;
+  std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
+  std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
+  std::fill(sc.l.begin(), sc.l.end(), 0.f);
+  for (int64_t i = first_block; i < end_block; ++i) {
+    const int64_t n = std::min(bs, len - i * bs);
+    const int64_t offset = table[i] * block_numel;
+    const int64_t next = i + 1 < end_block ? table[i + 1] * block_numel : -1;
+    attend_block(sc, k_head + offset, v_head + offset, n, sh.G, sh.D, pad,
+                 next < 0 ? nullptr : k_head + next, next < 0 ? nullptr : v_head + next);
+  }
+}
+
+template <typename T>
+void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                 const at::Tensor& context_lens, double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  Shape sh{Hq / kv_cache.size(1), D, kv_cache.size(1), kv_cache.size(2), kv_cache.size(3),
+           block_tables.size(1), 0};
+  sh.part_blocks = std::max<int64_t>(1, kPartitionTokens / sh.block_size);
+  const int64_t G = sh.G, bs = sh.block_size;
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+
+  // Work items (sequence, kv head, partition); split sequences' partials go to `partials`
+  // at `slot`, as [G, D] weighted sums, then [G] maxima, then [G] sums.
+  struct Item { int64_t b, head, part, slot; };
+  std::vector<Item> items;
+  std::vector<int64_t> num_parts(B), part_base(B);
+  int64_t num_partials = 0, total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = lens[b], nblk = (len + bs - 1) / bs;
+    TORCH_CHECK(len >= 1 && nblk <= sh.width, "paged_decode: context_lens[", b, "] = ", len,
+                " must lie in [1, ", sh.width * bs, "] (block table width x block size)");
+    for (int64_t i = 0; i < nblk; ++i) {
+      const int64_t blk = tables[b * sh.width + i];
+      TORCH_CHECK(blk >= 0 && blk < sh.num_blocks, "paged_decode: block_tables[", b, ", ", i, "] = ", blk,
+                  " is out of range [0, ", sh.num_blocks, ")");
+    }
+    num_parts[b] = (nblk + sh.part_blocks - 1) / sh.part_blocks;
+    part_base[b] = num_partials;
+    if (num_parts[b] > 1) num_partials += num_parts[b] * sh.Hkv;
+    for (int64_t h = 0; h < sh.Hkv; ++h)
+      for (int64_t p = 0; p < num_parts[b]; ++p)
+        items.push_back({b, h, p, num_parts[b] > 1 ? part_base[b] + h * num_parts[b] + p : -1});
+    total += len;
+  }
+  const int64_t partial_size = G * (D + 2);
+  std::vector<float> partials(num_partials * partial_size);
+
+  const T* cache = kv_cache.data_ptr<T>();
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next_item{0};
+
+  auto worker = [&](int64_t, int64_t) {
+    Scratch sc;
+    sc.q.resize(G * D);
+    sc.scores.resize(G * ((bs + 7) / 8 * 8));
+    sc.acc.resize(G * D);
+    sc.m.resize(G);
+    sc.l.resize(G);
+    sc.alpha.resize(G);
+    // Threads take items as they free up: contexts differ, a static split would not balance.
+    for (int64_t i; (i = next_item.fetch_add(1)) < num_items;) {
+      const Item& it = items[i];
+      const T* qh = qp + it.b * q.stride(0) + it.head * G * D;
+      for (int64_t j = 0; j < G * D; ++j) sc.q[j] = to_float(qh[j]) * static_cast<float>(scale);
+      const int64_t nblk = (lens[it.b] + bs - 1) / bs;
+      const int64_t first = it.part * sh.part_blocks, end = std::min(nblk, first + sh.part_blocks);
+      attend_range(sh, cache, tables + it.b * sh.width, it.head, lens[it.b], first, end, sc);
+      if (it.slot < 0) {  // the whole context in one item: finish here
+        T* o = op + (it.b * sh.Hkv + it.head) * G * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float inv = 1.f / sc.l[g];
+          for (int64_t c = 0; c < D; ++c) o[g * D + c] = static_cast<T>(sc.acc[g * D + c] * inv);
+        }
+      } else {
+        float* dst = partials.data() + it.slot * partial_size;
+        std::copy(sc.acc.begin(), sc.acc.end(), dst);
+        std::copy(sc.m.begin(), sc.m.end(), dst + G * D);
+        std::copy(sc.l.begin(), sc.l.end(), dst + G * D + G);
+      }
+    }
+  };
+  const bool serial = total * sh.Hkv * D * 2 < kSerialElements;
+  const int64_t num_threads = serial ? 1 : std::min<int64_t>(at::get_num_threads(), num_items);
+  if (num_threads <= 1) {
+    worker(0, 1);
+  } else {
+    at::parallel_for(0, num_threads, 1, worker);  // one call per thread
+  }
+
+  // Combine the partitions of split sequences, in partition order.
+  std::vector<float> acc(D);
+  for (int64_t b = 0; b < B; ++b) {
+    if (num_parts[b] <= 1) continue;
+    for (int64_t h = 0; h < sh.Hkv; ++h) {
+      const float* first = partials.data() + (part_base[b] + h * num_parts[b]) * partial_size;
+      T* o = op + (b * sh.Hkv + h) * G * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+        for (int64_t p = 0; p < num_parts[b]; ++p) m = std::max(m, first[p * partial_size + G * D + g]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < num_parts[b]; ++p) {
+          const float* part = first + p * partial_size;
+          const float w = std::exp(part[G * D + g] - m);
+          l += part[G * D + G + g] * w;
+          for (int64_t c = 0; c < D; ++c) acc[c] += part[g * D + c] * w;
+        }
+        for (int64_t c = 0; c < D; ++c) o[g * D + c] = static_cast<T>(acc[c] / l);
+      }
+    }
+  }
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                        const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
+              "paged_decode: want q [B, Hq, D], kv_cache [2, Hkv, N, bs, D], block_tables [B, W], "
+              "context_lens [B]");
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode: CPU tensors only");
+  TORCH_CHECK(kv_cache.is_contiguous() && kv_cache.scalar_type() == q.scalar_type(),
+              "paged_decode: kv_cache must be contiguous and of q's dtype");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2),
+              "paged_decode: q's heads must be D apart, their elements contiguous");
+  TORCH_CHECK(kv_cache.size(0) == 2 && kv_cache.size(4) == q.size(2) && q.size(2) % 8 == 0 &&
+              q.size(1) % kv_cache.size(1) == 0, "paged_decode: shape mismatch");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+              block_tables.is_contiguous() && context_lens.is_contiguous() &&
+              block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
+              "paged_decode: block_tables [B, W] and context_lens [B] must be contiguous int64");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  if (q.scalar_type() == at::kFloat) {
+    decode_impl<float>(q, kv_cache, block_tables, context_lens, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode: float32 or bfloat16 only");
+    decode_impl<at::BFloat16>(q, kv_cache, block_tables, context_lens, scale, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+}

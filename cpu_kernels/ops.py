@@ -1,0 +1,84 @@
+"""Launchers for the CPU kernels: plain functions on torch CPU tensors.
+
+Each checks its inputs once, in Python, where errors read well, then calls the op that
+`csrc/<family>.cpp` registered under `torch.ops.pagedserve_cpu`. Callers check
+`cpu_kernels.available(family)` first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpu_kernels.compile import unavailable_reason
+
+
+def _ensure(family: str) -> None:
+    """Build or load `family` on first use (cached); raise if it cannot run here."""
+    reason = unavailable_reason(family)
+    if reason is not None:
+        raise RuntimeError(f"CPU kernels {family!r} unavailable: {reason}")
+
+
+# --- quant_linear: weight-only int4/int8 linear layers (csrc/quant_linear.cpp) ---------------
+
+def int4_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                ) -> torch.Tensor:
+    """x [M, K] float32 @ W^T, W [N, K] stored as GGUF-layout nibbles: qweight [N, K/2] uint8,
+    w = scales * q + zeros per group of 32 (scales, zeros [N, K/32] float32)."""
+    _ensure("quant_linear")
+    _check_quant(x, qweight, scales, torch.uint8, 2)
+    return torch.ops.pagedserve_cpu.int4_linear(x, qweight, scales, zeros)
+
+
+def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 @ W^T, W [N, K] = scales * qweight per group of 32 (qweight int8)."""
+    _ensure("quant_linear")
+    _check_quant(x, qweight, scales, torch.int8, 1)
+    return torch.ops.pagedserve_cpu.int8_linear(x, qweight, scales)
+
+
+def _check_quant(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qdtype: torch.dtype,
+                 values_per_byte: int) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x: want a contiguous 2-D float32 tensor, got {x.dtype} {tuple(x.shape)}")
+    k = x.shape[1]
+    if k % 32 or qweight.dtype != qdtype or qweight.shape[1] * values_per_byte != k:
+        raise ValueError(f"qweight: want {qdtype} [N, {k // values_per_byte}] for K={k} (a multiple "
+                         f"of 32), got {qweight.dtype} {tuple(qweight.shape)}")
+    if scales.dtype != torch.float32 or tuple(scales.shape) != (qweight.shape[0], k // 32):
+        raise ValueError(f"scales: want float32 [{qweight.shape[0]}, {k // 32}], got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+
+
+# --- paged_attention: decode reading K/V blocks in place (csrc/paged_attention.cpp) ---------
+
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """out [B, Hq, D] (q's dtype): q [B, Hq, D] attends to its sequence's context_lens[b]
+    cached tokens, found through block_tables [B, W] int64 in kv_cache [2, Hkv, N, bs, D].
+    q's rows may be strided (a view of the fused qkv); its heads must be D apart."""
+    _ensure("paged_attention")
+    if q.dim() != 3 or q.dtype not in ATTENTION_DTYPES or q.device.type != "cpu":
+        raise ValueError(f"q: want a CPU float32/bfloat16 [B, Hq, D] tensor, got {q.dtype} "
+                         f"{tuple(q.shape)} on {q.device}")
+    batch, num_heads, dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != dim:
+        raise ValueError(f"q: heads must be D={dim} elements apart and contiguous, got strides {q.stride()}")
+    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != dim
+            or kv_cache.dtype != q.dtype or not kv_cache.is_contiguous()):
+        raise ValueError(f"kv_cache: want a contiguous {q.dtype} [2, Hkv, num_blocks, block_size, {dim}] "
+                         f"tensor, got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+    if dim % 8 or num_heads % kv_cache.shape[1]:
+        raise ValueError(f"head_dim {dim} must be a multiple of 8 and Hq={num_heads} a multiple of "
+                         f"Hkv={kv_cache.shape[1]}")
+    if (block_tables.dtype != torch.int64 or block_tables.dim() != 2 or block_tables.shape[0] != batch
+            or not block_tables.is_contiguous()):
+        raise ValueError(f"block_tables: want contiguous int64 [{batch}, W], got {block_tables.dtype} "
+                         f"{tuple(block_tables.shape)}")
+    if context_lens.dtype != torch.int64 or tuple(context_lens.shape) != (batch,) or not context_lens.is_contiguous():
+        raise ValueError(f"context_lens: want contiguous int64 [{batch}], got {context_lens.dtype} "
+                         f"{tuple(context_lens.shape)}")
+    return torch.ops.pagedserve_cpu.paged_decode(q, kv_cache, block_tables, context_lens, float(scale))

@@ -1,0 +1,26 @@
+"""Plain-torch float32 references for the CPU kernels, written for clarity over speed."""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 [B, Hq, D]: row b attends to positions 0..context_lens[b]-1, each looked up
+    through its block table, position by position (block = table[pos // bs], offset = pos % bs)."""
+    batch, num_heads, dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(batch, num_heads, dim)
+    for b in range(batch):
+        table = block_tables[b].tolist()
+        positions = range(int(context_lens[b]))
+        blocks = torch.tensor([table[pos // block_size] for pos in positions], dtype=torch.long)
+        offsets = torch.tensor([pos % block_size for pos in positions], dtype=torch.long)
+        for h in range(num_heads):
+            keys = kv_cache[0, h // group][blocks, offsets].float()  # [L, D]
+            values = kv_cache[1, h // group][blocks, offsets].float()
+            probs = torch.softmax(keys @ q[b, h].float() * scale, dim=0)
+            out[b, h] = probs @ values
+    return out

@@ -1,0 +1,34 @@
+"""Build every CPU kernel family now, so that the first engine start does not wait for the
+compiler (about 20 s per family on two cores). `make setup` runs it. A family that cannot
+build is reported and skipped: the engine then runs the plain-torch paths.
+
+    python -m cpu_kernels.warm
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any family cannot build")
+    args = parser.parse_args(argv)
+    from cpu_kernels.compile import FAMILIES, build_dir, unavailable_reason
+    failed = 0
+    for family in FAMILIES:
+        start = time.perf_counter()
+        reason = unavailable_reason(family)
+        if reason is None:
+            print(f"cpu_kernels: {family} ready in {time.perf_counter() - start:.1f} s ({build_dir(family)})")
+        else:
+            failed += 1
+            print(f"cpu_kernels: {family} unavailable, the engine will use plain torch: {reason}",
+                  file=sys.stderr)
+    return 1 if failed and args.strict else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

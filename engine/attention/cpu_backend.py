@@ -1,0 +1,43 @@
+"""Paged attention on CPU with a C++ decode kernel (cpu_kernels/csrc/paged_attention.cpp).
+
+Same cache layout as the torch backend, whose cache writes and prefill path it keeps:
+
+    kv_cache: [2, Hkv, num_blocks, block_size, D]
+               ^ 0 = K, 1 = V
+
+Decode rows go through `cpu_kernels.ops.paged_decode`, which reads each sequence's blocks
+in place through its block table: no gather copy, no padding of the batch or of the table
+width to buckets, no mask. The kernel covers float32 and bfloat16 caches; a float16 cache
+decodes on the torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.attention.torch_backend import TorchAttentionBackend
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        if head_dim % 8:
+            raise ValueError(f"attention_backend 'cpu': head size {head_dim} is not a multiple of 8; use 'torch'")
+        super().__init__(num_heads, num_kv_heads, head_dim)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if meta.num_decode_tokens:
+            meta.backend_state["decode"] = (meta.decode_block_tables.contiguous(),
+                                            meta.decode_context_lens.contiguous())
+        meta.backend_state["prefill_masks"] = self._prefill_masks(meta)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        from cpu_kernels import ops
+        if kv_cache.dtype not in ops.ATTENTION_DTYPES:
+            if "decode_mask" not in meta.backend_state:  # once per step: all layers share it
+                self._prepare_decode(meta)
+            return super()._decode(q, kv_cache, meta)
+        tables, lens = meta.backend_state["decode"]
+        return ops.paged_decode(q, kv_cache, tables, lens, self.scale)

@@ -1,0 +1,197 @@
+"""Quantized weights, run as stored: int4 and int8 in blocks of 32 values, as GGUF keeps them.
+
+    int4: w = scale * q + zero, q in 0..15   (GGUF Q4_1: zero = m; Q4_0: zero = -8 * d)
+    int8: w = scale * q, q in -127..127      (GGUF Q8_0)
+
+`QuantLinear` runs them through `cpu_kernels`' quant_linear ops, which unpack each block
+in registers and multiply it with float32 activations: the result is the float32 model of
+the effective weights (`QuantizedTensor.dequantize()`), up to summation order, and never
+depends on what a row is batched with. `reference_linear` is that product in plain torch.
+
+Loading: `quantize_modules` swaps a model's `nn.Linear`s for `QuantLinear`s (on the meta
+device, before weights exist); `dequantize_modules` swaps them back for dense layers, where
+the kernels cannot run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+BLOCK = 32
+FORMATS = ("int4", "int8")
+
+
+@dataclass
+class QuantizedTensor:
+    """A [N, K] weight in blocks of 32 along K."""
+
+    format: str  # "int4" | "int8"
+    qweight: torch.Tensor  # int4: uint8 [N, K/2], GGUF nibble order; int8: int8 [N, K]
+    scales: torch.Tensor  # float32 [N, K/32]
+    zeros: torch.Tensor | None = None  # int4: float32 [N, K/32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+
+    def dequantize(self) -> torch.Tensor:
+        """The effective float32 weights: scale * q (+ zero), computed as gguf-py does."""
+        n, k = self.shape
+        values = unpack_int4(self.qweight) if self.format == "int4" else self.qweight
+        w = values.view(n, k // BLOCK, BLOCK).float() * self.scales[..., None]
+        if self.zeros is not None:
+            w = w + self.zeros[..., None]
+        return w.view(n, k)
+
+    def map_rows(self, fn) -> QuantizedTensor:
+        """The same weight with `fn` applied to the row dimension of every part."""
+        return QuantizedTensor(self.format, fn(self.qweight), fn(self.scales),
+                               None if self.zeros is None else fn(self.zeros))
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] -> uint8 [N, K]: byte j of a block holds value j and j + 16."""
+    n = qweight.shape[0]
+    blocks = qweight.view(n, -1, BLOCK // 2)
+    return torch.cat([blocks & 15, blocks >> 4], dim=-1).view(n, -1)
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] of 0..15 -> the packed [N, K/2] layout."""
+    n = values.shape[0]
+    blocks = values.to(torch.uint8).view(n, -1, BLOCK)
+    return (blocks[..., :BLOCK // 2] | (blocks[..., BLOCK // 2:] << 4)).view(n, -1)
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> QuantizedTensor:
+    """Quantize float weights [N, K] per block of 32: int4 asymmetric (min and step, as
+    Q4_1), int8 symmetric (absmax / 127, as Q8_0)."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"cannot quantize a weight with {k} columns: not a multiple of {BLOCK}")
+    w = weight.float().view(n, k // BLOCK, BLOCK)
+    if fmt == "int8":
+        scales = w.abs().amax(-1) / 127
+        q = torch.round(w * _inverse(scales)[..., None]).clamp(-127, 127).to(torch.int8)
+        return QuantizedTensor("int8", q.view(n, k), scales)
+    if fmt == "int4":
+        low, high = w.amin(-1), w.amax(-1)
+        scales = (high - low) / 15
+        q = torch.round((w - low[..., None]) * _inverse(scales)[..., None]).clamp(0, 15)
+        return QuantizedTensor("int4", pack_int4(q.view(n, k)), scales, low)
+    raise ValueError(f"quantization format {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
+
+
+def _inverse(scales: torch.Tensor) -> torch.Tensor:
+    return torch.where(scales != 0, 1 / scales, torch.zeros_like(scales))
+
+
+def reference_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
+    """What the kernels compute, in float64 and plain torch: x times the effective weights."""
+    return (x.double() @ weight.dequantize().double().t()).float()
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W^T (+ bias) with W quantized; activations of any float dtype."""
+
+    def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False) -> None:
+        super().__init__()
+        if fmt not in FORMATS:
+            raise ValueError(f"quantization format {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
+        if in_features % BLOCK:
+            raise ValueError(f"{fmt} needs in_features to be a multiple of {BLOCK}, got {in_features}")
+        self.in_features, self.out_features, self.format = in_features, out_features, fmt
+        packed = in_features // 2 if fmt == "int4" else in_features
+        qdtype = torch.uint8 if fmt == "int4" else torch.int8
+        self.register_buffer("qweight", torch.empty(out_features, packed, dtype=qdtype))
+        self.register_buffer("scales", torch.empty(out_features, in_features // BLOCK, dtype=torch.float32))
+        self.register_buffer("zeros", torch.empty(out_features, in_features // BLOCK, dtype=torch.float32)
+                             if fmt == "int4" else None)
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    @property
+    def weight(self) -> QuantizedTensor:
+        return QuantizedTensor(self.format, self.qweight, self.scales, self.zeros)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from cpu_kernels import ops
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        if self.format == "int4":
+            y = ops.int4_linear(flat, self.qweight, self.scales, self.zeros)
+        else:
+            y = ops.int8_linear(flat, self.qweight, self.scales)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    @torch.no_grad()
+    def load_rows(self, weight: QuantizedTensor | torch.Tensor, offset: int) -> None:
+        """Copy `weight` into rows offset.. (a shard of a fused layer); float weights are
+        quantized to this layer's format first."""
+        if not isinstance(weight, QuantizedTensor):
+            weight = quantize(weight, self.format)
+        rows, cols = weight.shape
+        if cols != self.in_features or offset + rows > self.out_features:
+            raise ValueError(f"shape mismatch: checkpoint ({rows}, {cols}) at row {offset} vs "
+                             f"quantized layer ({self.out_features}, {self.in_features})")
+        if weight.format != self.format:
+            raise ValueError(f"checkpoint block format {weight.format} vs layer format {self.format}")
+        for name, part in (("qweight", weight.qweight), ("scales", weight.scales), ("zeros", weight.zeros)):
+            if part is not None:
+                getattr(self, name).narrow(0, offset, rows).copy_(part)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table read from a quantized weight (shared with a tied LM head): the
+    looked-up rows are dequantized."""
+
+    def __init__(self, table: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = table
+        self.out_dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.weight.map_rows(lambda t: t.index_select(0, ids.flatten()))
+        return rows.dequantize().to(self.out_dtype).view(*ids.shape, -1)
+
+
+def quantize_modules(model: nn.Module, formats: dict[str, str], tie_embeddings: bool) -> None:
+    """Replace the `nn.Linear` named in `formats` (module name -> format) by QuantLinear.
+    With tied embeddings and a quantized `lm_head`, the embedding reads the head's table.
+    Names whose input width is not a multiple of 32 are dropped from `formats`: they stay dense."""
+    for name, fmt in list(formats.items()):
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        dense = getattr(parent, attr)
+        if dense.in_features % BLOCK:
+            del formats[name]
+            continue
+        setattr(parent, attr, QuantLinear(dense.in_features, dense.out_features, fmt, dense.bias is not None))
+    if tie_embeddings and "lm_head" in formats:
+        embed = model.get_submodule("model.embed_tokens")
+        model.model.embed_tokens = QuantEmbedding(model.lm_head, embed.weight.dtype)
+
+
+@torch.no_grad()
+def dequantize_modules(model: nn.Module, dtype: torch.dtype) -> None:
+    """Replace every QuantLinear/QuantEmbedding by a dense layer of the effective weights."""
+    for name, module in list(model.named_modules(remove_duplicate=False)):
+        # A tied head's table is reached twice: as `lm_head` and inside the embedding.
+        if not isinstance(module, (QuantLinear, QuantEmbedding)) or name.endswith(".table"):
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        if isinstance(module, QuantEmbedding):
+            dense = nn.Embedding.from_pretrained(module.table.weight.dequantize().to(dtype), freeze=True)
+        else:
+            dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                              device=module.qweight.device, dtype=dtype)
+            dense.weight.copy_(module.weight.dequantize())
+            if module.bias is not None:
+                dense.bias.copy_(module.bias)
+        setattr(parent, attr, dense)
+    if isinstance(getattr(model, "lm_head", None), nn.Linear) and model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+

@@ -1,0 +1,224 @@
+"""The C++ CPU decode kernel (cpu_kernels/csrc/paged_attention.cpp) against the float32
+reference, the `cpu` attention backend against the `torch` one, batch invariance, and the
+fallback to torch where the kernels cannot build.
+
+Inputs are built to expose indexing bugs: shuffled block tables, NaN in every cache slot a
+sequence must not read (the tail of its last block, and a poison block padding its table)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cpu_kernels
+from kernel_inputs import TOLERANCE, assert_close, relative_error
+from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+
+REASON = cpu_kernels.unavailable_reason("paged_attention")  # builds the kernel on first run
+needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"CPU attention kernel unavailable: {REASON}")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class PagedCache:
+    """`context_lens` sequences in shuffled blocks of one cache; NaN wherever none may read."""
+
+    def __init__(self, context_lens: list[int], num_kv_heads: int, dim: int, block_size: int,
+                 dtype: torch.dtype, seed: int = 0) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        needed = [-(-n // block_size) for n in context_lens]
+        num_blocks = sum(needed) + 4
+        poison = num_blocks - 1
+        self.kv_cache = torch.randn((2, num_kv_heads, num_blocks, block_size, dim), generator=self.gen).to(dtype)
+        self.kv_cache[:, :, poison] = float("nan")
+        perm = torch.randperm(num_blocks - 1, generator=self.gen).tolist()
+        width = max(needed) + 2  # rows padded past their last block, as the runner pads
+        rows = []
+        for n, count in zip(context_lens, needed):
+            table, perm = perm[:count], perm[count:]
+            if n % block_size:  # the unused tail of the last block
+                self.kv_cache[:, :, table[-1], n % block_size:] = float("nan")
+            rows.append(table + [poison] * (width - count))
+        self.block_tables = torch.tensor(rows, dtype=torch.long)
+        self.context_lens = torch.tensor(context_lens, dtype=torch.long)
+
+    def queries(self, batch: int, num_heads: int, num_kv_heads: int, dim: int) -> torch.Tensor:
+        """q as the model makes it: a strided view into a fused [B, Hq + 2 Hkv, D] tensor."""
+        fused = torch.randn((batch, num_heads + 2 * num_kv_heads, dim), generator=self.gen)
+        return fused.to(self.kv_cache.dtype)[:, :num_heads]
+
+
+def lengths_for(block_size: int) -> list[int]:
+    return [1, block_size - 1, block_size, block_size + 1, 300, 1000]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_decode_matches_reference(group, dim, block_size, dtype):
+    from cpu_kernels import ops, reference
+    num_kv_heads = 2
+    num_heads = group * num_kv_heads
+    lens = lengths_for(block_size)
+    paged = PagedCache(lens, num_kv_heads, dim, block_size, dtype, seed=group * dim + block_size)
+    q = paged.queries(len(lens), num_heads, num_kv_heads, dim)
+    scale = dim ** -0.5
+    out = ops.paged_decode(q, paged.kv_cache, paged.block_tables, paged.context_lens, scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = reference.paged_decode(q, paged.kv_cache, paged.block_tables, paged.context_lens, scale)
+    for b, n in enumerate(lens):
+        assert_close(out[b], ref[b], dtype, f"context {n}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_split_into_partitions(dtype):
+    """Past 512 tokens a context is split and the partitions combined."""
+    from cpu_kernels import ops, reference
+    lens = [511, 512, 513, 2100]
+    paged = PagedCache(lens, 2, 64, 16, dtype, seed=3)
+    q = paged.queries(len(lens), 6, 2, 64)
+    out = ops.paged_decode(q, paged.kv_cache, paged.block_tables, paged.context_lens, 0.125)
+    ref = reference.paged_decode(q, paged.kv_cache, paged.block_tables, paged.context_lens, 0.125)
+    assert_close(out, ref, dtype, "long contexts")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariance(dtype):
+    """A sequence's output is bitwise the same alone, in any batch, at any thread count."""
+    from cpu_kernels import ops
+    lens = [1, 17, 300, 512, 700, 2000, 33]
+    paged = PagedCache(lens, 3, 64, 16, dtype, seed=5)
+    q = paged.queries(len(lens), 9, 3, 64)
+    tables, ctx = paged.block_tables, paged.context_lens
+    full = ops.paged_decode(q, paged.kv_cache, tables, ctx, 0.125)
+    for b in range(len(lens)):
+        alone = ops.paged_decode(q[b:b + 1], paged.kv_cache, tables[b:b + 1], ctx[b:b + 1], 0.125)
+        assert torch.equal(alone[0], full[b]), f"sequence {b} (context {lens[b]}) alone differs"
+    order = torch.tensor([4, 0, 6, 2])
+    mixed = ops.paged_decode(q[order], paged.kv_cache, tables[order], ctx[order], 0.125)
+    assert torch.equal(mixed, full[order])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        serial = ops.paged_decode(q, paged.kv_cache, tables, ctx, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(serial, full)
+
+
+@needs_kernel
+def test_bad_inputs_raise_clear_errors():
+    from cpu_kernels import ops
+    paged = PagedCache([20, 5], 2, 64, 16, torch.float32)
+    q = paged.queries(2, 4, 2, 64)
+    args = (paged.kv_cache, paged.block_tables, paged.context_lens, 0.125)
+    with pytest.raises(ValueError, match="q:"):
+        ops.paged_decode(q.half(), *args)
+    with pytest.raises(ValueError, match="kv_cache:"):
+        ops.paged_decode(q, paged.kv_cache.bfloat16(), *args[1:])
+    with pytest.raises(ValueError, match="block_tables:"):
+        ops.paged_decode(q, paged.kv_cache, paged.block_tables.int(), *args[2:])
+    with pytest.raises(ValueError, match="context_lens:"):
+        ops.paged_decode(q, paged.kv_cache, paged.block_tables, paged.context_lens[:1], 0.125)
+    with pytest.raises(RuntimeError, match="out of range"):  # checked in C++: it would read past the cache
+        ops.paged_decode(q, paged.kv_cache, paged.block_tables + 1000, paged.context_lens, 0.125)
+    with pytest.raises(RuntimeError, match="context_lens"):
+        ops.paged_decode(q, paged.kv_cache, paged.block_tables, paged.context_lens * 100, 0.125)
+
+
+def mixed_step(block_size: int, num_blocks: int, gen: torch.Generator) -> AttentionMetadata:
+    """Three decodes (contexts 1, 40, 700) then two chunks: 20 new over 30 cached, 9 fresh."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    decode_lens, chunks = [1, 40, 700], [(20, 50), (9, 9)]
+    tables = []
+    for n in decode_lens + [c for _, c in chunks]:
+        count = -(-n // block_size)
+        tables.append(perm[:count])
+        perm = perm[count:]
+    slots, prefills, row = [], [], len(decode_lens)
+    for n, table in zip(decode_lens, tables):
+        slots.append(table[(n - 1) // block_size] * block_size + (n - 1) % block_size)
+    for (new, context), table in zip(chunks, tables[len(decode_lens):]):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(context - new, context)]
+        prefills.append(PrefillChunk(row, new, context, torch.tensor(table)))
+        row += new
+    width = max(len(t) for t in tables[:3])
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), num_decode_tokens=3,
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]]),
+        decode_context_lens=torch.tensor(decode_lens), prefills=prefills, backend_state={"block_size": block_size})
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_backend_matches_torch_backend(dtype, block_size):
+    heads, kv_heads, dim, num_blocks, padding = 12, 4, 64, 100, 3
+    outs, caches = [], []
+    for name in ("torch", "cpu"):
+        backend = get_attention_backend(name, heads, kv_heads, dim, "cpu")
+        assert backend.name == name
+        torch.manual_seed(0)
+        cache = torch.randn(backend.kv_cache_shape(num_blocks, block_size)).to(dtype)
+        meta = mixed_step(block_size, num_blocks, torch.Generator().manual_seed(1))
+        num_tokens = meta.slot_mapping.numel() + padding  # the runner pads rows on CPU
+        fused = torch.randn(num_tokens, heads + 2 * kv_heads, dim).to(dtype)
+        q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
+        backend.prepare(meta)
+        outs.append(backend.forward(q, k, v, cache, meta).float())
+        caches.append(cache)
+    assert torch.equal(caches[0], caches[1])
+    assert relative_error(outs[1], outs[0]) <= 2 * TOLERANCE[dtype]  # both round to dtype
+    assert outs[1][-padding:].abs().sum() == 0
+
+
+def test_auto_picks_cpu_on_cpu_only():
+    backend = get_attention_backend("auto", 8, 2, 64, "cpu")
+    assert backend.name == ("cpu" if REASON is None else "torch")
+    assert get_attention_backend("auto", 8, 2, 60, "cpu").name == "torch"  # head size the kernel lacks
+    with pytest.raises(ValueError, match="'cpu' runs CPU kernels"):
+        get_attention_backend("cpu", 8, 2, 64, "cuda")
+
+
+FALLBACK_SCRIPT = """
+import logging
+logging.basicConfig(level=logging.WARNING, format="LOG %(levelname)s %(name)s %(message)s")
+from engine.attention import get_attention_backend
+print("auto ->", get_attention_backend("auto", 8, 2, 64, "cpu").name)
+try:
+    get_attention_backend("cpu", 8, 2, 64, "cpu")
+except ValueError as e:
+    print("cpu ->", e)
+"""
+
+
+def run_fallback(env: dict[str, str]) -> tuple[str, list[str]]:
+    result = subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, **env}, timeout=300)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("LOG WARNING")]
+    return result.stdout, warnings
+
+
+def test_turned_off_falls_back_to_torch():
+    stdout, warnings = run_fallback({"PAGEDSERVE_CPU_KERNELS": "0"})
+    assert "auto -> torch" in stdout
+    assert "cpu -> attention_backend 'cpu' needs the C++ attention kernel" in stdout
+    assert "PAGEDSERVE_CPU_KERNELS=0" in stdout
+    assert len(warnings) == 1 and "PAGEDSERVE_CPU_KERNELS=0" in warnings[0]
+
+
+def test_broken_compiler_falls_back_to_torch(tmp_path):
+    # A fresh cache: no build to reuse. cpp_extension runs $CXX, which fails here.
+    stdout, warnings = run_fallback({"CXX": "/bin/false", "PAGEDSERVE_CACHE_DIR": str(tmp_path)})
+    assert "auto -> torch" in stdout
+    assert "cpu -> attention_backend 'cpu' needs the C++ attention kernel" in stdout
+    assert len(warnings) == 1 and "paged_attention" in warnings[0]
