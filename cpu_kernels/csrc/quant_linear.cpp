@@ -152,6 +152,18 @@ struct Problem {
   }
 };
 
+// Ask for the next columns' weights, scales and zeros while this call computes: each
+// column's row is only a few cache lines, too short for the hardware prefetcher to start.
+inline void prefetch_columns(const Problem& p, int64_t n, int64_t count) {
+  if (n + count > p.N) return;
+  auto ahead = [](const void* start, int64_t bytes) {
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(static_cast<const char*>(start) + off);
+  };
+  ahead(p.q + n * p.row_bytes, count * p.row_bytes);
+  ahead(p.scales + n * p.blocks, count * p.blocks * 4);
+  if (p.int4) ahead(p.zeros + n * p.blocks, count * p.blocks * 4);
+}
+
 // Row m for columns [n, n + NC): NC independent accumulators keep the FMA units busy (one
 // column's lanes form a single dependent chain). For few rows, as in decoding.
 template <int NC>
@@ -159,6 +171,7 @@ inline void row_by_columns(const Problem& p, int64_t m, int64_t n) {
   Vec acc[NC];
   for (int j = 0; j < NC; ++j) acc[j] = zero();
   const float* x = p.x + m * p.K;
+  prefetch_columns(p, n + NC, NC);
   for (int64_t b = 0; b < p.blocks; ++b) {
     for (int c = 0; c < 4; ++c) {
       const Vec xv = load(x + b * kBlock + 8 * c);
