@@ -72,8 +72,20 @@ def build_dir(family: str) -> Path:
 
 
 def _build(family: str) -> None:
+    import torch
     from torch.utils import cpp_extension
     folder = build_dir(family)
+    library = folder / f"pagedserve_{family}.so"
+    # The folder's key covers the source and flags, so a finished library there is current:
+    # load it without cpp_extension, which would first run the compiler (`$CXX --version`)
+    # and so fail on a machine whose cache was warmed but which has no compiler. The lock
+    # file exists while another process builds; then wait for it through cpp_extension.
+    if library.is_file() and not (folder / "lock").exists():
+        try:
+            torch.ops.load_library(str(library))
+            return
+        except OSError:  # a truncated or foreign file: rebuild it
+            pass
     folder.mkdir(parents=True, exist_ok=True)
     # is_python_module=False: a plain shared library whose static initialisers register
     # the ops with torch; cpp_extension's file lock serialises concurrent builders.

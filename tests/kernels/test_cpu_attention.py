@@ -222,3 +222,11 @@ def test_broken_compiler_falls_back_to_torch(tmp_path):
     assert "auto -> torch" in stdout
     assert "cpu -> attention_backend 'cpu' needs the C++ attention kernel" in stdout
     assert len(warnings) == 1 and "paged_attention" in warnings[0]
+
+
+def test_a_warm_cache_needs_no_compiler():
+    """An image whose cache was warmed at build time loads the library without running $CXX."""
+    if not cpu_kernels.available("paged_attention"):
+        pytest.skip("the kernel cannot build here, so there is no warm cache")
+    stdout, warnings = run_fallback({"CXX": "/bin/false"})
+    assert "auto -> cpu" in stdout and not warnings
