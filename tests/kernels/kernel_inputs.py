@@ -63,3 +63,30 @@ def strided_qkv(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_size:
     fused = torch.randn((num_tokens, num_q_heads + 2 * num_kv_heads, head_size), device="cuda",
                         generator=gen).to(dtype)
     return tuple(fused.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1))
+
+
+def mixed_step(block_size: int, num_blocks: int, gen: torch.Generator, device: str):
+    """One engine step's AttentionMetadata, as the runner builds it (int64, on `device`):
+    three decodes (contexts 1, 40, 700) then two prefill chunks, 20 new tokens over 30
+    cached and 9 fresh, over randomly permuted blocks."""
+    from engine.attention import AttentionMetadata, PrefillChunk
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    decode_lens, chunks = [1, 40, 700], [(20, 50), (9, 9)]
+    tables = []
+    for n in decode_lens + [c for _, c in chunks]:
+        count = -(-n // block_size)
+        tables.append(perm[:count])
+        perm = perm[count:]
+    slots, prefills, row = [], [], len(decode_lens)
+    for n, table in zip(decode_lens, tables):
+        slots.append(table[(n - 1) // block_size] * block_size + (n - 1) % block_size)
+    for (new, context), table in zip(chunks, tables[len(decode_lens):]):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(context - new, context)]
+        prefills.append(PrefillChunk(row, new, context, torch.tensor(table, device=device)))
+        row += new
+    width = max(len(t) for t in tables[:3])
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, device=device), num_decode_tokens=3,
+        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]], device=device),
+        decode_context_lens=torch.tensor(decode_lens, device=device), prefills=prefills,
+        backend_state={"block_size": block_size})

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import cpu_kernels
-from kernel_inputs import TOLERANCE, assert_close, relative_error
-from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from kernel_inputs import TOLERANCE, assert_close, mixed_step, relative_error
+from engine.attention import get_attention_backend
 
 REASON = cpu_kernels.unavailable_reason("paged_attention")  # builds the kernel on first run
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"CPU attention kernel unavailable: {REASON}")
@@ -134,29 +134,6 @@ def test_bad_inputs_raise_clear_errors():
         ops.paged_decode(q, paged.kv_cache, paged.block_tables, paged.context_lens * 100, 0.125)
 
 
-def mixed_step(block_size: int, num_blocks: int, gen: torch.Generator) -> AttentionMetadata:
-    """Three decodes (contexts 1, 40, 700) then two chunks: 20 new over 30 cached, 9 fresh."""
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    decode_lens, chunks = [1, 40, 700], [(20, 50), (9, 9)]
-    tables = []
-    for n in decode_lens + [c for _, c in chunks]:
-        count = -(-n // block_size)
-        tables.append(perm[:count])
-        perm = perm[count:]
-    slots, prefills, row = [], [], len(decode_lens)
-    for n, table in zip(decode_lens, tables):
-        slots.append(table[(n - 1) // block_size] * block_size + (n - 1) % block_size)
-    for (new, context), table in zip(chunks, tables[len(decode_lens):]):
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(context - new, context)]
-        prefills.append(PrefillChunk(row, new, context, torch.tensor(table)))
-        row += new
-    width = max(len(t) for t in tables[:3])
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots), num_decode_tokens=3,
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]]),
-        decode_context_lens=torch.tensor(decode_lens), prefills=prefills, backend_state={"block_size": block_size})
-
-
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -168,7 +145,7 @@ def test_backend_matches_torch_backend(dtype, block_size):
         assert backend.name == name
         torch.manual_seed(0)
         cache = torch.randn(backend.kv_cache_shape(num_blocks, block_size)).to(dtype)
-        meta = mixed_step(block_size, num_blocks, torch.Generator().manual_seed(1))
+        meta = mixed_step(block_size, num_blocks, torch.Generator().manual_seed(1), "cpu")
         num_tokens = meta.slot_mapping.numel() + padding  # the runner pads rows on CPU
         fused = torch.randn(num_tokens, heads + 2 * kv_heads, dim).to(dtype)
         q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
