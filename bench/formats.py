@@ -26,6 +26,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from bench.common import machine_info, median, print_table, write_result
+from bench.offline import time_engine_single
 
 FORMATS = {
     "float32": dict(dtype="float32", quantization="none"),
@@ -111,8 +112,8 @@ def measure(model: str, spec: dict, args) -> dict:
     greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     out = {"perplexity": perplexity(llm)}
-    out["tpot_ms"] = median([_tpot(llm, prompts[0], args.output_len) for _ in
-                             tqdm(range(args.repeats), desc="one stream", unit="run")]) * 1e3
+    single = time_engine_single(llm, prompts[0], args.output_len, args.repeats)
+    out["tpot_ms"] = 1e3 / single["decode_tok_s"]
     times = []
     for _ in tqdm(range(args.repeats), desc=f"{args.batch} streams", unit="run"):
         start = time.perf_counter()
@@ -128,19 +129,6 @@ def measure(model: str, spec: dict, args) -> dict:
     out["prefill_tok_s"] = args.prefill_len / median(times)
     out["weights"] = describe_weights(llm)
     return out
-
-
-def _tpot(llm, prompt: list[int], output_len: int) -> float:
-    """Seconds per output token after the first, for one request alone."""
-    from engine import SamplingParams
-    core = llm.engine
-    core.add_request(f"tpot-{time.monotonic_ns()}", prompt,
-                     SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
-    first = None
-    while core.has_unfinished_requests():
-        core.step()
-        first = first or time.perf_counter()
-    return (time.perf_counter() - first) / (output_len - 1)
 
 
 def perplexity(llm) -> float:

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     results = {"engine_batch": _time_engine_batch(llm, prompts, params, args.repeats),
-               "engine_single": _time_engine_single(llm, prompts[0], args.output_len, args.single_repeats)}
+               "engine_single": time_engine_single(llm, prompts[0], args.output_len, args.single_repeats)}
     if args.compare_hf:
         results.update(_time_hf(llm, prompts, args))
     ratios = _ratios(results)
@@ -93,7 +93,7 @@ def _time_engine_batch(llm, prompts, params, repeats: int) -> dict:
     return {"output_tokens": tokens, "seconds": times, "output_tok_s": tokens / median(times)}
 
 
-def _time_engine_single(llm, prompt: list[int], output_len: int, repeats: int) -> dict:
+def time_engine_single(llm, prompt: list[int], output_len: int, repeats: int) -> dict:
     """Decode rate of one request alone: tokens after the first over the time after it."""
     from engine import SamplingParams
     core, rates, ttfts = llm.engine, [], []
