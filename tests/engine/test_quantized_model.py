@@ -5,6 +5,7 @@ prefill, prefix caching and preemption at once. And the fallbacks."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -114,7 +115,7 @@ out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, igno
 assert len(out[0].outputs[0].token_ids) == 4
 print("ok")
 """
-    env = {**__import__("os").environ, "PAGEDSERVE_CPU_KERNELS": "0"}
+    env = {**os.environ, "PAGEDSERVE_CPU_KERNELS": "0"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
     warnings = [line for line in done.stderr.splitlines() if "CPU kernels 'quant_linear' unavailable" in line]
