@@ -50,6 +50,29 @@ def _check_quant(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, q
                          f"{scales.dtype} {tuple(scales.shape)}")
 
 
+# --- quant_linear_bf16: the same formats for bf16 activations (csrc/quant_linear_bf16.cpp) ----
+
+def bf16_dot_supported() -> bool:
+    """Whether this CPU runs the bf16 quantized kernels (they need AVX512-BF16). Never raises."""
+    from cpu_kernels.compile import available
+    return available("quant_linear_bf16") and bool(torch.ops.pagedserve_cpu.bf16_supported())
+
+
+def bf16_quant_linear(x: torch.Tensor, fmt: str, records: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] bfloat16 (contiguous) @ W^T -> [M, n] bfloat16, W ("int4" | "int8") packed
+    into `records` by `cpu_kernels.packing.pack`. The op checks shapes and dtypes itself
+    (in C++): this sits on every layer's hot path."""
+    if fmt == "int4":
+        return torch.ops.pagedserve_cpu.bf16_int4_linear(x, records, n)
+    return torch.ops.pagedserve_cpu.bf16_int8_linear(x, records, n)
+
+
+def bf16_rows(fmt: str, records: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (int64 [T]) of a packed [n, k] weight, dequantized as
+    QuantizedTensor.dequantize() does, in bfloat16 [T, k]: a tied embedding's lookup."""
+    return torch.ops.pagedserve_cpu.bf16_rows(records, ids, n, k, fmt == "int4")
+
+
 # --- paged_attention: decode reading K/V blocks in place (csrc/paged_attention.cpp) ---------
 
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
@@ -82,3 +105,35 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         raise ValueError(f"context_lens: want contiguous int64 [{batch}], got {context_lens.dtype} "
                          f"{tuple(context_lens.shape)}")
     return torch.ops.pagedserve_cpu.paged_decode(q, kv_cache, block_tables, context_lens, float(scale))
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k, v [T, Hkv, D] (rows may be strided) into kv_cache [2, Hkv, N, bs, D] at
+    slot_mapping [<= T] int64; rows past it are padding. The op checks its inputs."""
+    torch.ops.pagedserve_cpu.reshape_and_cache(k, v, kv_cache, slot_mapping)
+
+
+# --- layer_ops: a decoder layer's small operations, fused (csrc/layer_ops.cpp) --------------
+# Rows [T, H] may be strided; elements within a row contiguous. float32 or bfloat16. The ops
+# check their inputs in C++; these run several times per layer, so nothing is checked here.
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm of each row of x [T, H] -> a new [T, H] tensor."""
+    return torch.ops.pagedserve_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual = x + residual, then x = rms_norm(residual)."""
+    torch.ops.pagedserve_cpu.add_rms_norm(x, residual, weight, eps)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+           head_dim: int) -> None:
+    """In place: rotate-half rotary embedding of the first num_heads heads of each row of
+    x [T, >= num_heads * head_dim], at positions [T] int64, from fp32 cos/sin tables [P, head_dim]."""
+    torch.ops.pagedserve_cpu.rotary(x, positions, cos, sin, num_heads, head_dim)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    return torch.ops.pagedserve_cpu.silu_and_mul(x)

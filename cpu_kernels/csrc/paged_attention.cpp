@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -388,9 +389,37 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
   return out;
 }
 
+// Write each new token's K and V ([T, Hkv, D] views, rows strided, as split from the fused
+// qkv) into its slot of the cache; rows past slot_mapping's length are padding.
+void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
+              k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
+              "reshape_and_cache: k and v must be [T, Hkv, D] with heads D apart, elements contiguous");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.size(0) == 2 &&
+              kv_cache.size(1) == k.size(1) && kv_cache.size(4) == k.size(2) &&
+              kv_cache.scalar_type() == k.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "reshape_and_cache: kv_cache must be a contiguous [2, Hkv, N, bs, D] tensor of k's dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() <= k.size(0), "reshape_and_cache: slot_mapping must be contiguous int64, one per row");
+  const int64_t rows = slot_mapping.numel(), heads = k.size(1), dim = k.size(2);
+  const int64_t slots = kv_cache.size(2) * kv_cache.size(3), bytes = dim * k.element_size();
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < slots, "reshape_and_cache: slot ", slot[t], " is outside the cache");
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const char* src[2] = {static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr())};
+  const int64_t row_stride[2] = {k.stride(0) * k.element_size(), v.stride(0) * v.element_size()};
+  for (int64_t t = 0; t < rows; ++t)
+    for (int which = 0; which < 2; ++which)
+      for (int64_t h = 0; h < heads; ++h)
+        std::memcpy(cache + ((which * heads + h) * slots + slot[t]) * bytes, src[which] + t * row_stride[which] + h * bytes,
+                    bytes);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()", &reshape_and_cache);
   m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
 }

@@ -5,10 +5,11 @@ Same cache layout as the torch backend, whose cache writes and prefill path it k
     kv_cache: [2, Hkv, num_blocks, block_size, D]
                ^ 0 = K, 1 = V
 
-Decode rows go through `cpu_kernels.ops.paged_decode`, which reads each sequence's blocks
-in place through its block table: no gather copy, no padding of the batch or of the table
-width to buckets, no mask. The kernel covers float32 and bfloat16 caches; a float16 cache
-decodes on the torch path.
+New K/V go into the cache through `cpu_kernels.ops.reshape_and_cache`, and decode rows
+through `paged_decode`, which reads each sequence's blocks in place through its block
+table: no gather copy, no padding of the batch or of the table width to buckets, no mask.
+A step of decodes alone is those two calls. The kernels cover float32 and bfloat16
+caches; a float16 cache runs the torch path.
 """
 
 from __future__ import annotations
@@ -39,5 +40,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
             if "decode_mask" not in meta.backend_state:  # once per step: all layers share it
                 self._prepare_decode(meta)
             return super()._decode(q, kv_cache, meta)
+        tables, lens = meta.backend_state["decode"]
+        return ops.paged_decode(q, kv_cache, tables, lens, self.scale)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        from cpu_kernels import ops
+        if kv_cache.dtype not in ops.ATTENTION_DTYPES:
+            return super().forward(q, k, v, kv_cache, meta)
+        ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
+        if meta.prefills or meta.num_decode_tokens != q.shape[0]:  # chunks, or padding rows
+            return self._attend(q, kv_cache, meta)
         tables, lens = meta.backend_state["decode"]
         return ops.paged_decode(q, kv_cache, tables, lens, self.scale)

@@ -70,6 +70,11 @@ class TorchAttentionBackend:
         num_tokens = meta.slot_mapping.numel()  # rows past it are padding
         flat[0].index_copy_(1, meta.slot_mapping, k[:num_tokens].transpose(0, 1))
         flat[1].index_copy_(1, meta.slot_mapping, v[:num_tokens].transpose(0, 1))
+        return self._attend(q, kv_cache, meta)
+
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q's rows (decodes, then prefill chunks, then padding) to the cache."""
+        num_tokens = meta.slot_mapping.numel()
         out = torch.empty_like(q)
         out[num_tokens:] = 0
         num_decode = meta.num_decode_tokens

@@ -1,4 +1,9 @@
-"""RMSNorm, computed exactly as Hugging Face's LlamaRMSNorm does (fp32 inside)."""
+"""RMSNorm, computed exactly as Hugging Face's LlamaRMSNorm does (fp32 inside).
+
+With a residual it is vLLM's fused form: `residual = x + residual`, then the norm of that,
+returning both, so the decoder adds and normalises in one pass. `use_kernel` (set by
+`engine.models.loader.use_layer_kernels`) routes it through cpu_kernels' fused ops.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +12,27 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    use_kernel = False
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_kernel:
+            from cpu_kernels import ops
+            if residual is None:
+                return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            ops.add_rms_norm(x, residual, self.weight, self.eps)  # in place: both are this step's
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

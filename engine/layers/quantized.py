@@ -7,6 +7,9 @@
 in registers and multiply it with float32 activations: the result is the float32 model of
 the effective weights (`QuantizedTensor.dequantize()`), up to summation order, and never
 depends on what a row is batched with. `reference_linear` is that product in plain torch.
+In a bfloat16 model on a CPU with AVX512-BF16, `pack_modules` repacks the blocks for the
+quant_linear_bf16 ops instead, which take the bf16 activations as they are (exact bf16 x
+integer products, fp32 accumulation; see cpu_kernels/packing.py).
 
 Loading: `quantize_modules` swaps a model's `nn.Linear`s for `QuantLinear`s (on the meta
 device, before weights exist); `dequantize_modules` swaps them back for dense layers, where
@@ -68,7 +71,7 @@ def pack_int4(values: torch.Tensor) -> torch.Tensor:
 
 def quantize(weight: torch.Tensor, fmt: str) -> QuantizedTensor:
     """Quantize float weights [N, K] per block of 32: int4 asymmetric (min and step, as
-    Q4_1), int8 symmetric (absmax / 127, as Q8_0)."""
+    Q4_1, both rounded to fp16), int8 symmetric (absmax / 127, as Q8_0)."""
     n, k = weight.shape
     if k % BLOCK:
         raise ValueError(f"cannot quantize a weight with {k} columns: not a multiple of {BLOCK}")
@@ -78,8 +81,9 @@ def quantize(weight: torch.Tensor, fmt: str) -> QuantizedTensor:
         q = torch.round(w * _inverse(scales)[..., None]).clamp(-127, 127).to(torch.int8)
         return QuantizedTensor("int8", q.view(n, k), scales)
     if fmt == "int4":
-        low, high = w.amin(-1), w.amax(-1)
-        scales = (high - low) / 15
+        # Step and minimum are stored as fp16, as in GGUF's Q4_1 (the bf16 kernels read them so).
+        low = w.amin(-1).half().float()
+        scales = ((w.amax(-1) - low) / 15).half().float()
         q = torch.round((w - low[..., None]) * _inverse(scales)[..., None]).clamp(0, 15)
         return QuantizedTensor("int4", pack_int4(q.view(n, k)), scales, low)
     raise ValueError(f"quantization format {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
@@ -111,13 +115,42 @@ class QuantLinear(nn.Module):
         self.register_buffer("zeros", torch.empty(out_features, in_features // BLOCK, dtype=torch.float32)
                              if fmt == "int4" else None)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed = False  # True after pack(): qweight holds the bf16 kernels' records
 
     @property
     def weight(self) -> QuantizedTensor:
+        """The weight in the row layout (unpacked again if packed)."""
+        if self.packed:
+            from cpu_kernels.packing import unpack
+            return unpack(self._packed())
         return QuantizedTensor(self.format, self.qweight, self.scales, self.zeros)
+
+    def rows(self, ids: torch.Tensor) -> QuantizedTensor:
+        """Rows `ids` of the weight, in the row layout (a tied embedding's lookup)."""
+        if self.packed:
+            from cpu_kernels.packing import unpack_rows
+            return unpack_rows(self._packed(), ids)
+        return self.weight.map_rows(lambda t: t.index_select(0, ids.flatten()))
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Switch to the bf16 kernels' layout; from then on inputs must be bfloat16."""
+        from cpu_kernels.packing import pack
+        self.qweight = pack(self.weight).data
+        self.scales = self.zeros = None
+        self.packed = True
+
+    def _packed(self):
+        from cpu_kernels.packing import PackedWeight
+        return PackedWeight(self.format, self.qweight, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from cpu_kernels import ops
+        if self.packed:
+            flat = x.reshape(-1, self.in_features).contiguous()
+            y = ops.bf16_quant_linear(flat, self.format, self.qweight, self.out_features)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         flat = x.reshape(-1, self.in_features).float().contiguous()
         if self.format == "int4":
             y = ops.int4_linear(flat, self.qweight, self.scales, self.zeros)
@@ -153,8 +186,12 @@ class QuantEmbedding(nn.Module):
         self.out_dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table.weight.map_rows(lambda t: t.index_select(0, ids.flatten()))
-        return rows.dequantize().to(self.out_dtype).view(*ids.shape, -1)
+        if self.table.packed and self.out_dtype == torch.bfloat16:
+            from cpu_kernels import ops
+            rows = ops.bf16_rows(self.table.format, self.table.qweight, self.table.out_features,
+                                 self.table.in_features, ids.flatten().contiguous())
+            return rows.view(*ids.shape, -1)
+        return self.table.rows(ids).dequantize().to(self.out_dtype).view(*ids.shape, -1)
 
 
 def quantize_modules(model: nn.Module, formats: dict[str, str], tie_embeddings: bool) -> None:
@@ -172,6 +209,15 @@ def quantize_modules(model: nn.Module, formats: dict[str, str], tie_embeddings: 
     if tie_embeddings and "lm_head" in formats:
         embed = model.get_submodule("model.embed_tokens")
         model.model.embed_tokens = QuantEmbedding(model.lm_head, embed.weight.dtype)
+
+
+def pack_modules(model: nn.Module) -> int:
+    """Repack every QuantLinear for the bf16 kernels (a bfloat16 model on a CPU that runs
+    them); returns how many."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    for layer in layers:
+        layer.pack()
+    return len(layers)
 
 
 @torch.no_grad()

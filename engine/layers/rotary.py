@@ -3,11 +3,17 @@
 The cos/sin table is computed once for every position up to the model's
 length, in fp32, the same way HF computes it on the fly, so results match.
 Supported scalings: default, linear, llama3.
+
+Each step the model asks the embedding once for a `Rope` (this step's positions), which
+every layer then applies to its q and k heads: in place through cpu_kernels' fused op
+where `use_kernel` is set (engine.models.loader.use_layer_kernels), else in plain torch
+from cos/sin gathered once per step.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,6 +45,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    use_kernel = False
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
@@ -53,9 +61,31 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for these positions, [T, 1, D]: looked up once per step, used by every layer."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """This step's rotary inputs, shared by every layer."""
+        if self.use_kernel:
+            return Rope(positions, (self.cos, self.sin), None)
+        return Rope(positions, None, (self.cos[positions].unsqueeze(1).to(dtype),
+                                      self.sin[positions].unsqueeze(1).to(dtype)))
+
+
+@dataclass(slots=True)
+class Rope:
+    """One step's rotary inputs: the fp32 tables for the fused op (it looks positions up
+    itself), or cos/sin [T, 1, D] in the model's dtype for the torch path."""
+
+    positions: torch.Tensor  # [T] int64
+    tables: tuple[torch.Tensor, torch.Tensor] | None
+    gathered: tuple[torch.Tensor, torch.Tensor] | None
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] (rows may be strided, as a view of the fused qkv) -> rotated. The
+        fused op rotates x in place and returns it; torch returns a new tensor."""
+        if self.gathered is not None:
+            return apply_rotary(x, *self.gathered)
+        from cpu_kernels import ops
+        ops.rotary(x.flatten(1), self.positions, *self.tables, x.shape[1], x.shape[2])
+        return x
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -13,13 +13,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.quantized import QuantEmbedding, QuantizedTensor, QuantLinear
-from engine.layers.rotary import RotaryEmbedding, apply_rotary
+from engine.layers.rotary import Rope, RotaryEmbedding
 from engine.models.config import ModelArchConfig
 
 # checkpoint name fragment -> (fused parameter, shard index)
@@ -52,16 +52,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         heads = self.num_heads + 2 * self.num_kv_heads
         qk, v = self.qkv_proj(x).view(-1, heads, self.head_dim).split(
             [self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.qk_norm:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        # q and k rotate together: one set of elementwise ops instead of two.
-        q, k = apply_rotary(qk, *rope).split([self.num_heads, self.num_kv_heads], dim=1)
+        # q and k rotate together: one pass instead of two.
+        q, k = rope.rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -72,10 +71,10 @@ class MLP(nn.Module):
         self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -86,10 +85,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext
-                ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (x, residual), the residual add fused into the next norm; the
+        first layer's residual is None (its input is the embedding)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -103,9 +109,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, ctx)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,7 +1,8 @@
 """Quantized layers in the engine: the bundled GGUF's Q4_1/Q8_0 run as stored, and a float
-checkpoint quantized at load (int4, int8); each against its own reference, the float32
-model of exactly its dequantized weights (plain nn.Linear), under batching, chunked
-prefill, prefix caching and preemption at once. And the fallbacks."""
+checkpoint quantized at load (int4, int8); each against its own reference, the model of
+exactly its dequantized weights (float32 layers), under batching, chunked prefill, prefix
+caching and preemption at once: in float32, and in bfloat16 through the bf16 kernels where
+the CPU has them. And the fallbacks."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import cpu_kernels
+from cpu_kernels import ops
 from engine import LLM, SamplingParams
 from engine.layers.quantized import QuantEmbedding, QuantLinear, dequantize_modules
 from helpers import assert_no_leak, build_tiny_model, check_outputs_match
@@ -31,6 +33,30 @@ def use_reference(llm: LLM) -> int:
     count = sum(isinstance(m, QuantLinear) for m in model.modules())
     dequantize_modules(model, torch.float32)
     return count
+
+
+class ExactLinear(nn.Module):
+    """The bf16 kernels' reference: bf16 activations times the exact effective weights, in
+    float32, rounded to bf16 as the kernel's output is."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() @ self.weight.t()).to(x.dtype)
+
+
+def use_bf16_reference(llm: LLM) -> int:
+    """Swap the packed layers for ExactLinear (the tied embedding keeps reading the table)."""
+    model = llm.engine.model_runner.model
+    names = [n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, QuantLinear) and m.packed
+             and not n.endswith(".table")]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, ExactLinear(getattr(parent, attr).weight.dequantize()))
+    return len(names)
 
 
 def greedy(llm: LLM, prompts) -> list:
@@ -62,6 +88,28 @@ def test_bundled_gguf_runs_as_stored_and_matches_its_reference(bundled_path, bun
     ref = greedy(llm, prompts)
     assert check_outputs_match(ours, ref) <= 1
     assert_logprobs_close(ours, ref, 1e-3)
+    assert_no_leak(llm)
+
+
+@pytest.mark.skipif(not (cpu_kernels.available("quant_linear") and ops.bf16_dot_supported()),
+                    reason="the bf16 quantized kernels need AVX512-BF16")
+def test_bundled_gguf_in_bfloat16_matches_its_reference(bundled_path, bundled_tokenizer):
+    """bf16 activations, exact weights: the only difference from the reference is the order of
+    the fp32 sums, seen through bf16 roundings. bf16 logits (about 16, so 1/16 apart) tie
+    often, so each prompt may diverge once at a near-tie (check_outputs_match checks that
+    each side's token is in the other's top 5), and logprobs agree to a logit's ulp or two."""
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a village at "
+             "the edge of a great forest, there lived an old clockmaker who"]
+    prompts = [bundled_tokenizer.encode(t) for t in texts] + [bundled_tokenizer.encode(texts[2])[:20]]
+    llm = LLM(str(bundled_path), dtype="bfloat16", **STRESS)
+    model = llm.engine.model_runner.model
+    assert model.model.layers[0].mlp.down_proj.packed and model.lm_head.packed
+    ours = greedy(llm, prompts)
+    assert_no_leak(llm)
+    assert use_bf16_reference(llm) == 4 * len(model.model.layers) + 1
+    ref = greedy(llm, prompts)
+    assert check_outputs_match(ours, ref) < len(prompts)
+    assert_logprobs_close(ours, ref, 0.25)
     assert_no_leak(llm)
 
 

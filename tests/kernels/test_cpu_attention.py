@@ -1,6 +1,7 @@
 """The C++ CPU decode kernel (cpu_kernels/csrc/paged_attention.cpp) against the float32
-reference, the `cpu` attention backend against the `torch` one, batch invariance, and the
-fallback to torch where the kernels cannot build.
+reference, the `cpu` attention backend against the `torch` one, batch invariance, the
+cache write against the torch backend's, and the fallback to torch where the kernels
+cannot build.
 
 Inputs are built to expose indexing bugs: shuffled block tables, NaN in every cache slot a
 sequence must not read (the tail of its last block, and a poison block padding its table)."""
@@ -207,3 +208,22 @@ def test_a_warm_cache_needs_no_compiler():
         pytest.skip("the kernel cannot build here, so there is no warm cache")
     stdout, warnings = run_fallback({"CXX": "/bin/false"})
     assert "auto -> cpu" in stdout and not warnings
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_equals_index_copy(dtype):
+    hkv, dim, blocks, block_size = 3, 64, 6, 16
+    rows = torch.randn(5, (4 + 2 * hkv) * dim, generator=torch.Generator().manual_seed(0)).to(dtype)
+    kv = rows.view(5, -1, dim)  # strided rows, as split from the fused qkv
+    k, v = kv[:, 4:4 + hkv], kv[:, 4 + hkv:]
+    slots = torch.tensor([17, 3, 95, 40])  # the fifth row is padding: no slot
+    cache = torch.zeros(2, hkv, blocks, block_size, dim, dtype=dtype)
+    cpu_kernels.ops.reshape_and_cache(k, v, cache, slots)
+    expected = torch.zeros_like(cache)
+    flat = expected.view(2, hkv, -1, dim)
+    flat[0].index_copy_(1, slots, k[:4].transpose(0, 1))
+    flat[1].index_copy_(1, slots, v[:4].transpose(0, 1))
+    assert torch.equal(cache, expected)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernels.ops.reshape_and_cache(k, v, cache, torch.tensor([blocks * block_size]))

@@ -21,9 +21,10 @@ SHAPES = [(1, 64, 32), (3, 96, 576), (4, 33, 64), (5, 576, 1536), (17, 130, 96),
 def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedTensor:
     g = torch.Generator().manual_seed(seed)
     scales = torch.rand(n, k // 32, generator=g) * 0.02
-    if fmt == "int4":
+    if fmt == "int4":  # fp16 scales and zeros, as GGUF stores them
         q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-        return QuantizedTensor("int4", q, scales, -torch.rand(n, k // 32, generator=g) * 0.1)
+        zeros = -torch.rand(n, k // 32, generator=g) * 0.1
+        return QuantizedTensor("int4", q, scales.half().float(), zeros.half().float())
     return QuantizedTensor("int8", torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), scales)
 
 

@@ -1,0 +1,409 @@
+// Weight-only quantized linear layers for bfloat16 activations on CPUs with AVX512-BF16:
+// y = x @ W^T, x bf16 [M, K], y bf16 [M, N], W in the int4/int8 blocks of 32 that GGUF's
+// Q4_0/Q4_1/Q8_0 use, repacked at load by cpu_kernels/packing.py. Columns go in groups of
+// 16 (G = ceil(N / 16)); one 32-byte vector of weights holds 16 columns x 2 consecutive k,
+// the operand order of VDPBF16PS, so lanes are output columns and no horizontal sum is needed:
+//
+//   int4 quad t of block b (32 bytes): byte i: low nibble  = q[16g + i/2, 32b + 4t + i%2]
+//                                              high nibble = q[16g + i/2, 32b + 4t + 2 + i%2]
+//   int8 pair p of block b (32 bytes): byte i = q[16g + i/2, 32b + 2p + i%2]
+//
+// Groups go in super-groups of 8 (the last may be narrower, width w), interleaved at the
+// grain the decode tile reads them, so that it reads one sequential stream:
+//
+//   super-group, block b:  int4: quad 0 of its w groups, quad 1, ..., quad 7,
+//                                then w x 16 fp16 scales, then w x 16 fp16 zeros
+//                          int8: pair 0 of its w groups, ..., pair 15, then w x 16 fp32 scales
+//
+//   w = scale * q (+ zero)       y[m, n] = sum_b scale[n,b] * dot_b(x[m], q[n]) + zero[n,b] * xsum[m,b]
+//
+// Quantized values 0..15 and -127..127 are exact in bf16 and bf16 x bf16 products are exact
+// in fp32, so every term is exact and only the fp32 accumulation rounds: this is the product
+// of the bf16 activations with the effective weights, computed in fp32 (up to one rounding
+// of scale * q + zero, which the factored form does not perform).
+//
+// Batch invariance: element (m, n) is always the same sequence of operations. Per block b:
+// t = 0; t = dpbf16(t, x pair p, w pair p) for p = 0..15; acc = fma(t, scale, acc);
+// int4: acc = fma(zero, xsum[m, b], acc). The in-register path (few rows: decoding) and the
+// panel path (many rows: prefill, big batches) run that same sequence, whatever M, the
+// tiling or the threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PAGEDSERVE_BF16_DOT 1
+#include <immintrin.h>
+#endif
+
+namespace {
+
+#ifdef PAGEDSERVE_BF16_DOT
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kPanelRows = 16;   // from this many rows on, unpack weights once into a panel
+constexpr int64_t kMChunk = 128;     // rows of x kept in L2 while a thread sweeps its columns
+constexpr int kPanelGroups = 3;      // column groups per panel strip (48 columns)
+constexpr int64_t kPrefetchBlocks = 4;  // how far ahead the few-rows path asks for weights
+
+using bh = __m512bh;
+
+constexpr int64_t kSuperGroup = 8;  // groups interleaved vector by vector
+
+// Where one group's block lives: its weight vectors (quads or pairs) `stride` bytes apart,
+// then its scales and (int4) zeros.
+struct Slice {
+  const uint8_t* values;
+  int64_t stride;
+  const uint8_t* scales;
+  const uint8_t* zeros;
+};
+
+struct Problem {
+  const uint16_t* x;   // [M, K] bf16 bits
+  const uint8_t* w;    // packed weights
+  const float* xsum;   // [M, blocks] (int4)
+  uint16_t* out;       // [M, N] bf16 bits
+  int64_t M, N, K, G, blocks;
+  bool int4;
+
+  // Bytes of one group's block: int4 8 quads + 32 bytes of scales + 32 of zeros; int8 16
+  // pairs + 64 bytes of scales.
+  int64_t group_block_bytes() const { return int4 ? 320 : 576; }
+
+  Slice slice(int64_t g, int64_t b) const {
+    const int64_t first = g / kSuperGroup * kSuperGroup, width = std::min(kSuperGroup, G - first);
+    const int64_t vectors = int4 ? 8 : 16, lane = g - first;
+    const uint8_t* row = w + (first * blocks + b * width) * group_block_bytes();
+    const uint8_t* scales = row + vectors * width * 32 + lane * (int4 ? 32 : 64);
+    return {row + lane * 32, width * 32, scales, int4 ? scales + width * 32 : nullptr};
+  }
+};
+
+inline __m512 scales_of(const Slice& s, bool int4) {
+  if (int4) return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.scales)));
+  return _mm512_loadu_ps(reinterpret_cast<const float*>(s.scales));
+}
+
+inline __m512 zeros_of(const Slice& s) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.zeros)));
+}
+
+// bf16 bit patterns of 0..15 (the rest of the 32-entry table is unused).
+inline __m512i nibble_table() {
+  alignas(64) static const uint16_t table[32] = {
+      0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  return _mm512_load_si512(table);
+}
+
+// 32 packed bytes -> two vectors of 16 columns x 2 k, as bf16: pairs 2t and 2t+1 of a quad.
+inline void unpack_int4_quad(const uint8_t* src, __m512i table, bh& lo, bh& hi) {
+  const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512i mask = _mm512_set1_epi16(0x0F);
+  lo = (bh)_mm512_permutexvar_epi16(_mm512_and_si512(words, mask), table);
+  hi = (bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4), table);
+}
+
+// 32 int8 -> one vector of 16 columns x 2 k, as bf16 (exact: |q| <= 127).
+inline bh unpack_int8_pair(const uint8_t* src) {
+  const __m128i* p = reinterpret_cast<const __m128i*>(src);
+  const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+  const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+  return _mm512_cvtne2ps_pbh(b, a);  // a -> elements 0..15, b -> 16..31
+}
+
+// x[k], x[k+1] (bf16) in every lane.
+inline bh x_pair(const uint16_t* x) {
+  int32_t bits;
+  std::memcpy(&bits, x, 4);
+  return (bh)_mm512_set1_epi32(bits);
+}
+
+inline void store_row(const Problem& p, int64_t m, int64_t g, __m512 acc) {
+  const __m256i y = (__m256i)_mm512_cvtneps_pbh(acc);
+  const int64_t n = 16 * g, valid = std::min<int64_t>(16, p.N - n);
+  _mm256_mask_storeu_epi16(p.out + m * p.N + n, static_cast<__mmask16>((1u << valid) - 1), y);
+}
+
+// After block b's dot products t (slices r[j] of the G groups): the block's scale and
+// (int4) zero-point terms.
+template <int R, int G>
+inline void finish_block(const Problem& p, int64_t m0, int64_t b, const Slice (&r)[G],
+                         __m512 (&t)[R][G], __m512 (&acc)[R][G]) {
+  for (int j = 0; j < G; ++j) {
+    const __m512 s = scales_of(r[j], p.int4);
+    for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(t[i][j], s, acc[i][j]);
+    if (p.int4) {
+      const __m512 z = zeros_of(r[j]);
+      for (int i = 0; i < R; ++i)
+        acc[i][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(p.xsum[(m0 + i) * p.blocks + b]), acc[i][j]);
+    }
+  }
+}
+
+// Ask for block b of the tile's groups ahead of use: the few-rows path streams the weights
+// from memory, and each call's stream is too short for the hardware prefetcher to ramp up.
+// A tile may straddle two super-groups: each has its own row of the block.
+template <int G>
+inline void prefetch_block(const Problem& p, int64_t g0, int64_t b) {
+  if (b >= p.blocks) return;
+  for (int64_t g = g0; g < g0 + G; g = (g / kSuperGroup + 1) * kSuperGroup) {
+    const int64_t first = g / kSuperGroup * kSuperGroup, width = std::min(kSuperGroup, p.G - first);
+    const char* row = reinterpret_cast<const char*>(p.w + (first * p.blocks + b * width) * p.group_block_bytes());
+    for (int64_t off = 0; off < width * p.group_block_bytes(); off += 64) _mm_prefetch(row + off, _MM_HINT_T1);
+  }
+}
+
+// R rows x G groups, weights unpacked in registers: for few rows, where each unpacked
+// weight serves R products. G groups give R*G independent dot-product chains.
+template <int R, int G>
+void tile_registers(const Problem& p, int64_t m0, int64_t g0) {
+  __m512 acc[R][G];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  const __m512i table = nibble_table();
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    prefetch_block<G>(p, g0, b + kPrefetchBlocks);
+    Slice r[G];
+    for (int j = 0; j < G; ++j) r[j] = p.slice(g0 + j, b);
+    __m512 t[R][G];
+    for (auto& row : t)
+      for (auto& a : row) a = _mm512_setzero_ps();
+    const uint16_t* xb = p.x + m0 * p.K + b * kBlock;
+    if (p.int4) {
+      for (int quad = 0; quad < 8; ++quad) {
+        for (int j = 0; j < G; ++j) {
+          bh lo, hi;
+          unpack_int4_quad(r[j].values + quad * r[j].stride, table, lo, hi);
+          for (int i = 0; i < R; ++i) {
+            t[i][j] = _mm512_dpbf16_ps(t[i][j], x_pair(xb + i * p.K + 4 * quad), lo);
+            t[i][j] = _mm512_dpbf16_ps(t[i][j], x_pair(xb + i * p.K + 4 * quad + 2), hi);
+          }
+        }
+      }
+    } else {
+      for (int pair = 0; pair < 16; ++pair) {
+        for (int j = 0; j < G; ++j) {
+          const bh w = unpack_int8_pair(r[j].values + pair * r[j].stride);
+          for (int i = 0; i < R; ++i) t[i][j] = _mm512_dpbf16_ps(t[i][j], x_pair(xb + i * p.K + 2 * pair), w);
+        }
+      }
+    }
+    finish_block<R, G>(p, m0, b, r, t, acc);
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < G; ++j) store_row(p, m0 + i, g0 + j, acc[i][j]);
+}
+
+// A group's weights as bf16 vectors, pair after pair: [K/2][32] words.
+void unpack_group(const Problem& p, int64_t g, uint16_t* dst) {
+  const __m512i table = nibble_table();
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const Slice r = p.slice(g, b);
+    for (int i = 0; i < (p.int4 ? 8 : 16); ++i) {
+      uint16_t* out = dst + (b * 16 + (p.int4 ? 2 * i : i)) * 32;
+      if (p.int4) {
+        bh lo, hi;
+        unpack_int4_quad(r.values + i * r.stride, table, lo, hi);
+        _mm512_storeu_si512(out, (__m512i)lo);
+        _mm512_storeu_si512(out + 32, (__m512i)hi);
+      } else {
+        _mm512_storeu_si512(out, (__m512i)unpack_int8_pair(r.values + i * r.stride));
+      }
+    }
+  }
+}
+
+// R rows x G groups from unpacked weights: each weight load serves R products.
+template <int R, int G>
+void tile_panel(const Problem& p, int64_t m0, int64_t g0, const uint16_t* panel) {
+  __m512 acc[R][G];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  const int64_t pairs = p.K / 2;
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    Slice r[G];
+    for (int j = 0; j < G; ++j) r[j] = p.slice(g0 + j, b);
+    __m512 t[R][G];
+    for (auto& row : t)
+      for (auto& a : row) a = _mm512_setzero_ps();
+    for (int64_t pair = 16 * b; pair < 16 * (b + 1); ++pair) {
+      bh w[G];
+      for (int j = 0; j < G; ++j) w[j] = (bh)_mm512_loadu_si512(panel + (j * pairs + pair) * 32);
+      for (int i = 0; i < R; ++i) {
+        const bh xv = x_pair(p.x + (m0 + i) * p.K + 2 * pair);
+        for (int j = 0; j < G; ++j) t[i][j] = _mm512_dpbf16_ps(t[i][j], xv, w[j]);
+      }
+    }
+    finish_block<R, G>(p, m0, b, r, t, acc);
+  }
+  for (int i = 0; i < R; ++i)
+    for (int j = 0; j < G; ++j) store_row(p, m0 + i, g0 + j, acc[i][j]);
+}
+
+template <int G>
+void panel_rows(const Problem& p, int64_t m0, int64_t m1, int64_t g0, const uint16_t* panel) {
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) tile_panel<4, G>(p, m, g0, panel);
+  switch (m1 - m) {
+    case 3: tile_panel<3, G>(p, m, g0, panel); break;
+    case 2: tile_panel<2, G>(p, m, g0, panel); break;
+    case 1: tile_panel<1, G>(p, m, g0, panel); break;
+    default: break;
+  }
+}
+
+// Rows [m0, m1) x groups [g0, g1) for many rows: strips of kPanelGroups groups unpacked once.
+void many_rows(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1, uint16_t* panel) {
+  const int64_t group_words = p.K / 2 * 32;
+  for (int64_t g = g0; g < g1; g += kPanelGroups) {
+    const int64_t count = std::min<int64_t>(kPanelGroups, g1 - g);
+    for (int64_t j = 0; j < count; ++j) unpack_group(p, g + j, panel + j * group_words);
+    if (count == 3) panel_rows<3>(p, m0, m1, g, panel);
+    else if (count == 2) panel_rows<2>(p, m0, m1, g, panel);
+    else panel_rows<1>(p, m0, m1, g, panel);
+  }
+}
+
+// Each row count gets as many groups as keep R*G chains in flight within 32 registers.
+// Leftover groups go in tiles of G/2, G/4, ...: a lone group is one dependent chain.
+template <int R, int G>
+void groups_by(const Problem& p, int64_t m, int64_t g0, int64_t g1) {
+  int64_t g = g0;
+  for (; g + G <= g1; g += G) tile_registers<R, G>(p, m, g);
+  if constexpr (G > 1) groups_by<R, G / 2>(p, m, g, g1);
+}
+
+void few_rows(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1) {
+  int64_t m = m0;
+  for (; m + 4 <= m1; m += 4) groups_by<4, 2>(p, m, g0, g1);
+  switch (m1 - m) {
+    case 3: groups_by<3, 2>(p, m, g0, g1); break;
+    case 2: groups_by<2, 4>(p, m, g0, g1); break;
+    case 1: groups_by<1, 8>(p, m, g0, g1); break;
+    default: break;
+  }
+}
+
+// xsum[m, b]: each block's sum of x in fp32, in one fixed order.
+void block_sums(const Problem& p, float* xsum) {
+  at::parallel_for(0, p.M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t b = 0; b < p.blocks; ++b) {
+        const uint16_t* xb = p.x + m * p.K + b * kBlock;
+        auto widen = [](const uint16_t* src) {
+          return _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src))), 16));
+        };
+        xsum[m * p.blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(widen(xb), widen(xb + 16)));
+      }
+    }
+  });
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "x must be a contiguous 2-D bfloat16 tensor");
+  const int64_t M = x.size(0), K = x.size(1), G = (N + 15) / 16, blocks = K / kBlock, rec = int4 ? 320 : 576;
+  TORCH_CHECK(K % kBlock == 0 && K > 0 && N > 0, "K must be a positive multiple of 32, N positive");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == G * blocks * rec,
+              "packed weights: want ", G * blocks * rec, " bytes for N=", N, ", K=", K, ", got ", w.numel());
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  std::vector<float> xsum(int4 ? M * blocks : 0);
+  const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), w.data_ptr<uint8_t>(), xsum.data(),
+                  reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, G, blocks, int4};
+  if (int4) block_sums(p, xsum.data());
+  // Threads split the column groups: each streams its share of the weights once per chunk of rows.
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    if (M < kPanelRows) {
+      few_rows(p, 0, M, g0, g1);
+      return;
+    }
+    std::vector<uint16_t> panel(kPanelGroups * K / 2 * 32);
+    for (int64_t m0 = 0; m0 < M; m0 += kMChunk) many_rows(p, m0, std::min(M, m0 + kMChunk), g0, g1, panel.data());
+  });
+  return out;
+}
+
+// Rows `ids` of a packed weight as bf16: w = q * scale (+ zero) in fp32, as
+// QuantizedTensor.dequantize() computes it, then rounded. A tied embedding's lookup.
+at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int64_t K, bool int4) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: contiguous int64 [T]");
+  const int64_t G = (N + 15) / 16, blocks = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0 && K > 0 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+              w.numel() == G * blocks * (int4 ? 320 : 576), "packed weights: wrong size for N, K");
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < ids.numel(); ++t) TORCH_CHECK(id[t] >= 0 && id[t] < N, "id ", id[t], " out of range");
+  at::Tensor out = at::empty({ids.numel(), K}, at::TensorOptions().dtype(at::kBFloat16));
+  const Problem p{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, 0, N, K, G, blocks, int4};
+  auto* dst = reinterpret_cast<at::BFloat16*>(out.data_ptr());
+  at::parallel_for(0, ids.numel(), 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t g = id[t] / 16, lane = id[t] % 16;
+      at::BFloat16* row = dst + t * K;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const Slice s = p.slice(g, b);
+        float scale, zero = 0.f;
+        if (int4) {
+          scale = static_cast<float>(reinterpret_cast<const at::Half*>(s.scales)[lane]);
+          zero = static_cast<float>(reinterpret_cast<const at::Half*>(s.zeros)[lane]);
+        } else {
+          scale = reinterpret_cast<const float*>(s.scales)[lane];
+        }
+        for (int64_t v = 0; v < (int4 ? 8 : 16); ++v) {
+          const uint8_t* bytes = s.values + v * s.stride + 2 * lane;
+          for (int kk = 0; kk < 2; ++kk) {
+            if (int4) {
+              row[b * kBlock + 4 * v + kk] = static_cast<at::BFloat16>((bytes[kk] & 15) * scale + zero);
+              row[b * kBlock + 4 * v + 2 + kk] = static_cast<at::BFloat16>((bytes[kk] >> 4) * scale + zero);
+            } else {
+              row[b * kBlock + 2 * v + kk] = static_cast<at::BFloat16>(static_cast<int8_t>(bytes[kk]) * scale);
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+#else  // no AVX512-BF16: the Python side checks `bf16_supported` and never calls these
+
+at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, bool) {
+  TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
+}
+
+at::Tensor bf16_rows(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool) {
+  TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
+}
+
+#endif
+
+bool bf16_supported() {
+#ifdef PAGEDSERVE_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor bf16_int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) { return bf16_linear(x, w, n, true); }
+
+at::Tensor bf16_int8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) { return bf16_linear(x, w, n, false); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("bf16_supported() -> bool", &bf16_supported);
+  m.def("bf16_int4_linear(Tensor x, Tensor w, int n) -> Tensor", &bf16_int4_linear);
+  m.def("bf16_int8_linear(Tensor x, Tensor w, int n) -> Tensor", &bf16_int8_linear);
+  m.def("bf16_rows(Tensor w, Tensor ids, int n, int k, bool int4) -> Tensor", &bf16_rows);
+}

@@ -1,0 +1,18 @@
+"""SiLU-and-mul, the gated MLP's activation: [gate | up] -> silu(gate) * up."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    use_kernel = False  # set by engine.models.loader.use_layer_kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            from cpu_kernels import ops
+            return ops.silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,89 @@
+"""The fused layer ops (cpu_kernels/csrc/layer_ops.cpp) against the eager torch code they
+replace, which stays in the layers (`use_kernel` False): RMSNorm with and without the
+residual add, rotary in place on a strided view of the fused qkv, SiLU-and-mul.
+
+float32: equal up to the last bits of a reduction order or an exp. bfloat16: the ops round
+where eager rounds, so results are bitwise equal but for rare one-ulp ties."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cpu_kernels
+from cpu_kernels import ops
+from engine.layers.activation import SiluAndMul
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+
+if not cpu_kernels.available("layer_ops"):
+    pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason('layer_ops')}", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def assert_matches_eager(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == torch.float32:
+        torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
+    else:  # at most one bf16 ulp apart, and almost always equal
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-5)
+        assert (out == ref).float().mean() > 0.99
+
+
+def pair(module, *args):
+    """(kernel result, eager result) of one module."""
+    module.use_kernel = True
+    fused = module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    module.use_kernel = False
+    return fused, module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+
+
+def randn(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 64), (40, 100)])
+def test_rms_norm(dtype, rows, hidden):
+    norm = RMSNorm(hidden, 1e-5).to(dtype)
+    norm.weight.data = randn(hidden, dtype=dtype, seed=1)
+    x = randn(rows, hidden, dtype=dtype) * 4
+    fused, eager = pair(norm, x)
+    assert_matches_eager(fused, eager)
+    (fused, fused_res), (eager, eager_res) = pair(norm, x, randn(rows, hidden, dtype=dtype, seed=2))
+    assert torch.equal(fused_res, eager_res)  # the add rounds once, in both
+    assert_matches_eager(fused, eager)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_a_strided_view(dtype):
+    """q and k heads of a fused [T, (Hq + 2 Hkv) * D] row, rotated in place; v untouched."""
+    head_dim, hq, hkv, rows = 64, 9, 3, 11
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0, None)
+    qkv = randn(rows, (hq + 2 * hkv) * head_dim, dtype=dtype)
+    positions = torch.tensor([0, 1, 5, 17, 100, 4095, 3, 3, 2000, 64, 1])
+    results = []
+    for use_kernel in (True, False):
+        rotary.use_kernel = use_kernel
+        heads = qkv.clone().view(rows, -1, head_dim)
+        qk = heads[:, :hq + hkv]
+        results.append((rotary(positions, dtype).rotate(qk).clone(), heads[:, hq + hkv:].clone()))
+    (fused, v_after), (eager, _) = results
+    assert torch.equal(v_after, qkv.view(rows, -1, head_dim)[:, hq + hkv:])
+    assert torch.equal(fused, eager)  # the same roundings in the same order
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = randn(9, 2 * 1536, dtype=dtype) * 6
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's far ends
+    fused, eager = pair(SiluAndMul(), x)
+    assert_matches_eager(fused, eager)
+
+
+def test_ops_reject_bad_inputs():
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.rms_norm(torch.zeros(2, 8, dtype=torch.float16), torch.ones(8, dtype=torch.float16), 1e-5)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        ops.rotary(torch.zeros(1, 64), torch.tensor([10]), torch.zeros(4, 64), torch.zeros(4, 64), 1, 64)
