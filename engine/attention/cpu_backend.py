@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from cpu_kernels import ops
 from engine.attention import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 
@@ -35,7 +36,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta.backend_state["prefill_masks"] = self._prefill_masks(meta)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        from cpu_kernels import ops
         if kv_cache.dtype not in ops.ATTENTION_DTYPES:
             if "decode_mask" not in meta.backend_state:  # once per step: all layers share it
                 self._prepare_decode(meta)
@@ -45,7 +45,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        from cpu_kernels import ops
         if kv_cache.dtype not in ops.ATTENTION_DTYPES:
             return super().forward(q, k, v, kv_cache, meta)
         ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)

@@ -6,13 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_kernels import ops
+from engine.layers import Layer
 
-class SiluAndMul(nn.Module):
+
+class SiluAndMul(Layer):
     use_kernel = False  # set by engine.models.loader.use_layer_kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_kernel:
-            from cpu_kernels import ops
             return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

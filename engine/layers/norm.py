@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from cpu_kernels import ops
+from engine.layers import Layer
 
-class RMSNorm(nn.Module):
+
+class RMSNorm(Layer):
     use_kernel = False
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -22,7 +25,6 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.use_kernel:
-            from cpu_kernels import ops
             if residual is None:
                 return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
             ops.add_rms_norm(x, residual, self.weight, self.eps)  # in place: both are this step's

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from cpu_kernels import ops
+from engine.layers import Layer
+
 BLOCK = 32
 FORMATS = ("int4", "int8")
 
@@ -98,7 +101,7 @@ def reference_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
     return (x.double() @ weight.dequantize().double().t()).float()
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(Layer):
     """y = x @ W^T (+ bias) with W quantized; activations of any float dtype."""
 
     def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False) -> None:
@@ -145,7 +148,6 @@ class QuantLinear(nn.Module):
         return PackedWeight(self.format, self.qweight, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from cpu_kernels import ops
         if self.packed:
             flat = x.reshape(-1, self.in_features).contiguous()
             y = ops.bf16_quant_linear(flat, self.format, self.qweight, self.out_features)
@@ -176,7 +178,7 @@ class QuantLinear(nn.Module):
                 getattr(self, name).narrow(0, offset, rows).copy_(part)
 
 
-class QuantEmbedding(nn.Module):
+class QuantEmbedding(Layer):
     """An embedding table read from a quantized weight (shared with a tied LM head): the
     looked-up rows are dequantized."""
 
@@ -187,7 +189,6 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table.packed and self.out_dtype == torch.bfloat16:
-            from cpu_kernels import ops
             rows = ops.bf16_rows(self.table.format, self.table.qweight, self.table.out_features,
                                  self.table.in_features, ids.flatten().contiguous())
             return rows.view(*ids.shape, -1)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from cpu_kernels import ops
+
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -83,7 +85,6 @@ class Rope:
         fused op rotates x in place and returns it; torch returns a new tensor."""
         if self.gathered is not None:
             return apply_rotary(x, *self.gathered)
-        from cpu_kernels import ops
         ops.rotary(x.flatten(1), self.positions, *self.tables, x.shape[1], x.shape[2])
         return x
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.layers import Layer
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.quantized import QuantEmbedding, QuantizedTensor, QuantLinear
@@ -38,7 +39,7 @@ class ForwardContext:
     kv_caches: list[torch.Tensor]  # one per layer, shape from backend.kv_cache_shape
 
 
-class Attention(nn.Module):
+class Attention(Layer):
     def __init__(self, cfg: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(Layer):
     def __init__(self, cfg: ModelArchConfig) -> None:
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
@@ -77,7 +78,7 @@ class MLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Layer):
     def __init__(self, cfg: ModelArchConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
