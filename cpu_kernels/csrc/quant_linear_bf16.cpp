@@ -281,14 +281,18 @@ void groups_by(const Problem& p, int64_t m, int64_t g0, int64_t g1) {
   if constexpr (G > 1) groups_by<R, G / 2>(p, m, g, g1);
 }
 
+// Few rows: a chunk of groups at a time (while its weights stay in L2), every row over it.
 void few_rows(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1) {
-  int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) groups_by<4, 2>(p, m, g0, g1);
-  switch (m1 - m) {
-    case 3: groups_by<3, 2>(p, m, g0, g1); break;
-    case 2: groups_by<2, 4>(p, m, g0, g1); break;
-    case 1: groups_by<1, 8>(p, m, g0, g1); break;
-    default: break;
+  for (int64_t c0 = g0; c0 < g1; c0 += kSuperGroup) {
+    const int64_t c1 = std::min(g1, c0 + kSuperGroup);
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) groups_by<4, 2>(p, m, c0, c1);
+    switch (m1 - m) {
+      case 3: groups_by<3, 2>(p, m, c0, c1); break;
+      case 2: groups_by<2, 4>(p, m, c0, c1); break;
+      case 1: groups_by<1, 8>(p, m, c0, c1); break;
+      default: break;
+    }
   }
 }
 
