@@ -1,10 +1,13 @@
 """`pagedserve bench formats`: each weight format's speed beside its accuracy, in one run.
 
 Formats of the bundled SmolLM2 (or --model, a GGUF):
-  float32, bfloat16   the GGUF dequantized (`--quantization none`): the reference
+  float32, bfloat16   the GGUF dequantized (`--quantization none`): dense weights; float32
+                      is the reference
   int8, int4          that float checkpoint quantized at load (`--quantization int8|int4`);
                       its HF folder is exported once from the GGUF by transformers
   gguf                the GGUF's own blocks run as stored (Q4_1 layers, Q8_0 head)
+The quantized formats run in --dtype (default auto: bfloat16 where the CPU has bf16
+instructions, so the bf16 kernels, else float32).
 
 For each, in-process (`LLM`), with prefix caching off:
   - perplexity on bench/data/perplexity.txt (prompt logprobs), and its ratio to float32's;
@@ -31,9 +34,9 @@ from bench.offline import time_engine_single
 FORMATS = {
     "float32": dict(dtype="float32", quantization="none"),
     "bfloat16": dict(dtype="bfloat16", quantization="none"),
-    "int8": dict(dtype="float32", quantization="int8", hf=True),
-    "int4": dict(dtype="float32", quantization="int4", hf=True),
-    "gguf": dict(dtype="float32"),
+    "int8": dict(quantization="int8", hf=True),
+    "int4": dict(quantization="int4", hf=True),
+    "gguf": dict(),
 }
 TEXT = Path(__file__).resolve().parent / "data" / "perplexity.txt"
 
@@ -48,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-len", type=int, default=2048, help="the long prompt (default: 2048)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (default: 3)")
     p.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="activations of the quantized formats (default: auto)")
     p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
 
 
@@ -64,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     gguf = resolve_model_path(args.model)
     results = {}
     for name in args.formats:
-        spec = dict(FORMATS[name])
+        spec = {"dtype": args.dtype} | FORMATS[name]
         model = str(hf_export(gguf) if spec.pop("hf", False) else gguf)
         print(f"\n== {name}: {model} {spec}")
         results[name] = measure(model, spec, args)
@@ -73,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     path = write_result("formats", {
         "machine": machine_info("cpu"), "model": str(gguf),
         "workload": {k: getattr(args, k) for k in ("input_len", "output_len", "batch", "prefill_len",
-                                                   "repeats", "num_threads")},
+                                                   "repeats", "num_threads", "dtype")},
         "text": {"file": TEXT.name, "words": len(TEXT.read_text().split())},
         "results": results, "ratios_to_float32": ratios}, args.output_dir)
     chart = _plot(results, path.with_suffix(".png"))
@@ -111,7 +116,7 @@ def measure(model: str, spec: dict, args) -> dict:
     prompts = [[rng.randrange(100, vocab) for _ in range(args.input_len)] for _ in range(args.batch)]
     greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
-    out = {"perplexity": perplexity(llm)}
+    out = {"dtype": llm.engine.config.dtype, "perplexity": perplexity(llm)}
     single = time_engine_single(llm, prompts[0], args.output_len, args.repeats)
     out["tpot_ms"] = 1e3 / single["decode_tok_s"]
     times = []
@@ -170,10 +175,10 @@ def _report(results: dict, ratios: dict) -> None:
     rows = []
     for name, r in results.items():
         ratio = ratios.get(name, {})
-        rows.append([name, f"{r['perplexity']:.3f}", f"{ratio.get('perplexity', math.nan):.4f}",
+        rows.append([name, r["dtype"], f"{r['perplexity']:.3f}", f"{ratio.get('perplexity', math.nan):.4f}",
                      f"{r['tpot_ms']:.1f}", f"{r['batch_output_tok_s']:.0f}", f"{r['prefill_tok_s']:.0f}",
                      sum(v for k, v in r["weights"].items() if k != "unit")])
-    print_table(["format", "perplexity", "ppl / fp32", "TPOT ms (1 stream)", "tok/s (batch)",
+    print_table(["format", "activations", "perplexity", "ppl / fp32", "TPOT ms (1 stream)", "tok/s (batch)",
                  "prefill tok/s", "weights MiB"], rows)
 
 
@@ -192,7 +197,8 @@ def _plot(results: dict, path: Path) -> Path:
         ax.set_title(title, fontsize=9)
         ax.invert_yaxis()
         ax.margins(x=0.2)
-    axes[0].set_yticks(range(len(names)), [f"{n}\nppl {results[n]['perplexity']:.2f}" for n in names])
+    axes[0].set_yticks(range(len(names)), [f"{n} ({results[n]['dtype']})\nppl {results[n]['perplexity']:.2f}"
+                                           for n in names])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

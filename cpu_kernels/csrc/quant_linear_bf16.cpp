@@ -49,7 +49,8 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kPanelRows = 16;   // from this many rows on, unpack weights once into a panel
 constexpr int64_t kMChunk = 128;     // rows of x kept in L2 while a thread sweeps its columns
-constexpr int kPanelGroups = 3;      // column groups per panel strip (48 columns)
+constexpr int kPanelGroups = 2;      // column groups per panel strip (32 columns)
+constexpr int kPanelTileRows = 5;    // a panel tile: 5 rows x 2 groups (20 of the 32 registers accumulate; 6 spill)
 constexpr int64_t kPrefetchBlocks = 4;  // how far ahead the few-rows path asks for weights
 
 using bh = __m512bh;
@@ -119,6 +120,11 @@ inline bh unpack_int8_pair(const uint8_t* src) {
   return _mm512_cvtne2ps_pbh(b, a);  // a -> elements 0..15, b -> 16..31
 }
 
+// Keeps a loaded vector in its register: left alone, GCC reloads the weights for every row
+// of a panel tile (10 loads per 10 dot products instead of 2), and the loads become the
+// bottleneck (about 200 against 320 GFLOPS at 2,048 rows).
+inline void pin(bh& v) { asm("" : "+v"(v)); }
+
 // x[k], x[k+1] (bf16) in every lane.
 inline bh x_pair(const uint16_t* x) {
   int32_t bits;
@@ -132,16 +138,18 @@ inline void store_row(const Problem& p, int64_t m, int64_t g, __m512 acc) {
   _mm256_mask_storeu_epi16(p.out + m * p.N + n, static_cast<__mmask16>((1u << valid) - 1), y);
 }
 
-// After block b's dot products t (slices r[j] of the G groups): the block's scale and
-// (int4) zero-point terms.
+// After block b's dot products t: the block's scale and (int4) zero-point terms. (The
+// groups' slices are found here, not held across the dot products: that would take
+// registers the inner loop needs.)
 template <int R, int G>
-inline void finish_block(const Problem& p, int64_t m0, int64_t b, const Slice (&r)[G],
-                         __m512 (&t)[R][G], __m512 (&acc)[R][G]) {
+inline void finish_block(const Problem& p, int64_t m0, int64_t g0, int64_t b, __m512 (&t)[R][G],
+                         __m512 (&acc)[R][G]) {
   for (int j = 0; j < G; ++j) {
-    const __m512 s = scales_of(r[j], p.int4);
+    const Slice r = p.slice(g0 + j, b);
+    const __m512 s = scales_of(r, p.int4);
     for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(t[i][j], s, acc[i][j]);
     if (p.int4) {
-      const __m512 z = zeros_of(r[j]);
+      const __m512 z = zeros_of(r);
       for (int i = 0; i < R; ++i)
         acc[i][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(p.xsum[(m0 + i) * p.blocks + b]), acc[i][j]);
     }
@@ -171,8 +179,12 @@ void tile_registers(const Problem& p, int64_t m0, int64_t g0) {
   const __m512i table = nibble_table();
   for (int64_t b = 0; b < p.blocks; ++b) {
     prefetch_block<G>(p, g0, b + kPrefetchBlocks);
-    Slice r[G];
-    for (int j = 0; j < G; ++j) r[j] = p.slice(g0 + j, b);
+    const uint8_t* v[G];  // each group's first weight vector of the block
+    int64_t stride[G];
+    for (int j = 0; j < G; ++j) {
+      const Slice r = p.slice(g0 + j, b);
+      v[j] = r.values, stride[j] = r.stride;
+    }
     __m512 t[R][G];
     for (auto& row : t)
       for (auto& a : row) a = _mm512_setzero_ps();
@@ -181,7 +193,7 @@ void tile_registers(const Problem& p, int64_t m0, int64_t g0) {
       for (int quad = 0; quad < 8; ++quad) {
         for (int j = 0; j < G; ++j) {
           bh lo, hi;
-          unpack_int4_quad(r[j].values + quad * r[j].stride, table, lo, hi);
+          unpack_int4_quad(v[j] + quad * stride[j], table, lo, hi);
           for (int i = 0; i < R; ++i) {
             t[i][j] = _mm512_dpbf16_ps(t[i][j], x_pair(xb + i * p.K + 4 * quad), lo);
             t[i][j] = _mm512_dpbf16_ps(t[i][j], x_pair(xb + i * p.K + 4 * quad + 2), hi);
@@ -191,12 +203,12 @@ void tile_registers(const Problem& p, int64_t m0, int64_t g0) {
     } else {
       for (int pair = 0; pair < 16; ++pair) {
         for (int j = 0; j < G; ++j) {
-          const bh w = unpack_int8_pair(r[j].values + pair * r[j].stride);
+          const bh w = unpack_int8_pair(v[j] + pair * stride[j]);
           for (int i = 0; i < R; ++i) t[i][j] = _mm512_dpbf16_ps(t[i][j], x_pair(xb + i * p.K + 2 * pair), w);
         }
       }
     }
-    finish_block<R, G>(p, m0, b, r, t, acc);
+    finish_block<R, G>(p, m0, g0, b, t, acc);
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < G; ++j) store_row(p, m0 + i, g0 + j, acc[i][j]);
@@ -229,20 +241,21 @@ void tile_panel(const Problem& p, int64_t m0, int64_t g0, const uint16_t* panel)
     for (auto& a : row) a = _mm512_setzero_ps();
   const int64_t pairs = p.K / 2;
   for (int64_t b = 0; b < p.blocks; ++b) {
-    Slice r[G];
-    for (int j = 0; j < G; ++j) r[j] = p.slice(g0 + j, b);
     __m512 t[R][G];
     for (auto& row : t)
       for (auto& a : row) a = _mm512_setzero_ps();
     for (int64_t pair = 16 * b; pair < 16 * (b + 1); ++pair) {
       bh w[G];
-      for (int j = 0; j < G; ++j) w[j] = (bh)_mm512_loadu_si512(panel + (j * pairs + pair) * 32);
+      for (int j = 0; j < G; ++j) {
+        w[j] = (bh)_mm512_loadu_si512(panel + (j * pairs + pair) * 32);
+        pin(w[j]);
+      }
       for (int i = 0; i < R; ++i) {
         const bh xv = x_pair(p.x + (m0 + i) * p.K + 2 * pair);
         for (int j = 0; j < G; ++j) t[i][j] = _mm512_dpbf16_ps(t[i][j], xv, w[j]);
       }
     }
-    finish_block<R, G>(p, m0, b, r, t, acc);
+    finish_block<R, G>(p, m0, g0, b, t, acc);
   }
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < G; ++j) store_row(p, m0 + i, g0 + j, acc[i][j]);
@@ -251,8 +264,9 @@ void tile_panel(const Problem& p, int64_t m0, int64_t g0, const uint16_t* panel)
 template <int G>
 void panel_rows(const Problem& p, int64_t m0, int64_t m1, int64_t g0, const uint16_t* panel) {
   int64_t m = m0;
-  for (; m + 4 <= m1; m += 4) tile_panel<4, G>(p, m, g0, panel);
+  for (; m + kPanelTileRows <= m1; m += kPanelTileRows) tile_panel<kPanelTileRows, G>(p, m, g0, panel);
   switch (m1 - m) {
+    case 4: tile_panel<4, G>(p, m, g0, panel); break;
     case 3: tile_panel<3, G>(p, m, g0, panel); break;
     case 2: tile_panel<2, G>(p, m, g0, panel); break;
     case 1: tile_panel<1, G>(p, m, g0, panel); break;
@@ -266,8 +280,7 @@ void many_rows(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
   for (int64_t g = g0; g < g1; g += kPanelGroups) {
     const int64_t count = std::min<int64_t>(kPanelGroups, g1 - g);
     for (int64_t j = 0; j < count; ++j) unpack_group(p, g + j, panel + j * group_words);
-    if (count == 3) panel_rows<3>(p, m0, m1, g, panel);
-    else if (count == 2) panel_rows<2>(p, m0, m1, g, panel);
+    if (count == 2) panel_rows<2>(p, m0, m1, g, panel);
     else panel_rows<1>(p, m0, m1, g, panel);
   }
 }
