@@ -102,7 +102,8 @@ def reference_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
 
 
 class QuantLinear(Layer):
-    """y = x @ W^T (+ bias) with W quantized; activations of any float dtype."""
+    """y = x @ W^T (+ bias) with W quantized; activations of any float dtype (bfloat16 once
+    packed for the bf16 kernels)."""
 
     def __init__(self, in_features: int, out_features: int, fmt: str, bias: bool = False) -> None:
         super().__init__()

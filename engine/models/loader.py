@@ -101,7 +101,7 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     model.load_weights(weights)
     if formats:
         _prepare_quantized(model, dtype, device)
-    if device == "cpu":
+    if device == "cpu" and dtype in ("float32", "bfloat16"):  # the fused ops' dtypes
         use_layer_kernels(model)
     return model.eval()
 
