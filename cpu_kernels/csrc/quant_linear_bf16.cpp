@@ -50,7 +50,7 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kPanelRows = 16;   // from this many rows on, unpack weights once into a panel
 constexpr int64_t kMChunk = 128;     // rows of x kept in L2 while a thread sweeps its columns
 constexpr int kPanelGroups = 2;      // column groups per panel strip (32 columns)
-constexpr int kPanelTileRows = 5;    // a panel tile: 5 rows x 2 groups (20 of the 32 registers accumulate; 6 spill)
+constexpr int kPanelTileRows = 5;    // a panel tile: 5 rows x 2 groups, 20 registers accumulating (6 rows spill)
 constexpr int64_t kPrefetchBlocks = 4;  // how far ahead the few-rows path asks for weights
 
 using bh = __m512bh;
