@@ -66,6 +66,10 @@ struct Slice {
   const uint8_t* zeros;
 };
 
+// Bytes of one group's block: int4 8 quads + 32 bytes of fp16 scales + 32 of fp16 zeros;
+// int8 16 pairs + 64 bytes of fp32 scales.
+inline int64_t bytes_per_group_block(bool int4) { return int4 ? 320 : 576; }
+
 struct Problem {
   const uint16_t* x;   // [M, K] bf16 bits
   const uint8_t* w;    // packed weights
@@ -74,9 +78,7 @@ struct Problem {
   int64_t M, N, K, G, blocks;
   bool int4;
 
-  // Bytes of one group's block: int4 8 quads + 32 bytes of scales + 32 of zeros; int8 16
-  // pairs + 64 bytes of scales.
-  int64_t group_block_bytes() const { return int4 ? 320 : 576; }
+  int64_t group_block_bytes() const { return bytes_per_group_block(int4); }
 
   Slice slice(int64_t g, int64_t b) const {
     const int64_t first = g / kSuperGroup * kSuperGroup, width = std::min(kSuperGroup, G - first);
@@ -328,7 +330,8 @@ void block_sums(const Problem& p, float* xsum) {
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous 2-D bfloat16 tensor");
-  const int64_t M = x.size(0), K = x.size(1), G = (N + 15) / 16, blocks = K / kBlock, rec = int4 ? 320 : 576;
+  const int64_t M = x.size(0), K = x.size(1), G = (N + 15) / 16, blocks = K / kBlock,
+                rec = bytes_per_group_block(int4);
   TORCH_CHECK(K % kBlock == 0 && K > 0 && N > 0, "K must be a positive multiple of 32, N positive");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == G * blocks * rec,
               "packed weights: want ", G * blocks * rec, " bytes for N=", N, ", K=", K, ", got ", w.numel());
@@ -356,7 +359,7 @@ at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int6
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: contiguous int64 [T]");
   const int64_t G = (N + 15) / 16, blocks = K / kBlock;
   TORCH_CHECK(K % kBlock == 0 && K > 0 && w.scalar_type() == at::kByte && w.is_contiguous() &&
-              w.numel() == G * blocks * (int4 ? 320 : 576), "packed weights: wrong size for N, K");
+              w.numel() == G * blocks * bytes_per_group_block(int4), "packed weights: wrong size for N, K");
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < ids.numel(); ++t) TORCH_CHECK(id[t] >= 0 && id[t] < N, "id ", id[t], " out of range");
   at::Tensor out = at::empty({ids.numel(), K}, at::TensorOptions().dtype(at::kBFloat16));
