@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent import futures
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
@@ -19,11 +20,13 @@ from engine.outputs import EngineCoreOutput
 from engine.request import Request, RequestStatus, sample_request_id
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output.manager import StructuredOutputManager
 from engine.stats import IterationStats
 from engine.errors import EngineOverloaded, InvalidRequest
 from engine.validation import PromptLimits, check_prompt
 
 log = logging.getLogger("pagedserve.engine")
+GRAMMAR_WAIT_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -40,13 +43,21 @@ class EngineStats:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...], log_stats: bool = False) -> None:
-        """`log_stats`: collect `IterationStats` for metrics; whoever sets it must take them."""
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...], log_stats: bool = False,
+                 tokenizer=None) -> None:
+        """`log_stats`: collect `IterationStats` for metrics; whoever sets it must take them.
+        `tokenizer`: the model's (Hugging Face) tokenizer; structured output needs it, and it
+        bounds the tokens that can be sampled when the LM head has padding rows."""
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.eos_token_ids = eos_token_ids
         self.model_runner = ModelRunner(config, self.model_path, eos_token_ids)
         self.vocab_size = self.model_runner.arch.vocab_size
+        self.structured_output = None
+        if tokenizer is not None:
+            # Rows of the LM head past the tokenizer's tokens are padding: never sampled.
+            self.model_runner.sampler.num_tokens = min(len(tokenizer), self.vocab_size)
+            self.structured_output = StructuredOutputManager(tokenizer, self.vocab_size, eos_token_ids)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
         self.max_model_len = self._fit_max_model_len(self.model_runner.max_model_len)
@@ -80,6 +91,8 @@ class EngineCore:
         else:  # sample 0 runs the prompt; the scheduler forks the others after its prefill
             request = Request(sample_request_id(request_id, 0), list(prompt_token_ids), params,
                               self.eos_token_ids, priority, parent_id=request_id)
+        if params.structured_outputs is not None:
+            request.structured = self.structured_output.request(params.structured_outputs)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
@@ -101,14 +114,23 @@ class EngineCore:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self.model_runner.release(sched.finished_request_ids)
-            return []
+            if not self.scheduler.failed_outputs:
+                self._wait_for_grammars()
+            return self.scheduler.take_failed_outputs()
         schedule_s = time.perf_counter() - start
         result = self.model_runner.execute(sched)
-        outputs = self.scheduler.update_from_output(sched, result)
+        outputs = self.scheduler.take_failed_outputs() + self.scheduler.update_from_output(sched, result)
         if self.iteration_stats is not None:
             self.iteration_stats.observe_step(schedule_s, result.model_s, result.sample_s,
-                                              sched.num_batched_tokens)
+                                              sched.num_batched_tokens, result.grammar_s)
         return outputs
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing can run until a grammar compiles: wait a moment for one rather than spin
+        (the caller's loop comes back at once, so sockets are still served)."""
+        pending = [r.structured.grammar for r in self.scheduler.waiting_for_grammar]
+        if pending:
+            futures.wait(pending, timeout=GRAMMAR_WAIT_S, return_when=futures.FIRST_COMPLETED)
 
     def take_iteration_stats(self) -> IterationStats | None:
         """What happened since the last call (None unless built with log_stats)."""
@@ -134,6 +156,9 @@ class EngineCore:
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         check_prompt(prompt, params, self.limits)
+        if params.structured_outputs is not None and self.structured_output is None:
+            raise InvalidRequest("structured_outputs: this engine was started without its tokenizer, "
+                                 "which structured output needs")
         if request_id in self.scheduler.requests or any(
                 r.parent_id == request_id for r in self.scheduler.requests.values()):
             raise InvalidRequest(f"request_id {request_id!r} is already in use")

@@ -1,7 +1,8 @@
-"""The two ways a request can be refused, shared by the engine and every frontend API.
+"""How a request can be refused or fail, shared by the engine and every frontend API.
 
 Each protocol maps them once: `InvalidRequest` -> gRPC INVALID_ARGUMENT / HTTP 400,
-`EngineOverloaded` -> RESOURCE_EXHAUSTED / 429. Any other exception is a bug, never the
+`EngineOverloaded` -> RESOURCE_EXHAUSTED / 429, `Unavailable` -> UNAVAILABLE / 503,
+`RequestFailed` -> INTERNAL / 500 with its message. Any other exception is a bug, never the
 caller's fault: it must not be reported as a bad request.
 """
 
@@ -15,6 +16,11 @@ class InvalidRequest(ValueError):
 
 class EngineOverloaded(Exception):
     """The engine's waiting queue is full; the request may be retried later."""
+
+
+class RequestFailed(Exception):
+    """The engine ended the request part-way for a reason it can name (its grammar rejected a
+    sampled token). Not the caller's fault; the message says what happened."""
 
 
 class Unavailable(Exception):

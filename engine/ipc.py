@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_output.params import StructuredOutputsParams
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 from pagedserve.v1 import generation_pb2 as gen
 
@@ -18,7 +19,8 @@ _PLAIN = ("top_k", "min_p", "min_tokens", "ignore_eos", "presence_penalty", "fre
 
 
 def sampling_params_from_proto(msg: gen.SamplingParams, *, skip_special_tokens: bool = True,
-                               include_stop_str_in_output: bool = False) -> SamplingParams:
+                               include_stop_str_in_output: bool = False,
+                               structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """Raises ValueError naming the field, as SamplingParams does."""
     kwargs: dict = {name: getattr(msg, name) for name in _PLAIN}
     kwargs["max_tokens"] = None  # unset means "until eos or the model's length", not vLLM's 16
@@ -26,7 +28,8 @@ def sampling_params_from_proto(msg: gen.SamplingParams, *, skip_special_tokens: 
     kwargs["stop"] = list(msg.stop)
     kwargs["stop_token_ids"] = list(msg.stop_token_ids)
     return SamplingParams(skip_special_tokens=skip_special_tokens,
-                          include_stop_str_in_output=include_stop_str_in_output, **kwargs)
+                          include_stop_str_in_output=include_stop_str_in_output,
+                          structured_outputs=structured_outputs, **kwargs)
 
 
 def sampling_params_to_proto(params: SamplingParams) -> gen.SamplingParams:
@@ -39,11 +42,30 @@ def sampling_params_to_proto(params: SamplingParams) -> gen.SamplingParams:
     return msg
 
 
+def structured_to_proto(params: StructuredOutputsParams | None) -> ipc.StructuredOutputs | None:
+    if params is None:
+        return None
+    kind = params.kind
+    if kind == "choice":
+        return ipc.StructuredOutputs(choice=gen.Choices(choices=params.choice))
+    return ipc.StructuredOutputs(**{kind: getattr(params, kind)})
+
+
+def structured_from_proto(msg: ipc.StructuredOutputs) -> StructuredOutputsParams | None:
+    """Raises InvalidRequest as StructuredOutputsParams does."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutputsParams(choice=tuple(msg.choice.choices))
+    return StructuredOutputsParams(**{kind: getattr(msg, kind)})
+
+
 def output_to_proto(out: EngineCoreOutput, request_id: str) -> ipc.RequestOutput:
     msg = ipc.RequestOutput(
         request_id=request_id, sample_index=out.sample_index, new_token_ids=out.new_token_ids,
         finish_reason=out.finish_reason or "", num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens)
+        num_cached_tokens=out.num_cached_tokens, error=out.error or "")
     if out.stop_token_id is not None:
         msg.stop_token_id = out.stop_token_id
     for token_id, logprobs in zip(out.new_token_ids, out.new_logprobs or ()):
@@ -74,7 +96,7 @@ def output_from_proto(msg: ipc.RequestOutput) -> EngineCoreOutput:
         finish_reason=msg.finish_reason or None,
         stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None,
         num_prompt_tokens=msg.num_prompt_tokens, num_cached_tokens=msg.num_cached_tokens,
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, error=msg.error or None)
 
 
 def logprobs_from_proto(msg: gen.PositionLogprobs) -> dict[int, float]:

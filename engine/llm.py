@@ -66,7 +66,7 @@ class LLM:
         self.config = EngineConfig.from_kwargs(model=model, **engine_config)
         path = resolve_model_path(self.config.model)
         self.tokenizer = load_tokenizer(path, self.config.tokenizer)
-        self.engine = EngineCore(self.config, eos_token_ids(self.tokenizer))
+        self.engine = EngineCore(self.config, eos_token_ids(self.tokenizer), tokenizer=self.tokenizer)
         self.input = InputProcessor(self.tokenizer, self.engine.limits)
         self._ids = itertools.count()
 

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model_path(config.model)
     metrics_on = args.metrics_port is not None
     tokenizer = load_tokenizer(path, config.tokenizer)
-    core = EngineCore(config, eos_token_ids(tokenizer), log_stats=metrics_on)
+    core = EngineCore(config, eos_token_ids(tokenizer), log_stats=metrics_on, tokenizer=tokenizer)
     metrics = None
     if metrics_on:
         from engine.metrics import EngineMetrics

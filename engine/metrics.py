@@ -5,11 +5,12 @@
     pagedserve:prefix_cache_queries / _hits        counters, prompt tokens looked up / served
     pagedserve:num_preemptions                     counter
     pagedserve:prompt_tokens / generation_tokens   counters
-    pagedserve:request_success{finished_reason}    counter: stop, length or abort
+    pagedserve:request_success{finished_reason}    counter: stop, length, abort or error
     pagedserve:time_to_first_token_seconds, inter_token_latency_seconds,
     e2e_request_latency_seconds, request_queue_time_seconds      histograms, per request
     pagedserve:iteration_tokens                    histogram, tokens computed per step
-    pagedserve:engine_step_seconds{phase}          histogram: schedule, model, sample
+    pagedserve:engine_step_seconds{phase}          histogram: schedule, model, sample, and grammar
+                                                   (structured output's bitmask, within sample)
 
 Counters get the `_total` suffix on the wire (`pagedserve:num_preemptions_total`).
 Every series carries `model_name`, as vLLM's do.
@@ -34,7 +35,7 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
                    120.0, 240.0, 480.0, 960.0)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class EngineMetrics:
@@ -68,7 +69,7 @@ class EngineMetrics:
                                       buckets=TOKEN_BUCKETS).labels(model_name)
         step = make(Histogram, "engine_step_seconds", "Engine step time by phase", ("phase",),
                     buckets=STEP_BUCKETS)
-        self._phases = {p: step.labels(model_name, p) for p in ("schedule", "model", "sample")}
+        self._phases = {p: step.labels(model_name, p) for p in ("schedule", "model", "sample", "grammar")}
         self._last: EngineStats | None = None  # the cumulative counts already exported
 
     def record(self, snapshot: EngineStats, stats: IterationStats | None) -> None:
@@ -89,7 +90,7 @@ class EngineMetrics:
         self._prompt_tokens.inc(stats.num_prompt_tokens)
         self._generation_tokens.inc(stats.num_generation_tokens)
         for phase, values in (("schedule", stats.schedule_s), ("model", stats.model_s),
-                              ("sample", stats.sample_s)):
+                              ("sample", stats.sample_s), ("grammar", stats.grammar_s)):
             for v in values:
                 self._phases[phase].observe(v)
         for n in stats.iteration_tokens:

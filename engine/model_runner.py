@@ -100,6 +100,7 @@ class ModelRunner:
         out = self._group(sampling, row_owner, sampled)
         out.prompt_logprobs = prompt_lps
         out.model_s, out.sample_s = model_end - start, time.perf_counter() - model_end
+        out.grammar_s = sampled.grammar_s
         return out
 
     def _prompt_logprobs(self, order: list[ScheduledRequest], hidden: torch.Tensor
@@ -193,8 +194,10 @@ class ModelRunner:
             for index in range(s.num_samples):
                 request_id = r.request_id if index == 0 else sample_request_id(r.parent_id, index)
                 seed = None if r.seed is None else r.seed + index
+                # A forking prompt's n rows share sample 0's matcher: none has a token yet.
+                matcher = None if r.structured is None else r.structured.matcher
                 rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                                        self._generator(request_id, seed)))
+                                        self._generator(request_id, seed), matcher))
                 owner.append(i)
         return rows, owner
 

@@ -52,6 +52,7 @@ class ModelRunnerOutput:
     # launched when its time is taken, so the wait for it shows up in sample_s.
     model_s: float = 0.0
     sample_s: float = 0.0
+    grammar_s: float | None = None  # structured output's bitmask (within sample_s); None: no constrained row
 
 
 @dataclass(slots=True)
@@ -62,7 +63,9 @@ class EngineCoreOutput:
     sample_index: int
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    # "stop" | "length" | "abort"; "invalid" (its grammar did not compile) or "error" (it
+    # failed on the way), with `error` saying why.
+    finish_reason: str | None = None
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -71,6 +74,7 @@ class EngineCoreOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # Alongside prompt_logprobs only: the prompt tokens they score, for output_to_proto.
     prompt_token_ids: list[int] | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -29,7 +29,7 @@ import zmq
 
 from engine.core import EngineCore, EngineStats
 from engine.errors import EngineOverloaded, InvalidRequest
-from engine.ipc import output_to_proto, sampling_params_from_proto
+from engine.ipc import output_to_proto, sampling_params_from_proto, structured_from_proto
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
@@ -268,7 +268,8 @@ class EngineProc:
         # ":" separates the namespace; frontends' ids never contain one.
         core_id = f"{frontend_id}:{add.request_id}"
         try:
-            params = sampling_params_from_proto(add.sampling)
+            params = sampling_params_from_proto(
+                add.sampling, structured_outputs=structured_from_proto(add.structured_outputs))
         except InvalidRequest as e:
             self._reply(frontend.identity, ipc.EngineResponse(
                 error=ipc.RequestError(request_id=add.request_id, message=str(e),

@@ -6,8 +6,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.structured_output.manager import StructuredRequest
 
 _arrival_counter = itertools.count()
 
@@ -18,12 +22,15 @@ def sample_request_id(parent_id: str, index: int) -> str:
 
 
 class RequestStatus(enum.IntEnum):
-    WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2  # waiting again, to be recomputed
-    FINISHED_STOPPED = 3  # eos or a stop token
-    FINISHED_LENGTH = 4  # max_tokens or max_model_len
-    FINISHED_ABORTED = 5
+    WAITING_FOR_GRAMMAR = 0  # its structured-output grammar is compiling in a worker thread
+    WAITING = 1
+    RUNNING = 2
+    PREEMPTED = 3  # waiting again, to be recomputed
+    FINISHED_STOPPED = 4  # eos or a stop token
+    FINISHED_LENGTH = 5  # max_tokens or max_model_len
+    FINISHED_ABORTED = 6
+    FINISHED_INVALID = 7  # it could not start as given (its grammar did not compile)
+    FINISHED_ERROR = 8  # it failed on the way (its grammar rejected a sampled token)
 
     @property
     def finished(self) -> bool:
@@ -38,6 +45,8 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_INVALID: "invalid",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -71,6 +80,9 @@ class Request:
     # With params.prompt_logprobs: entries for prompt positions 1.. computed so far, gathered
     # chunk by chunk until the first output carries them.
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # With params.structured_outputs: its grammar (compiling, then compiled) and its matcher.
+    structured: StructuredRequest | None = None
+    error: str | None = None  # why it ended FINISHED_INVALID or FINISHED_ERROR
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

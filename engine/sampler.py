@@ -2,16 +2,19 @@
 
 Order of work per step (each stage runs only if some row needs it):
 
-    raw logits [B, V] ──► logprobs (log_softmax of the raw logits)
+    raw logits [B, V] ──► structured output: the grammar's bitmask, -inf where it forbids
         │
-        ├─► min_tokens: mask eos + stop_token_ids to -inf
+        ├─► logprobs (log_softmax of the logits so far: they reflect the grammar)
+        ├─► min_tokens: mask eos + stop_token_ids to -inf (not on constrained rows)
         ├─► penalties: repetition (prompt ∪ output), frequency, presence (output)
         ├─► greedy rows: argmax
         └─► random rows: / temperature ─► top_k ─► top_p ─► min_p ─► exponential race
 
 Sampling uses the exponential race, argmax(p / q) with q ~ Exp(1), which draws
 from p without a cumsum or a renormalisation. A seeded row draws its q from its
-own generator, so its tokens do not depend on the rest of the batch.
+own generator, so its tokens do not depend on the rest of the batch. Every stage touches only
+the rows that need it, so an unconstrained row samples the same token whatever it is batched
+with. Columns past `num_tokens` (an LM head padded beyond the tokenizer) are never sampled.
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import time
+
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output.backend import GrammarBackend, GrammarMatcher
 
 
 @dataclass(slots=True)
@@ -32,6 +38,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far, before this step
     generator: torch.Generator | None  # seeded per request; None: the global RNG
+    matcher: GrammarMatcher | None = None  # structured output: what the grammar allows next
 
 
 @dataclass(slots=True)
@@ -41,21 +48,27 @@ class SamplerOutput:
     token_ids: list[int]
     # None where params.logprobs is None; else the sampled token plus the top-N.
     logprobs: list[dict[int, float] | None]
+    grammar_s: float | None = None  # time spent on the grammar's bitmask; None: no constrained row
 
 
 class Sampler:
-    """Samples one token per row. Stateless apart from the eos ids."""
+    """Samples one token per row. Stateless apart from the eos ids and the vocabulary's size."""
 
-    def __init__(self, eos_token_ids: Sequence[int]):
+    def __init__(self, eos_token_ids: Sequence[int], num_tokens: int | None = None):
         self.eos_token_ids = list(eos_token_ids)
+        self.num_tokens = num_tokens  # the tokenizer's size, when the LM head has padding rows
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        lm_head_rows = logits.shape[-1]  # what a grammar's bitmask covers
+        if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
+            logits = logits[:, :self.num_tokens]  # a view: padding columns never compete
         if _is_plain_greedy(rows):
             # Hot path. The upcast is exact, and CPU argmax over bf16 is ~5x slower than
             # upcast + argmax over fp32.
             return SamplerOutput(logits.float().argmax(dim=-1).tolist(), [None] * len(rows))
         # A copy: the stages below write in place and the caller keeps its logits.
         logits = logits.to(torch.float32, copy=True)
+        grammar_s = _apply_grammar(logits, rows, lm_head_rows)
         logprob_idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         raw_logprobs = (torch.log_softmax(logits[_index(logprob_idx, logits)], dim=-1)
                         if logprob_idx else None)
@@ -66,7 +79,7 @@ class Sampler:
             logits[index] = _apply_penalties(logits[index], [rows[i] for i in penalty_idx])
         token_ids = _sample(logits, rows)
         logprobs = _collect_logprobs(raw_logprobs, logprob_idx, token_ids, rows)
-        return SamplerOutput(token_ids, logprobs)
+        return SamplerOutput(token_ids, logprobs, grammar_s)
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         """Forbid every way of stopping until a row has min_tokens outputs."""
@@ -74,7 +87,9 @@ class Sampler:
         row_idx: list[int] = []
         token_idx: list[int] = []
         for i, r in enumerate(rows):
-            if len(r.output_token_ids) >= r.params.min_tokens:
+            # A grammar decides where a constrained row may end (banning eos where the grammar
+            # allows nothing else would leave no token at all).
+            if len(r.output_token_ids) >= r.params.min_tokens or r.matcher is not None:
                 continue
             # Ids past the vocab (a tokenizer larger than the lm head) cannot be sampled.
             banned = {t for t in (*self.eos_token_ids, *r.params.stop_token_ids) if t < vocab_size}
@@ -86,7 +101,25 @@ class Sampler:
 
 def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
     return all(r.params.greedy and not r.params.uses_penalties and r.params.logprobs is None
-               and len(r.output_token_ids) >= r.params.min_tokens for r in rows)
+               and len(r.output_token_ids) >= r.params.min_tokens and r.matcher is None for r in rows)
+
+
+def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: int) -> float | None:
+    """Set what each constrained row's grammar forbids to -inf: one bitmask for the batch,
+    filled row by row, unpacked and applied to those rows only. Returns the time it took."""
+    constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    if not constrained:
+        return None
+    start = time.perf_counter()
+    num_rows, vocab_size = len(constrained), logits.shape[-1]
+    bitmask = torch.zeros(num_rows, GrammarBackend.bitmask_width(lm_head_rows), dtype=torch.int32)
+    for row, i in enumerate(constrained):
+        rows[i].matcher.fill_bitmask(bitmask, row)
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1  # [R, W, 32], token-major
+    allowed = bits.view(num_rows, -1)[:, :vocab_size].bool().to(logits.device)
+    index = _index(constrained, logits)
+    logits[index] = logits[index].masked_fill_(~allowed, float("-inf"))
+    return time.perf_counter() - start
 
 
 def _index(ids: list[int], like: torch.Tensor) -> torch.Tensor:

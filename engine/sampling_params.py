@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequest
+from engine.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy, as vLLM does: dividing logits
 # by a tiny temperature only overflows.
@@ -43,8 +44,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Constrain the output to a JSON schema, regex, choice or grammar (a dict is taken too).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -88,6 +93,8 @@ class SamplingParams:
                 raise InvalidRequest(f"stop: every stop string must be a non-empty string, got {s!r}")
         for t in self.stop_token_ids:
             _int("stop_token_ids", t, 0, 2**31 - 1)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise InvalidRequest("structured_outputs: must be a StructuredOutputsParams or a dict of its fields")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name}: must be true or false, got {getattr(self, name)!r}")

@@ -6,6 +6,10 @@ Every request has `num_computed_tokens` (KV in the cache) catching up with
 prefill chunks), then waiting ones in priority/arrival order. A prompt longer
 than what is left of the budget is chunked. When the KV pool runs dry, the
 newest (lowest-priority) running request is preempted by recompute.
+
+A request with structured output first waits in `waiting_for_grammar` while its grammar
+compiles in a worker thread; each `schedule()` moves the compiled ones into the queue, so the
+step loop never waits for a compile.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import heapq
 import time
 
 from engine.block_manager import BlockManager
+from engine.errors import InvalidRequest
 from engine.config import SchedulerConfig
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus, sample_request_id
@@ -29,6 +34,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by request id
         self.waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap on the sort key
         self.running: list[Request] = []
+        self.waiting_for_grammar: list[Request] = []
+        # Requests that ended outside a step's update (a grammar that did not compile): their
+        # last outputs go out with the next step's.
+        self.failed_outputs: list[EngineCoreOutput] = []
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0  # total since start, for metrics
 
@@ -38,7 +47,11 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already running")
         self.requests[request.request_id] = request
-        self._push_waiting(request)
+        if request.structured is not None and not request.structured.grammar.done():
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
+            self.waiting_for_grammar.append(request)
+        else:
+            self._queue_with_grammar(request)
 
     def remove_requests(self, request_ids: list[str], status: RequestStatus) -> list[Request]:
         """Take requests out wherever they are, free their blocks, mark them finished."""
@@ -47,6 +60,7 @@ class Scheduler:
         if not gone:
             return []
         self.running = [r for r in self.running if id(r) not in gone]
+        self.waiting_for_grammar = [r for r in self.waiting_for_grammar if id(r) not in gone]
         self.waiting = [e for e in self.waiting if id(e[1]) not in gone]
         heapq.heapify(self.waiting)
         for request in removed:
@@ -60,6 +74,7 @@ class Scheduler:
     # -- scheduling --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self._take_compiled()
         out = SchedulerOutput(finished_request_ids=self.finished_request_ids)
         self.finished_request_ids = set()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
@@ -110,6 +125,31 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
 
+    def _take_compiled(self) -> None:
+        if not any(r.structured.grammar.done() for r in self.waiting_for_grammar):
+            return
+        ready = [r for r in self.waiting_for_grammar if r.structured.grammar.done()]
+        self.waiting_for_grammar = [r for r in self.waiting_for_grammar if not r.structured.grammar.done()]
+        for request in ready:
+            request.status = RequestStatus.WAITING
+            self._queue_with_grammar(request)
+
+    def _queue_with_grammar(self, request: Request) -> None:
+        """Queue a request whose grammar (if any) has compiled; one that failed ends here."""
+        if request.structured is not None:
+            try:
+                request.structured.start()
+            except InvalidRequest as e:
+                request.error = str(e)
+                self._finish(request, RequestStatus.FINISHED_INVALID)
+                self.failed_outputs.append(self._output(request, [], None, None))
+                return
+        self._push_waiting(request)
+
+    def take_failed_outputs(self) -> list[EngineCoreOutput]:
+        taken, self.failed_outputs = self.failed_outputs, []
+        return taken
+
     # -- update ------------------------------------------------------------------
 
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput
@@ -133,14 +173,19 @@ class Scheduler:
                 if status is not None:
                     self.running.remove(sample)
                     self._finish(sample, status)
-                outputs.append(EngineCoreOutput(
-                    request_id=sample.parent_id or sample.request_id, sample_index=sample.sample_index,
-                    new_token_ids=[token], new_logprobs=None if token_logprobs is None else [token_logprobs],
-                    finish_reason=sample.status.finish_reason, stop_token_id=sample.stop_token_id,
-                    num_prompt_tokens=sample.num_prompt_tokens, num_cached_tokens=sample.num_cached_tokens,
-                    prompt_logprobs=prompt_logprobs,
-                    prompt_token_ids=None if prompt_logprobs is None else sample.prompt_token_ids))
+                outputs.append(self._output(sample, [token], token_logprobs, prompt_logprobs))
         return outputs
+
+    @staticmethod
+    def _output(request: Request, tokens: list[int], logprobs: dict[int, float] | None,
+                prompt_logprobs: list | None) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            request_id=request.parent_id or request.request_id, sample_index=request.sample_index,
+            new_token_ids=tokens, new_logprobs=None if logprobs is None else [logprobs],
+            finish_reason=request.status.finish_reason, stop_token_id=request.stop_token_id,
+            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+            prompt_logprobs=prompt_logprobs, error=request.error,
+            prompt_token_ids=None if prompt_logprobs is None else request.prompt_token_ids)
 
     @staticmethod
     def _take_prompt_logprobs(request: Request) -> list[dict[int, float] | None] | None:
@@ -164,7 +209,8 @@ class Scheduler:
                 arrival_time=parent.arrival_time, arrival_seq=parent.arrival_seq,
                 parent_id=parent.parent_id, sample_index=index, status=RequestStatus.RUNNING,
                 num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens,
-                scheduled_time=parent.scheduled_time)
+                scheduled_time=parent.scheduled_time,
+                structured=None if parent.structured is None else parent.structured.fork())
             self.block_manager.fork(parent.request_id, child.request_id)
             self.requests[child.request_id] = child
             self.running.append(child)
@@ -173,6 +219,16 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.structured is not None:
+            matcher = request.structured.matcher
+            if not matcher.accept(token):
+                request.error = (f"structured output: the grammar rejected sampled token {token} "
+                                 f"({matcher.error() or 'no reason given'})")
+                return RequestStatus.FINISHED_ERROR
+            if matcher.is_terminated():  # the grammar is complete: that is the end, eos or not
+                if token in request.eos_token_ids or token in params.stop_token_ids:
+                    request.stop_token_id = token
+                return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= params.min_tokens:
             if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
                 request.stop_token_id = token

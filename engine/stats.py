@@ -15,7 +15,7 @@ from engine.request import Request
 
 @dataclass(slots=True)
 class FinishedRequestStats:
-    finish_reason: str  # "stop" | "length" | "abort"
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
     num_prompt_tokens: int
     num_generation_tokens: int
     queue_s: float | None  # arrival -> first scheduled; None if it never ran
@@ -29,6 +29,7 @@ class IterationStats:
     schedule_s: list[float] = field(default_factory=list)  # one per step
     model_s: list[float] = field(default_factory=list)
     sample_s: list[float] = field(default_factory=list)
+    grammar_s: list[float] = field(default_factory=list)  # bitmask fill + apply, in steps that had one
     iteration_tokens: list[int] = field(default_factory=list)  # tokens computed per step
     num_prompt_tokens: int = 0  # of requests whose first token came out
     num_generation_tokens: int = 0
@@ -36,8 +37,11 @@ class IterationStats:
     itls_s: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
 
-    def observe_step(self, schedule_s: float, model_s: float, sample_s: float, num_tokens: int) -> None:
+    def observe_step(self, schedule_s: float, model_s: float, sample_s: float, num_tokens: int,
+                     grammar_s: float | None = None) -> None:
         self.schedule_s.append(schedule_s)
+        if grammar_s is not None:
+            self.grammar_s.append(grammar_s)
         self.model_s.append(model_s)
         self.sample_s.append(sample_s)
         self.iteration_tokens.append(num_tokens)
@@ -53,6 +57,7 @@ class IterationStats:
 
     def observe_finished(self, request: Request, now: float) -> None:
         queue_s = None if request.scheduled_time is None else request.scheduled_time - request.arrival_time
+        reason = request.status.finish_reason
         self.finished.append(FinishedRequestStats(
-            request.status.finish_reason, request.num_prompt_tokens, request.num_output_tokens,
+            "error" if reason == "invalid" else reason, request.num_prompt_tokens, request.num_output_tokens,
             queue_s, now - request.arrival_time))

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
-from engine.ipc import output_from_proto, sampling_params_to_proto
+from engine.ipc import output_from_proto, sampling_params_to_proto, structured_to_proto
 from engine.sampling_params import SamplingParams
 from engine.validation import PromptLimits
 from frontend.engine_client import EngineClient, EngineLost
@@ -140,8 +140,9 @@ class AsyncLLM:
         deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         try:
             params = gen.state.params
-            await client.add(ipc.AddRequest(request_id=engine_id, prompt_token_ids=gen.state.prompt,
-                                            sampling=sampling_params_to_proto(params), priority=gen.priority))
+            await client.add(ipc.AddRequest(
+                request_id=engine_id, prompt_token_ids=gen.state.prompt, sampling=sampling_params_to_proto(params),
+                priority=gen.priority, structured_outputs=structured_to_proto(params.structured_outputs)))
             while not gen.done:
                 items = [await _next(gen.queue, deadline)]
                 while not gen.queue.empty():

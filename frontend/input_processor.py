@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
+from engine.structured_output.backend import get_backend_class
+from engine.structured_output.params import StructuredOutputsParams
 from engine.validation import PromptLimits, check_prompt
 
 MAX_PROMPT_CHARS = 4_000_000  # refuse before tokenizing absurd inputs
 MAX_CHAT_MESSAGES = 1024
+MAX_REMEMBERED_CONSTRAINTS = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -22,6 +25,8 @@ class InputProcessor:
     def __init__(self, tokenizer, limits: PromptLimits) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.grammar_backend = get_backend_class("llguidance")
+        self._valid_constraints: dict[tuple[str, str], None] = {}  # validated keys, oldest first
 
     def tokenize(self, text: str, add_special_tokens: bool = True, field: str = "text") -> list[int]:
         if not isinstance(text, str) or not text:
@@ -63,6 +68,18 @@ class InputProcessor:
     def check(self, prompt: list[int], params: SamplingParams, field: str = "prompt") -> None:
         """The one check of a prompt against the model and the KV pool."""
         check_prompt(prompt, params, self.limits, field)
+        if params.structured_outputs is not None:
+            self.check_constraint(params.structured_outputs)
+
+    def check_constraint(self, constraint: StructuredOutputsParams) -> None:
+        """Can the grammar library compile it? Checked without the vocabulary, in about a
+        millisecond; remembered, as clients send the same schema again and again."""
+        if constraint.key in self._valid_constraints:
+            return
+        self.grammar_backend.validate(constraint)
+        self._valid_constraints[constraint.key] = None
+        if len(self._valid_constraints) > MAX_REMEMBERED_CONSTRAINTS:
+            del self._valid_constraints[next(iter(self._valid_constraints))]
 
     def max_tokens_left(self, prompt: list[int]) -> int:
         """What the context leaves for output: the default when a request sets no limit."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequest, RequestFailed
 from engine.outputs import EngineCoreOutput
 from engine.request import sample_request_id
 from engine.sampling_params import SamplingParams
@@ -136,7 +137,12 @@ class RequestState:
         return self.engine_id if self.params.n == 1 else sample_request_id(self.engine_id, index)
 
     def _apply(self, s: SampleState, out: EngineCoreOutput, delta: SampleDelta) -> bool:
-        """True if a stop string ended the sample before the engine did."""
+        """True if a stop string ended the sample before the engine did. Raises InvalidRequest
+        or RequestFailed if the engine ended it with an error."""
+        if out.finish_reason == "invalid":  # its grammar did not compile: nothing ran
+            raise InvalidRequest(out.error or "the engine refused the request")
+        if out.finish_reason == "error":
+            raise RequestFailed(out.error or "the engine could not finish the request")
         s.num_tokens += len(out.new_token_ids)
         delta.token_ids += out.new_token_ids
         if self.params.logprobs is not None and out.new_logprobs:
@@ -158,6 +164,8 @@ class RequestState:
         if out.finish_reason == "abort":
             return ABORT
         if out.stop_token_id in self.eos_token_ids and not self.params.ignore_eos:
+            return EOS
+        if out.stop_token_id is None:  # its grammar was complete: the end, as eos would be
             return EOS
         return STOP_TOKEN
 

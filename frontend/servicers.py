@@ -1,7 +1,8 @@
 """The gRPC services: Generation, Tokenization, Info. They translate, and map errors to status
 codes here, once: InvalidRequest -> INVALID_ARGUMENT, EngineOverloaded -> RESOURCE_EXHAUSTED,
-Unavailable (no engine, engine lost, draining) -> UNAVAILABLE. Anything else is a bug: the
-call ends INTERNAL with a generic message, never a stack trace."""
+Unavailable (no engine, engine lost, draining) -> UNAVAILABLE, RequestFailed (the engine ended
+it part-way, saying why) -> INTERNAL with that message. Anything else is a bug: the call ends
+INTERNAL with a generic message, never a stack trace."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
+from engine.errors import EngineOverloaded, InvalidRequest, RequestFailed, Unavailable
 from engine.ipc import sampling_params_from_proto
+from engine.structured_output.params import StructuredOutputsParams
 from frontend.async_llm import AsyncLLM, Generation
 from frontend.input_processor import InputProcessor
 from frontend.metrics import FrontendMetrics, outcome_code
@@ -58,6 +60,9 @@ async def status_codes(context):
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
     except Unavailable as e:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    except RequestFailed as e:
+        log.warning("request failed: %s", e)
+        await context.abort(grpc.StatusCode.INTERNAL, str(e))
     except Exception:
         if context.code() is not None:  # context.abort() already chose the status
             raise
@@ -76,6 +81,20 @@ def prompt_from_request(processor: InputProcessor, msg, add_special_tokens: bool
         messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
         return processor.tokenize_chat(messages, field="chat.messages")
     return list(msg.token_ids.ids)
+
+
+def _constraint(request: gen.GenerateRequest) -> StructuredOutputsParams | None:
+    """The `constraint` oneof as the engine's structured-output parameters."""
+    kind = request.WhichOneof("constraint")
+    if kind is None:
+        return None
+    if kind == "json_object" and not request.json_object:
+        raise InvalidRequest("json_object: must be true when set")
+    # Errors name the engine's fields (structured_outputs.json for json_schema): one message
+    # for every API.
+    value = {"json_schema": request.json_schema, "json_object": True, "regex": request.regex,
+             "choice": tuple(request.choice.choices), "grammar": request.grammar}[kind]
+    return StructuredOutputsParams(**{"json" if kind == "json_schema" else kind: value})
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
@@ -113,7 +132,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                  f"got {request.time_limit_ms}")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
         params = sampling_params_from_proto(request.sampling, skip_special_tokens=skip,
-                                            include_stop_str_in_output=request.include_stop_str_in_output)
+                                            include_stop_str_in_output=request.include_stop_str_in_output,
+                                            structured_outputs=_constraint(request))
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         prompt = prompt_from_request(processor, request, add_special)
         field = "token_ids" if request.WhichOneof("input") == "token_ids" else "prompt"

@@ -5,6 +5,7 @@
     unknown model or route          404  not_found_error
     EngineOverloaded                429  rate_limit_error (+ Retry-After)
     Unavailable (no engine, drain)  503  service_unavailable_error
+    RequestFailed                   500  internal_error, with its message (e.g. a grammar failure)
     the client left mid-body        499  (logged only: nginx's "client closed request")
     anything else (a bug)           500  internal_error, a generic message; the trace goes to the log
 
@@ -21,7 +22,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
+from engine.errors import EngineOverloaded, InvalidRequest, RequestFailed, Unavailable
 
 log = logging.getLogger("pagedserve.http")
 RETRY_AFTER_S = 1
@@ -64,6 +65,9 @@ def from_exception(e: BaseException) -> HTTPError:
         return HTTPError(429, str(e), "rate_limit_error")
     if isinstance(e, Unavailable):
         return HTTPError(503, str(e), "service_unavailable_error")
+    if isinstance(e, RequestFailed):
+        log.warning("request failed: %s", e)
+        return HTTPError(500, str(e), "internal_error")
     if isinstance(e, ClientDisconnect):  # it left while we read its body: no one to answer
         return HTTPError(499, "client closed the request", "client_closed_request")
     log.error("internal error", exc_info=e)

@@ -1,0 +1,102 @@
+"""llguidance (github.com/guidance-ai/llguidance) behind the GrammarBackend interface.
+
+Its "compile" is an `LLMatcher` at the grammar's start; each sample gets a `deep_copy`. The
+library never raises for grammar errors: a matcher enters an error state instead, which we
+turn into InvalidRequest (compile) or a failed request (a rejected token).
+"""
+
+from __future__ import annotations
+
+import json
+
+import llguidance
+
+from engine.errors import InvalidRequest
+from engine.structured_output.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
+from engine.structured_output.params import StructuredOutputsParams
+
+# Compact JSON: no free whitespace between tokens, so a model can't stall a JSON document on
+# endless spaces or newlines (vLLM's `disable_any_whitespace`, on by default here).
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The constraint in llguidance's grammar format."""
+    kind = params.kind
+    if kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=_JSON_OPTIONS)
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":  # Lark string literals take JSON's escapes
+        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+    return llguidance.LLMatcher.grammar_from_lark(params.grammar)
+
+
+class LLGuidanceMatcher(GrammarMatcher):
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.consume_token(token_id)
+
+    def fill_bitmask(self, bitmask, row: int) -> None:
+        from llguidance.torch import fill_next_token_bitmask  # imports torch: engine side only
+        fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_stopped()
+
+    def error(self) -> str:
+        return self.matcher.get_error()
+
+
+class LLGuidanceGrammar(CompiledGrammar):
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.start = matcher
+
+    def matcher(self) -> LLGuidanceMatcher:
+        return LLGuidanceMatcher(self.start.deep_copy())
+
+
+class LLGuidanceBackend(GrammarBackend):
+    name = "llguidance"
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        """`tokenizer`: the model's Hugging Face fast tokenizer; `vocab_size`: the LM head's
+        rows. Rows past the tokenizer's own tokens (padding) are never allowed."""
+        import llguidance.hf
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
+                                                      eos_token=list(eos_token_ids) or None)
+
+    @staticmethod
+    def validate(params: StructuredOutputsParams) -> None:
+        error = llguidance.LLMatcher.validate_grammar(_grammar_or_raise(params))
+        if error:
+            raise InvalidRequest(f"structured_outputs.{params.kind}: {_first_lines(error)}")
+
+    def compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar:
+        matcher = llguidance.LLMatcher(self.tokenizer, _grammar_or_raise(params), log_level=0)
+        if matcher.is_error():
+            raise InvalidRequest(f"structured_outputs.{params.kind}: {_first_lines(matcher.get_error())}")
+        return LLGuidanceGrammar(matcher)
+
+
+def _grammar_or_raise(params: StructuredOutputsParams) -> str:
+    try:
+        return grammar_text(params)
+    except ValueError as e:
+        raise InvalidRequest(f"structured_outputs.{params.kind}: {e}") from None
+
+
+def _first_lines(message: str, limit: int = 600) -> str:
+    """llguidance's messages can quote a whole grammar; a caller needs the start."""
+    message = message.strip()
+    return message if len(message) <= limit else message[:limit] + " ..."

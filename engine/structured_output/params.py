@@ -1,0 +1,93 @@
+"""What a request's output must match: vLLM's `StructuredOutputsParams`, one kind per request.
+
+Torch-free and library-free: the frontend builds and validates these, the engine compiles
+them. `key` is the canonical spec the engine caches compiled grammars by.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequest
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 256_000  # a schema or grammar larger than this is refused before compiling
+MAX_CHOICES = 4096
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one field is set.
+
+    json: a JSON Schema (a dict, or its JSON text); the output is one JSON value that
+        validates against it.
+    json_object: any JSON object.
+    regex: the whole output matches this regular expression (Rust `regex` syntax).
+    choice: the output is exactly one of these strings.
+    grammar: a context-free grammar in llguidance's Lark syntax (which also embeds JSON
+        schemas with `%json {...}`).
+    """
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise InvalidRequest("structured_outputs: set exactly one of json, json_object, regex, choice, "
+                                 f"grammar (got {', '.join(set_kinds) or 'none'})")
+        if self.json is not None:
+            object.__setattr__(self, "json", _canonical_json(self.json))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", _choices(self.choice))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequest(f"structured_outputs.{name}: must be a non-empty string")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise InvalidRequest(f"structured_outputs.{self.kind}: {len(self.spec)} characters is more "
+                                 f"than the {MAX_SPEC_CHARS} allowed")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text: the canonical JSON schema, the regex, the grammar, or the
+        choices as a JSON list."""
+        kind = self.kind
+        if kind == "json_object":
+            return ""
+        if kind == "choice":
+            return json.dumps(list(self.choice), ensure_ascii=False)
+        return getattr(self, kind)
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """Equal keys compile to the same grammar."""
+        return self.kind, self.spec
+
+
+def _canonical_json(schema: str | dict) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise InvalidRequest(f"structured_outputs.json: not valid JSON ({e})") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequest("structured_outputs.json: a JSON schema must be an object")
+    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _choices(choices) -> tuple[str, ...]:
+    if isinstance(choices, str) or not all(isinstance(c, str) and c for c in choices):
+        raise InvalidRequest("structured_outputs.choice: must be a list of non-empty strings")
+    choices = tuple(choices)
+    if not 1 <= len(choices) <= MAX_CHOICES:
+        raise InvalidRequest(f"structured_outputs.choice: needs 1 to {MAX_CHOICES} strings, got {len(choices)}")
+    return choices
