@@ -14,7 +14,7 @@ TINY_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
                    initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def tiny_hf_config(model_type: str):
+def tiny_hf_config(model_type: str, **overrides):
     """Small random-weight configs for every architecture we implement, with each one's quirk."""
     from transformers import AutoConfig
     extra = {
@@ -25,14 +25,14 @@ def tiny_hf_config(model_type: str):
         "qwen3": dict(tie_word_embeddings=False, head_dim=32),
         "mistral": dict(tie_word_embeddings=False, sliding_window=512),
     }[model_type]
-    return AutoConfig.for_model(model_type, **TINY_COMMON, **extra)
+    return AutoConfig.for_model(model_type, **{**TINY_COMMON, **extra, **overrides})
 
 
-def build_tiny_model(model_type: str, folder: Path, tokenizer) -> Path:
+def build_tiny_model(model_type: str, folder: Path, tokenizer, **overrides) -> Path:
     """Save a random-weight HF model (safetensors) plus a tokenizer into `folder`."""
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_hf_config(model_type), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config(model_type, **overrides), dtype=torch.float32)
     model.save_pretrained(str(folder), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
     return folder

@@ -311,3 +311,14 @@ def test_bf16_logits():
     raw = torch.log_softmax(upcast, dim=-1)
     assert out.logprobs[0][out.token_ids[0]] == pytest.approx(raw[out.token_ids[0]].item(), abs=1e-6)
     assert Sampler([EOS])(logits[:4], [row(SamplingParams(temperature=0.0))] * 4).token_ids == [0] * 4
+
+
+def test_columns_past_num_tokens_are_never_sampled():
+    """An LM head padded past the tokenizer: the padding columns never win, on any path."""
+    logits = torch.zeros(4, VOCAB + 2)
+    logits[:, VOCAB:] = 50.0  # padding that would win everything
+    rows = [row(SamplingParams(temperature=0)), row(SamplingParams(temperature=1.0), seed=1),
+            row(SamplingParams(temperature=0, logprobs=2)), row(SamplingParams(temperature=3.0))]
+    out = Sampler([EOS], num_tokens=VOCAB)(logits, rows)
+    assert max(out.token_ids) < VOCAB
+    assert all(t < VOCAB for t in out.logprobs[2])
