@@ -5,6 +5,7 @@ nothing runs. Tests that kill or stop processes start their own."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import signal
@@ -12,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import jsonschema
 import psutil
 import pytest
 from google.protobuf.descriptor_pool import DescriptorPool
@@ -273,6 +275,30 @@ def test_reused_request_id_gets_no_stale_tokens(frontend):
         assert r.finished[0].usage.completion_tokens == 8
 
 
+# -- 8b. structured output ---------------------------------------------------------------------
+
+ITEM = {"type": "object", "additionalProperties": False, "required": ["sku", "qty", "colour"],
+        "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"},
+                       "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                       "colour": {"enum": ["red", "green", "blue"]},
+                       "notes": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 2}}}
+
+
+def test_constraints_hold_for_every_sample(frontend):
+    r = generate(frontend, text="An order line as JSON:", json_schema=json.dumps(ITEM),
+                 sampling=gen.SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=120))
+    for i in range(4):
+        jsonschema.validate(json.loads(r.texts[i]), ITEM)
+        assert r.finished[i].reason == FR.FINISH_REASON_EOS  # the grammar's end, as eos would be
+    r = generate(frontend, text="Sentiment of 'meh':", choice=gen.Choices(choices=["good", "bad", "meh"]),
+                 sampling=gen.SamplingParams(n=3, temperature=1.5, seed=1, max_tokens=8))
+    assert all(r.texts[i] in ("good", "bad", "meh") for i in range(3))
+    r = generate(frontend, text="A date:", regex=r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", sampling=greedy(16))
+    assert re.fullmatch(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", r.texts[0])
+    info = frontend.wait_kv_free()
+    assert info.num_running == 0 and info.num_waiting == 0
+
+
 # -- 9. validation and status codes ----------------------------------------------------------
 
 def _sampling(**kwargs) -> dict:
@@ -311,6 +337,12 @@ BAD_REQUESTS = {
     "request_id-slash": ("request_id", dict(request_id="a/b", text="Hello")),
     "request_id-300": ("request_id", dict(request_id="x" * 300, text="Hello")),
     "request_id-space": ("request_id", dict(request_id="a b", text="Hello")),
+    "regex-invalid": ("regex", dict(text="Hi", regex="a(b")),
+    "json_schema-not-json": ("json", dict(text="Hi", json_schema="{nope")),
+    "json_schema-unsupported-keyword": ("dependentSchemas", dict(text="Hi", json_schema='{"dependentSchemas": {}}')),
+    "grammar-invalid": ("grammar", dict(text="Hi", grammar="start: undefined_rule")),
+    "choice-empty": ("choice", dict(text="Hi", choice=gen.Choices())),
+    "json_object-false": ("json_object", dict(text="Hi", json_object=False)),
 }
 
 

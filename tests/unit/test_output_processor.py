@@ -221,3 +221,30 @@ def test_output_processor_groups_by_request_and_forgets_finished(tok):
     assert set(processor.requests) == {"c"}
     deltas, to_stop = processor.process_outputs([out(c, request_id="c", finish="stop", stop_token=EOS_ID)])
     assert deltas["c"][0].finish_reason == EOS and to_stop == [] and processor.requests == {}
+
+
+def test_engine_errors_become_typed_exceptions(tok):
+    from engine.errors import InvalidRequest, RequestFailed
+    state = RequestState(RID, [1, 2], SamplingParams(), tok, [EOS_ID])
+    with pytest.raises(InvalidRequest, match="did not compile"):
+        state.process([out([], finish="invalid", error="structured_outputs.regex: did not compile")])
+    state = RequestState(RID, [1, 2], SamplingParams(), tok, [EOS_ID])
+    with pytest.raises(RequestFailed, match="rejected sampled token"):
+        state.process([out(encode(tok, "a"), finish="error", error="the grammar rejected sampled token 5")])
+
+
+def test_a_completed_grammar_ends_a_sample_as_eos_would(tok):
+    state = RequestState(RID, [1, 2], SamplingParams(), tok, [EOS_ID])
+    [delta], _ = state.process([out(encode(tok, '{"a":1}'), finish="stop", stop_token=None)])
+    assert delta.finish_reason == EOS and delta.text == '{"a":1}'
+
+
+def test_structured_outputs_cross_the_engine_socket():
+    from engine.ipc import structured_from_proto, structured_to_proto
+    from engine.structured_output.params import StructuredOutputsParams
+    for params in (StructuredOutputsParams(json={"type": "object", "b": 1, "a": [1]}),
+                   StructuredOutputsParams(json_object=True), StructuredOutputsParams(regex="[ab]+"),
+                   StructuredOutputsParams(choice=("x", "y \"z\"")), StructuredOutputsParams(grammar='start: "a"')):
+        msg = type(structured_to_proto(params)).FromString(structured_to_proto(params).SerializeToString())
+        assert structured_from_proto(msg) == params
+    assert structured_to_proto(None) is None
