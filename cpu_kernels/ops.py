@@ -137,3 +137,8 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
     return torch.ops.pagedserve_cpu.silu_and_mul(x)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: logits[rows[r], t] = -inf where bit t of bitmask[r] (int32 [R, ceil(V/32)]) is 0."""
+    torch.ops.pagedserve_cpu.apply_token_bitmask(logits, bitmask, rows)

@@ -87,3 +87,21 @@ def test_ops_reject_bad_inputs():
         ops.rms_norm(torch.zeros(2, 8, dtype=torch.float16), torch.ones(8, dtype=torch.float16), 1e-5)
     with pytest.raises(RuntimeError, match="outside the table"):
         ops.rotary(torch.zeros(1, 64), torch.tensor([10]), torch.zeros(4, 64), torch.zeros(4, 64), 1, 64)
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 33])
+def test_apply_token_bitmask_matches_the_torch_reference(vocab):
+    from engine.sampler import apply_token_bitmask
+    torch.manual_seed(vocab)
+    logits = torch.randn(6, vocab)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (vocab + 31) // 32), dtype=torch.int32)
+    bitmask[0] = -1  # everything allowed
+    bitmask[1, 1:] = 0  # only the first word's tokens
+    rows = torch.tensor([4, 0, 2])
+    ours, ref = logits.clone(), logits.clone()
+    ops.apply_token_bitmask(ours, bitmask, rows)
+    apply_token_bitmask(ref, bitmask, rows)
+    assert torch.equal(ours, ref)
+    assert torch.equal(ours[[1, 3, 5]], logits[[1, 3, 5]])  # rows without a mask are untouched
+    allowed = [t for t in range(vocab) if (int(bitmask[2, t // 32]) >> (t % 32)) & 1]
+    assert torch.isfinite(ours[2]).nonzero().flatten().tolist() == allowed
