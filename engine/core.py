@@ -83,8 +83,8 @@ class EngineCore:
         EngineOverloaded if `max_waiting_requests` are already waiting."""
         self._validate(request_id, prompt_token_ids, params)
         limit = self.config.max_waiting_requests
-        if limit is not None and len(self.scheduler.waiting) >= limit:
-            raise EngineOverloaded(f"server busy: {len(self.scheduler.waiting)} requests are waiting "
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            raise EngineOverloaded(f"server busy: {self.scheduler.num_waiting} requests are waiting "
                                    f"(--max-waiting-requests {limit}); retry later")
         if params.n == 1:
             request = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, priority)
@@ -149,7 +149,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         bm = self.block_manager
         return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_queries=bm.num_cache_queries, num_prefix_cache_hits=bm.num_cache_hits)

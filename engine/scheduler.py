@@ -71,6 +71,11 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    @property
+    def num_waiting(self) -> int:
+        """Queued, or waiting for their grammar to compile."""
+        return len(self.waiting) + len(self.waiting_for_grammar)
+
     # -- scheduling --------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -171,6 +171,7 @@ def test_compiles_never_block_the_step_loop(tiny):
         produced = [o for _ in range(4) for o in core.step()]
         assert {o.request_id for o in produced} == {"plain"} and produced[-1].finished
         assert core.scheduler.requests["constrained"].status == RequestStatus.WAITING_FOR_GRAMMAR
+        assert core.stats().num_waiting == 1  # it counts as waiting (metrics, leak checks)
     finally:
         gate.set()
     text = []
