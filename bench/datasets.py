@@ -13,6 +13,9 @@
   The first turn is the prompt; the reply that follows it sets the output length. Other
   keys ("id", ...) are ignored. Token counts come from the server's Tokenize RPC, so they
   are the served model's own.
+- structured: chat prompts asking for JSON (data/structured_tasks.json: extraction, listings,
+  calendar entries, reviews, orders, recipes), each with the JSON Schema its reply must
+  validate against; a share of them carry that schema as their constraint.
 
 Everything is seeded: the same seed gives the same prompts and lengths.
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SHAREGPT_SAMPLE = Path(__file__).resolve().parent / "data" / "sharegpt_sample.json"
+STRUCTURED_TASKS = Path(__file__).resolve().parent / "data" / "structured_tasks.json"
 MIN_TOKEN_ID = 100  # as bench offline's random_prompts: skip the special tokens
 MIN_SHAREGPT_PROMPT_TOKENS = 4  # vLLM's filter: shorter prompts say little about serving
 
@@ -38,6 +42,16 @@ class BenchRequest:
     prompt: list[int] | str  # token ids, or text the server tokenizes
     prompt_len: int  # in tokens (for text: as the server's Tokenize counts them)
     output_len: int
+
+
+@dataclass(slots=True)
+class JsonRequest(BenchRequest):
+    """A chat prompt that asks for JSON; `prompt` is the user message, `output_len` a cap
+    (the reply ends on its own: at eos, or when the constrained JSON completes)."""
+
+    task: str  # which of STRUCTURED_TASKS
+    schema: dict  # what the reply must validate against, constrained or not
+    constrained: bool  # sent with `schema` as its json_schema constraint
 
 
 def length_range(length: int, range_ratio: float) -> tuple[int, int]:
@@ -121,6 +135,31 @@ def sharegpt_requests(pairs: list[tuple[str, str]], num: int, count_tokens: Call
                          f"{MIN_SHAREGPT_PROMPT_TOKENS} tokens, and to fit in {max_model_len} tokens)")
     extra = random.Random(f"sharegpt-oversample:{seed}").choices(usable, k=num - len(usable))
     return usable + extra, len(usable)
+
+
+def load_structured_tasks(path: Path = STRUCTURED_TASKS) -> list[tuple[str, dict, str]]:
+    """(task name, schema, prompt) for every input of every task."""
+    tasks = json.loads(Path(path).read_text())["tasks"]
+    return [(t["name"], t["schema"], t["prompt"].replace("{input}", text)) for t in tasks for text in t["inputs"]]
+
+
+def structured_requests(prompts: list[tuple[str, dict, str]], num: int, ratio: float, output_len: int,
+                        count_tokens: Callable[[str], int], seed: int | str) -> list[JsonRequest]:
+    """`num` requests over the shuffled prompts (cycled past their number), round(num * ratio) of
+    them constrained. The same seed draws the same prompts whatever the ratio, so runs at
+    several ratios differ only in which requests are constrained. `count_tokens(message)` counts
+    a user message as the server renders it with the chat template."""
+    order = list(prompts)
+    random.Random(f"structured:{seed}").shuffle(order)
+    constrained = set(random.Random(f"structured-constrained:{seed}").sample(range(num), round(num * ratio)))
+    counts: dict[str, int] = {}
+    requests = []
+    for i in range(num):
+        task, schema, prompt = order[i % len(order)]
+        if prompt not in counts:
+            counts[prompt] = count_tokens(prompt)
+        requests.append(JsonRequest(prompt, counts[prompt], output_len, task, schema, i in constrained))
+    return requests
 
 
 def _random_ids(rng: random.Random, length: int, vocab_size: int) -> list[int]:

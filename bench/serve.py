@@ -15,6 +15,11 @@ under --output-dir; a sweep adds a summary JSON and a PNG.
 Each run gets fresh prompts (synthetic datasets are drawn again per rate), so the prefix
 cache never serves one run's prompts to the next. ShareGPT prompts are fixed text: in a
 ShareGPT sweep a server started here is restarted between rates for the same reason.
+
+`--dataset-name structured` asks for JSON instead (see bench.serve_structured): requests end on
+their own, the report splits by constrained and unconstrained requests, and --structured-ratio
+0,0.5,1 runs the same prompts at each constrained share, on a fresh server each (no prefix or
+grammar cache carried over), then prints and writes one summary of them all.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import asyncio
 import contextlib
 import json
 import math
+import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +40,9 @@ from pathlib import Path
 from bench.common import machine_info, write_result
 from bench.serve_args import ServePlan, add_arguments, check_args
 from bench.serve_metrics import rate_label, summarize
-from bench.serve_report import print_run, print_runs, sweep_payload
+from bench.serve_report import (print_run, print_runs, print_structured, print_structured_runs,
+                                structured_summary, sweep_payload)
+from bench.serve_structured import group_summaries, scrape_step_seconds, step_phases
 from bench.serve_workload import build_workload, drive, time_offline
 from bench.servers import server_for
 from engine.arg_utils import engine_config_from_args
@@ -52,6 +61,7 @@ class RunResult:
     summary: dict
     model: dict  # GetModelInfo of the server it ran on (OpenAI: the same keys, see bench.openai_client)
     dataset: dict
+    structured: dict | None  # the structured dataset's groups and step phases
 
 
 @dataclass
@@ -71,45 +81,56 @@ def run(args: argparse.Namespace) -> int:
     bench = _Bench(args, plan, config, offline)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the servers too
     results: list[RunResult] = []
+    runs = list(enumerate(plan.runs()))
     for backend in plan.backends:
-        # A ShareGPT sweep on our own server restarts it per rate: its prompts never change.
-        fresh = not args.target and plan.dataset == "sharegpt" and len(plan.rates) > 1
-        groups = [[(i, r)] for i, r in enumerate(plan.rates)] if fresh else [list(enumerate(plan.rates))]
-        for group in groups:
-            with _serving(backend, bench) as (address, command):
-                results += [_one_run(address, command, backend, i, rate, bench) for i, rate in group]
-    if len(results) > 1:
+        # ShareGPT's and the structured prompts never change: on our own server, one per run.
+        fresh = not args.target and plan.dataset in ("sharegpt", "structured") and len(runs) > 1
+        for group in [[run] for run in runs] if fresh else [runs]:
+            with _serving(backend, bench) as (address, command, metrics_url):
+                results += [_one_run(address, command, metrics_url, backend, i, rate, ratio, bench)
+                            for i, (rate, ratio) in group]
+    if plan.dataset == "structured" and len(results) > 1:
+        _write_structured(results, bench)
+    elif len(results) > 1:
         _write_sweep(results, bench)
     failed = sum(r.summary["failed"] for r in results)
     return 0 if not failed else 1
 
 
 @contextlib.contextmanager
-def _serving(backend: str, bench: _Bench) -> Iterator[tuple[str, list[str] | None]]:
-    """(address, the server's command line, None with --target) while the server runs."""
+def _serving(backend: str, bench: _Bench) -> Iterator[tuple[str, list[str] | None, str | None]]:
+    """(address, the server's command line or None with --target, its engine's /metrics URL
+    or None) while the server runs."""
     if bench.args.target:  # always so with --backend openai: this benchmark starts no such server
-        yield bench.args.target, None
+        yield bench.args.target, None, bench.args.metrics_url
         return
     # Streams beyond the frontend's cap would fail as RESOURCE_EXHAUSTED: the benchmark's
     # own concurrency limit is the one that should bind.
-    server = server_for(backend, bench.config, max_concurrent_streams=max(256, bench.args.num_prompts))
+    server = server_for(backend, bench.config, max_concurrent_streams=max(256, bench.args.num_prompts),
+                        engine_metrics=bench.plan.dataset == "structured")
     print(f"starting {backend} ...", flush=True)
     try:
-        yield server.start(), server.cmd[1:]
+        yield server.start(), server.cmd[1:], server.metrics_url
     finally:
         server.stop()
 
 
-def _one_run(address: str, command: list[str] | None, backend: str, index: int, rate: float,
-             bench: _Bench) -> RunResult:
+def _one_run(address: str, command: list[str] | None, metrics_url: str | None, backend: str, index: int,
+             rate: float, ratio: float | None, bench: _Bench) -> RunResult:
     args = bench.args
     name = args.label or backend
-    label = f"{name} @ {rate_label(rate)} req/s"
-    workload = build_workload(address, args, bench.plan, index, backend)
-    records, duration_s = asyncio.run(drive(address, workload, rate, args, index, label, backend))
+    label = f"{name} @ {rate_label(rate)} req/s" + ("" if ratio is None else f", {ratio:g} constrained")
+    workload = build_workload(address, args, bench.plan, index, backend, ratio)
+    scrapes = []  # the engine's step times just before the timed run
+    before = None
+    if ratio is not None and metrics_url:
+        before = lambda: scrapes.append(scrape_step_seconds(metrics_url))  # noqa: E731
+    records, duration_s = asyncio.run(drive(address, workload, rate, args, index, label, backend, before))
     summary = summarize(records, duration_s, bench.plan.slos)
     ratios = _offline_ratios(summary, bench.offline)
     print_run(label, summary, bench.offline, ratios)
+    structured = (None if ratio is None else
+                  _structured(ratio, records, duration_s, summary, scrapes, metrics_url, bench))
     offline = {"offline": bench.offline} if bench.offline else {}
     api = "openai" if backend == "openai" else "grpc"
     payload = {
@@ -121,11 +142,42 @@ def _one_run(address: str, command: list[str] | None, backend: str, index: int, 
         "max_concurrency": args.max_concurrency, "run_index": index,
         "args": {k: _jsonable(v) for k, v in vars(args).items() if k not in ("command", "bench", "api_key")},
         "results": {api: summary, **offline}, "ratios": ratios,
+        **({"structured": structured} if structured else {}),
         "requests": [_record_json(r) for r in records],
     }
-    path = write_result("serve", payload, args.output_dir, suffix=f"-{name}-rate{rate_label(rate)}")
+    suffix = f"-{name}-rate{rate_label(rate)}" + ("" if ratio is None else f"-structured{ratio:g}")
+    path = write_result("serve", payload, args.output_dir, suffix=suffix)
     print(f"wrote {path}\n")
-    return RunResult(name, rate, path, summary, workload.model, workload.dataset)
+    return RunResult(name, rate, path, summary, workload.model, workload.dataset, structured)
+
+
+def _structured(ratio: float, records: list, duration_s: float, summary: dict, scrapes: list,
+                metrics_url: str | None, bench: _Bench) -> dict:
+    """The structured dataset's split by group, and the engine's step phases over the timed run."""
+    phases = None
+    if scrapes:
+        time.sleep(0.2)  # the engine records a step's times just after it sends the step's outputs
+        phases = step_phases(scrapes[0], scrape_step_seconds(metrics_url))
+    groups = group_summaries(records, duration_s, bench.plan.slos)
+    whole = structured_summary(summary, groups)
+    print_structured(whole, groups, phases)
+    # Other work on this machine's few cores would slow every group: say how busy it was.
+    return {"structured_ratio": ratio, "all": whole, "groups": groups, "step_phases": phases,
+            "metrics_url": metrics_url, "load_avg_1m_after": os.getloadavg()[0]}
+
+
+def _write_structured(results: list[RunResult], bench: _Bench) -> None:
+    """One table and one JSON for the runs at each constrained share (or rate)."""
+    runs = [{"backend": r.backend, "request_rate": rate_label(r.rate), "file": r.path.name, **r.structured}
+            for r in results]
+    print_structured_runs(runs)
+    payload = {"machine": machine_info(bench.config.device), "model": results[-1].model,
+               "dataset": {k: v for k, v in results[-1].dataset.items() if k not in ("structured_ratio",
+                                                                                     "num_constrained")},
+               "max_concurrency": bench.args.max_concurrency, "burstiness": bench.args.burstiness,
+               "target": bench.args.target, "seed": bench.args.seed, "runs": runs}
+    path = write_result("serve-structured", payload, bench.args.output_dir)
+    print(f"\nwrote {path}")
 
 
 def _offline_ratios(summary: dict, offline: dict | None) -> dict:

@@ -13,7 +13,7 @@ from bench.serve_metrics import parse_goodput
 from bench.servers import BACKENDS
 from engine.arg_utils import add_engine_args
 
-DATASETS = ("random", "sharegpt", "prefix-repetition")
+DATASETS = ("random", "sharegpt", "prefix-repetition", "structured")
 API_BACKENDS = ("openai",)  # an API, not a server: it needs a --target
 
 
@@ -26,6 +26,11 @@ class ServePlan:
     dataset: str
     dataset_path: Path | None  # sharegpt only
     slos: dict[str, float]  # goodput SLOs in ms, by metric name
+    structured_ratios: list[float | None]  # structured: constrained share per run, in turn; else [None]
+
+    def runs(self) -> list[tuple[float, float | None]]:
+        """(rate, structured ratio) of each run, in order (one of the two lists has one item)."""
+        return [(rate, ratio) for rate in self.rates for ratio in self.structured_ratios]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,9 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="names the run in file names and tables instead of the backend, e.g. llama-server "
                         "(one backend only)")
     p.add_argument("--dataset-name", choices=DATASETS, default=None,
-                   help="random token ids, ShareGPT conversations (text), or prefix-repetition (many prompts "
-                        "sharing long prefixes: shows prefix caching) (default: random, or sharegpt with "
-                        "--dataset-path)")
+                   help="random token ids, ShareGPT conversations (text), prefix-repetition (many prompts "
+                        "sharing long prefixes: shows prefix caching), or structured (chat prompts asking for "
+                        "JSON, each paired with a JSON Schema: see --structured-ratio) (default: random, or "
+                        "sharegpt with --dataset-path)")
     p.add_argument("--dataset-path", type=Path, default=None,
                    help="ShareGPT-format JSON: a list of {\"conversations\": [{\"from\": \"human\", \"value\": "
                         "...}, {\"from\": \"gpt\", \"value\": ...}]}; the first turn is the prompt, its reply "
@@ -71,6 +77,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefix-repetition: output tokens (default: 64)")
     p.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="sharegpt: cap on the output length (default: the reply's length)")
+    p.add_argument("--structured-ratio", type=_ratio_list, default=[0.5], metavar="R[,R,...]",
+                   help="structured: the share of requests sent with their schema as a json_schema constraint "
+                        "(the rest are the same kind of prompt, unconstrained); a comma list runs the same "
+                        "prompts once per share, e.g. 0,0.5,1 for an unconstrained baseline, a mix and all "
+                        "constrained; the report splits throughput, TPOT, output lengths and valid outputs "
+                        "by group, and gives the engine's grammar-mask, sample and model time per step "
+                        "(default: 0.5)")
+    p.add_argument("--structured-output-len", type=int, default=256,
+                   help="structured: max_tokens of every request; replies end on their own (eos, or the "
+                        "constrained JSON completing), so this is a cap, and a reply cut by it counts as "
+                        "invalid (default: 256)")
+    p.add_argument("--metrics-url", default=None, metavar="URL",
+                   help="structured with a gRPC --target: the target engine's Prometheus /metrics, e.g. "
+                        "http://HOST:PORT/metrics of `pagedserve serve --engine-metrics-port PORT`, for the "
+                        "per-step phase times (default: a server started here has its engine's /metrics "
+                        "turned on and read; a --target without this reports none)")
     p.add_argument("--request-rate", type=_rate, default=None,
                    help="requests per second, a Poisson process (see --burstiness); inf sends all at once "
                         "(default: inf)")
@@ -119,13 +141,14 @@ def check_args(args: argparse.Namespace) -> ServePlan:
     if path is not None and not path.is_file():
         _fail(f"--dataset-path {path}: no such file")
     _check_numbers(args)
+    ratios = _check_structured(args, backends, rates, dataset)
     if args.compare_offline:
         _check_offline(args, backends, rates, dataset)
     try:
         slos = parse_goodput(args.goodput)
     except ValueError as e:
         _fail(str(e))
-    return ServePlan(backends, rates, dataset, path, slos)
+    return ServePlan(backends, rates, dataset, path, slos, ratios)
 
 
 def _check_target(args: argparse.Namespace, backends: list[str]) -> None:
@@ -145,7 +168,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     positive = {"--num-prompts": args.num_prompts, "--random-input-len": args.random_input_len,
                 "--random-output-len": args.random_output_len, "--num-prefixes": args.num_prefixes,
                 "--prefix-output-len": args.prefix_output_len, "--max-concurrency": args.max_concurrency,
-                "--sharegpt-output-len": args.sharegpt_output_len}
+                "--sharegpt-output-len": args.sharegpt_output_len,
+                "--structured-output-len": args.structured_output_len}
     for flag, value in positive.items():
         if value is not None and value < 1:
             _fail(f"{flag}: must be at least 1, got {value}")
@@ -157,6 +181,21 @@ def _check_numbers(args: argparse.Namespace) -> None:
         length_range(1, args.random_range_ratio)
     except ValueError as e:
         _fail(f"--random-range-ratio: {e}")
+
+
+def _check_structured(args: argparse.Namespace, backends: list[str], rates: list[float], dataset: str
+                      ) -> list[float | None]:
+    if dataset != "structured":
+        if args.metrics_url:
+            _fail("--metrics-url is for --dataset-name structured")
+        return [None]
+    if backends != ["pagedserve"]:
+        _fail("--dataset-name structured sends json_schema constraints over gRPC: --backend pagedserve only")
+    if len(args.structured_ratio) > 1 and len(rates) > 1:
+        _fail("give several --structured-ratio values or several --sweep-rates, not both")
+    if args.metrics_url and not args.target:
+        _fail("--metrics-url is for a --target: a server started here has its metrics read anyway")
+    return args.structured_ratio
 
 
 def _check_offline(args: argparse.Namespace, backends: list[str], rates: list[float], dataset: str) -> None:
@@ -181,6 +220,16 @@ def _rate_list(text: str) -> list[float]:
     if not rates:
         raise argparse.ArgumentTypeError("give at least one rate, e.g. 0.5,1,2")
     return rates
+
+
+def _ratio_list(text: str) -> list[float]:
+    try:
+        ratios = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma list of shares from 0 to 1, got {text!r}") from None
+    if not ratios or not all(0 <= r <= 1 for r in ratios):
+        raise argparse.ArgumentTypeError(f"a comma list of shares from 0 to 1, e.g. 0,0.5,1, got {text!r}")
+    return ratios
 
 
 def _fail(message: str) -> None:

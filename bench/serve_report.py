@@ -1,4 +1,4 @@
-"""What `bench serve` prints, and the summary JSON of a sweep."""
+"""What `bench serve` prints, the summary JSON of a sweep, and the structured dataset's tables."""
 
 from __future__ import annotations
 
@@ -7,11 +7,15 @@ import math
 
 from bench.common import print_table
 from bench.serve_metrics import LATENCIES, STATS, rate_label
+from bench.serve_structured import PHASES
 
 # The per-run numbers a sweep summary keeps (each run's own JSON has everything).
 KEY_METRICS = ("completed", "failed", "errors", "duration_s", "request_throughput", "output_tok_s", "total_tok_s",
                "cached_tokens", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms",
                "p99_tpot_ms", "median_itl_ms", "p99_itl_ms", "median_e2e_ms", "p99_e2e_ms", "goodput_req_s")
+# The structured dataset's table, one row per group.
+GROUP_HEADER = ["group", "ok / failed", "JSON / valid", "mean out len", "out tok/s", "TPOT mean", "TPOT p50",
+                "TPOT p99"]
 
 
 def print_run(label: str, summary: dict, offline: dict | None, ratios: dict) -> None:
@@ -67,3 +71,55 @@ def sweep_payload(runs: list[dict], machine: dict, model: dict, dataset: dict, p
 
 def _cell(value: float | None) -> object:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+def print_structured(whole: dict, groups: dict[str, dict], phases: dict | None) -> None:
+    """The structured dataset's split of one run (`whole`: structured_summary's), then the
+    engine's step phases."""
+    print()
+    print_table(GROUP_HEADER, [_group_row(name, g) for name, g in (("all", whole), *groups.items())])
+    print("(TPOT in ms; a group's tok/s is its share of the run's; valid: parses and matches its schema)")
+    for name, g in groups.items():
+        print(f"{name}: finish reasons {g['finish_reasons']}; valid by task {g['num_valid_by_task']}")
+    if phases is None:
+        print("engine step phases: not measured (no engine /metrics: see --metrics-url)")
+        return
+    print()
+    print_table(["engine step phase", "steps", "ms / step"],
+                [[p, v["steps"], _cell(v["mean_ms"])] for p, v in phases.items()])
+    print("(grammar: the bitmask fill and apply, in steps with a constrained row; part of sample)")
+
+
+def print_structured_runs(runs: list[dict]) -> None:
+    """One row per (ratio, group), then one per ratio with the step phases."""
+    rows = [[f"{run['structured_ratio']:g}", *_group_row(name, g)] for run in runs
+            for name, g in (("all", run["all"]), *run["groups"].items())]
+    print()
+    print_table(["ratio", *GROUP_HEADER], rows)
+    phase_rows = [[f"{run['structured_ratio']:g}", *(_phase_cell(run["step_phases"], p) for p in PHASES)]
+                  for run in runs]
+    print()
+    print_table(["ratio", *(f"{p} ms/step" for p in PHASES)], phase_rows)
+    print("(TPOT in ms; a group's tok/s is its share of the run's; grammar's steps, in brackets, are those "
+          "with a constrained row)")
+
+
+def structured_summary(summary: dict, groups: dict[str, dict]) -> dict:
+    """The whole run's summary with the fields each group adds."""
+    done = sum(g["completed"] for g in groups.values())
+    mean_len = sum(g["mean_output_len"] * g["completed"] for g in groups.values() if g["completed"])
+    return {**summary, "mean_output_len": mean_len / done if done else None,
+            **{k: sum(g[k] for g in groups.values()) for k in ("num_parsed", "num_valid")}}
+
+
+def _group_row(name: str, g: dict) -> list:
+    return [name, f"{g['completed']} / {g['failed']}", f"{g['num_parsed']} / {g['num_valid']}",
+            _cell(g["mean_output_len"]), g["output_tok_s"], _cell(g["mean_tpot_ms"]), _cell(g["median_tpot_ms"]),
+            _cell(g["p99_tpot_ms"])]
+
+
+def _phase_cell(phases: dict | None, phase: str) -> str:
+    if not phases or phases[phase]["mean_ms"] is None:
+        return "n/a"
+    text = f"{phases[phase]['mean_ms']:.3f}"
+    return f"{text} ({phases[phase]['steps']})" if phase == "grammar" else text

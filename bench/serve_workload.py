@@ -17,8 +17,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
-from bench.datasets import (BenchRequest, load_sharegpt, prefix_repetition_requests, random_requests,
-                            sharegpt_requests)
+from bench import serve_structured
+from bench.datasets import (BenchRequest, JsonRequest, load_sharegpt, load_structured_tasks,
+                            prefix_repetition_requests, random_requests, sharegpt_requests, structured_requests)
 from bench.load import RequestRecord, Send, arrival_offsets_s, generate, run_load
 from engine.config import EngineConfig
 
@@ -41,7 +42,9 @@ def run_seed(seed: int, index: int) -> str:
     return f"{seed}:run{index}"
 
 
-def build_workload(address: str, args: argparse.Namespace, plan, index: int, backend: str) -> Workload:
+def build_workload(address: str, args: argparse.Namespace, plan, index: int, backend: str,
+                   ratio: float | None = None) -> Workload:
+    """`ratio`: the structured dataset's constrained share."""
     if backend == "openai":
         from bench.openai_client import describe_target
         model, count_tokens = describe_target(args)
@@ -56,12 +59,17 @@ def build_workload(address: str, args: argparse.Namespace, plan, index: int, bac
             raise SystemExit(f"GetModelInfo on {address} failed: {e.code().name}: {e.details()}") from e
         model = {"model_name": info.model_name, "architecture": info.architecture, "dtype": info.dtype,
                  "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}
+        if plan.dataset == "structured":
+            return _workload(model, _grpc_chat_counter(channel), args, plan, index, ratio)
         return _workload(model, _grpc_token_counter(channel), args, plan, index)
 
 
-def _workload(model: dict, count_tokens: Callable[[str, bool], int], args: argparse.Namespace, plan,
-              index: int) -> Workload:
-    requests, dataset = _requests(count_tokens, args, plan, model, index)
+def _workload(model: dict, count_tokens: Callable, args: argparse.Namespace, plan, index: int,
+              ratio: float | None = None) -> Workload:
+    if plan.dataset == "structured":
+        requests, dataset = _structured(count_tokens, args, ratio)
+    else:
+        requests, dataset = _requests(count_tokens, args, plan, model, index)
     dataset.update({"name": plan.dataset, "num_prompts": len(requests), "seed": args.seed,
                     "mean_prompt_len": statistics.fmean(r.prompt_len for r in requests),
                     "mean_output_len": statistics.fmean(r.output_len for r in requests)})
@@ -96,6 +104,32 @@ def _grpc_token_counter(channel) -> Callable[[str, bool], int]:
     return count_tokens
 
 
+def _grpc_chat_counter(channel) -> Callable[[str], int]:
+    """Counts a user message as Generate renders it with the chat template."""
+    from pagedserve.v1 import generation_pb2, tokenization_pb2, tokenization_pb2_grpc
+    tokenize = tokenization_pb2_grpc.TokenizationStub(channel).Tokenize
+
+    def count_tokens(message: str) -> int:
+        chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content=message)])
+        return len(tokenize(tokenization_pb2.TokenizeRequest(chat=chat), timeout=30).token_ids)
+
+    return count_tokens
+
+
+def _structured(count_tokens: Callable[[str], int], args: argparse.Namespace, ratio: float
+                ) -> tuple[list[BenchRequest], dict]:
+    """The same prompts at every ratio (the seed, not the run's): runs differ only in constraints."""
+    prompts = load_structured_tasks()
+    requests = structured_requests(prompts, args.num_prompts, ratio, args.structured_output_len, count_tokens,
+                                   args.seed)
+    if len(prompts) < args.num_prompts:
+        print(f"note: the structured dataset has {len(prompts)} prompts for {args.num_prompts} requests; "
+              "repeats follow (a prefix cache serves their prompts again)")
+    return requests, {"structured_ratio": ratio, "num_constrained": sum(r.constrained for r in requests),
+                      "distinct_prompts": len(prompts), "output_len_cap": args.structured_output_len,
+                      "tasks": sorted({r.task for r in requests})}
+
+
 def _sharegpt(count_tokens: Callable[[str, bool], int], args: argparse.Namespace, plan, model: dict
               ) -> tuple[list[BenchRequest], dict]:
     try:
@@ -112,14 +146,20 @@ def _sharegpt(count_tokens: Callable[[str, bool], int], args: argparse.Namespace
 
 
 async def drive(address: str, workload: Workload, rate: float, args: argparse.Namespace, index: int,
-                label: str, backend: str) -> tuple[list[RequestRecord], float]:
-    """A short warm-up on other prompts, then the timed run, over `backend`'s API."""
+                label: str, backend: str, before_timed: Callable[[], None] | None = None
+                ) -> tuple[list[RequestRecord], float]:
+    """A short warm-up on other prompts, then `before_timed()`, then the timed run, over
+    `backend`'s API."""
     offsets_s = arrival_offsets_s(len(workload.requests), rate, args.burstiness, (args.seed, index))
     # Other prompts than the timed ones: the warm-up must not fill the prefix cache for them.
     warmup = random_requests(NUM_WARMUP, WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, 0.0, workload.model["vocab_size"],
                              f"{args.seed}:warmup{index}")
     async with _sender(address, workload, args, backend) as send:
         await asyncio.gather(*(send(r, None) for r in warmup))
+        if workload.dataset["name"] == "structured":  # the grammar library loads now, not in the timed run
+            await send(serve_structured.warmup_request(WARMUP_OUTPUT_LEN), None)
+        if before_timed is not None:
+            before_timed()
         return await run_load(send, workload.requests, offsets_s, args.max_concurrency, desc=label)
 
 
@@ -136,7 +176,15 @@ async def _sender(address: str, workload: Workload, args: argparse.Namespace, ba
 
     from pagedserve.v1 import generation_pb2_grpc
     async with grpc.aio.insecure_channel(address) as channel:
-        yield functools.partial(generate, generation_pb2_grpc.GenerationStub(channel))
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        if workload.dataset["name"] == "structured":
+            # Its own requests (chat, constraint) and records (the reply, checked); the warm-up's
+            # random ids go the plain way.
+            plain = functools.partial(generate, stub)
+            json_send = functools.partial(serve_structured.generate_json, stub)
+            yield lambda r, start: json_send(r, start) if isinstance(r, JsonRequest) else plain(r, start)
+            return
+        yield functools.partial(generate, stub)
 
 
 def time_offline(config: EngineConfig, args: argparse.Namespace) -> dict:

@@ -2,6 +2,8 @@
 
 Both print `grpc listening on HOST:PORT` once bound and report grpc.health.v1 SERVING for
 pagedserve.v1.Generation once they can generate, so one class starts, watches and stops either.
+`pagedserve serve` started with its engine's /metrics on prints `metrics listening on URL`,
+which the class keeps too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.address: str | None = None
+        self.metrics_url: str | None = None  # the first `metrics listening on` line's, if any
         self.listening = threading.Event()
         # `pagedserve serve` keeps its frontend up when the engine child dies: spot the traceback.
         self.crashed = False
@@ -64,6 +67,9 @@ class ServerProcess:
         for line in self.proc.stdout:
             self.tail.append(line)
             self.crashed = self.crashed or line.startswith("Traceback")
+            metrics = self.metrics_url is None and re.search(r"metrics listening on (http://\S+)", line)
+            if metrics:
+                self.metrics_url = metrics.group(1)
             match = not self.listening.is_set() and re.search(r"grpc listening on (\S+:\d+)", line)
             if match:
                 self.address = match.group(1)
@@ -90,11 +96,14 @@ class ServerProcess:
         raise RuntimeError(f"{self.name} {why}; its last output:\n" + "".join(self.tail))
 
 
-def server_for(backend: str, config: EngineConfig, max_concurrent_streams: int) -> ServerProcess:
-    """The server of `backend` on `config`'s model, dtype and threads."""
+def server_for(backend: str, config: EngineConfig, max_concurrent_streams: int,
+               engine_metrics: bool = False) -> ServerProcess:
+    """The server of `backend` on `config`'s model, dtype and threads; `engine_metrics` turns
+    the pagedserve engine's /metrics on (on a free port; the engine then also times its steps)."""
     if backend == "pagedserve":
+        metrics = ["--engine-metrics-port", "0"] if engine_metrics else []
         cmd = [sys.executable, "-m", "pagedserve", "serve", "--grpc-port", "0", "--http-port", "0",
-               "--engine-address", f"tcp://127.0.0.1:{free_port()}",
+               "--engine-address", f"tcp://127.0.0.1:{free_port()}", *metrics,
                "--max-concurrent-streams", str(max_concurrent_streams), *engine_flags(config)]
         return ServerProcess("pagedserve serve", cmd)
     if backend == "hf":

@@ -20,7 +20,7 @@ FLAGS = ["--backend", "--target", "--dataset-name", "--dataset-path", "--num-pro
          "--random-output-len", "--random-range-ratio", "--prefix-len", "--suffix-len", "--num-prefixes",
          "--prefix-output-len", "--sharegpt-output-len", "--request-rate", "--burstiness", "--max-concurrency",
          "--sweep-rates", "--goodput", "--seed", "--compare-offline", "--output-dir", "--dtype", "--model",
-         "--num-kv-blocks", "--num-threads"]
+         "--num-kv-blocks", "--num-threads", "--structured-ratio", "--structured-output-len", "--metrics-url"]
 HF_SERVER_FLAGS = ["--model", "--tokenizer", "--dtype", "--device", "--num-threads", "--max-model-len", "--host",
                    "--grpc-port"]
 
@@ -75,6 +75,10 @@ def test_help_lists_every_flag():
     (["--dataset-name", "random", "--dataset-path", "x.json"], "--dataset-path is for sharegpt"),
     (["--goodput", "ttft:fast"], "METRIC:MILLISECONDS"),
     (["--random-range-ratio", "1.5"], "--random-range-ratio"),
+    (["--dataset-name", "structured", "--backend", "hf"], "--backend pagedserve only"),
+    (["--dataset-name", "structured", "--structured-ratio", "0,1.5"], "shares from 0 to 1"),
+    (["--dataset-name", "structured", "--structured-ratio", "0,1", "--sweep-rates", "1,2"], "not both"),
+    (["--metrics-url", "http://127.0.0.1:1/metrics"], "--metrics-url is for --dataset-name structured"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(flags, message):
     result = bench_serve(*flags, timeout_s=60)
@@ -154,3 +158,39 @@ def test_failed_requests_are_counted_by_code_and_exit_1(tmp_path, target):
     _, grpc = run_json(path)
     assert (grpc["completed"], grpc["failed"], grpc["errors"]) == (0, 2, {"INVALID_ARGUMENT": 2})
     assert "failed requests by code" in result.stdout
+
+
+def test_structured_dataset_splits_constrained_from_unconstrained(tmp_path):
+    import jsonschema
+
+    from bench.datasets import load_structured_tasks
+    schemas = {task: schema for task, schema, _ in load_structured_tasks()}
+    # Seed 4 constrains a product listing and a contact: JSON short enough to complete in 64 tokens.
+    result = bench_serve("--dataset-name", "structured", "--num-prompts", "4", "--structured-ratio", "0,0.5",
+                         "--structured-output-len", "64", "--seed", "4", *ENGINE, "--output-dir", str(tmp_path),
+                         timeout_s=400)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    [summary_path] = tmp_path.glob("serve-structured-*.json")
+    baseline, mixed = json.loads(summary_path.read_text())["runs"]
+    assert (baseline["structured_ratio"], list(baseline["groups"])) == (0, ["unconstrained"])
+    assert (mixed["structured_ratio"], list(mixed["groups"])) == (0.5, ["constrained", "unconstrained"])
+    assert baseline["step_phases"]["grammar"]["steps"] == 0 and baseline["step_phases"]["model"]["steps"] > 0
+    grammar = mixed["step_phases"]["grammar"]
+    assert grammar["steps"] > 0 and grammar["mean_ms"] > 0
+    assert grammar["total_s"] < mixed["step_phases"]["sample"]["total_s"]  # the mask is part of sampling
+    payload, grpc = run_json(tmp_path / mixed["file"])
+    assert payload["structured"]["groups"] == mixed["groups"] and grpc["completed"] == 4
+    records = payload["requests"]
+    for name, group in mixed["groups"].items():
+        members = [r for r in records if r["constrained"] == (name == "constrained")]
+        assert group["completed"] == group["num_requests"] == len(members) == 2
+        assert group["num_valid"] == sum(r["valid"] for r in members) <= group["num_parsed"]
+        assert group["output_tokens"] == sum(r["num_output_tokens"] for r in members)
+    for r in records:  # each verdict holds up
+        valid = r["parsed"] and jsonschema.Draft202012Validator(schemas[r["task"]]).is_valid(json.loads(r["text"]))
+        assert r["valid"] == valid, r
+    # A constrained reply ends when its grammar completes, before the cap, and is then valid.
+    completed = [r for r in records if r["constrained"] and r["finish_reason"] != "FINISH_REASON_LENGTH"]
+    assert completed and all(r["valid"] and r["num_output_tokens"] < 64 for r in completed), records
+    assert "JSON / valid" in result.stdout and "grammar ms/step" in result.stdout
