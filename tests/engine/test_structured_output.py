@@ -229,3 +229,42 @@ def test_offline_api_reports_a_failed_request(tiny):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
     with pytest.raises(ValueError, match="Unimplemented keys"):
         tiny.generate(["x"], SamplingParams(structured_outputs={"json": {"dependentSchemas": {"a": {}}}}))
+
+
+ORDER_TOOL_PARAMS = {
+    "type": "object", "additionalProperties": False, "required": ["items", "shipping"],
+    "properties": {
+        "items": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+            "type": "object", "additionalProperties": False, "required": ["sku", "qty"],
+            "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"},
+                           "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+        "shipping": {"enum": ["standard", "express"]},
+        "note": {"type": "string", "maxLength": 10},
+    },
+}
+CITY_TOOL_PARAMS = {"type": "object", "additionalProperties": False, "required": ["city"],
+                    "properties": {"city": {"type": "string", "maxLength": 12}}}
+
+
+@pytest.mark.parametrize("which", ["bundled", "tiny"])
+@pytest.mark.parametrize("mode", ["required", "named"])
+def test_forced_tool_calls_have_arguments_that_validate(which, mode, request):
+    """tool_choice required / named, as the HTTP APIs build them: the grammar forces Hermes
+    blocks whose arguments fit each tool's schema, and the parser reads them back."""
+    from frontend.tool_calls.hermes import CallArguments, CallStart, parse
+    from frontend.tool_calls.tools import Tool, ToolChoice, ToolUse
+    llm = request.getfixturevalue("llm" if which == "bundled" else "tiny")
+    tools = (Tool("place_order", "Order items", ORDER_TOOL_PARAMS), Tool("weather", None, CITY_TOOL_PARAMS))
+    use = ToolUse(tools, ToolChoice("named", "place_order") if mode == "named" else ToolChoice("required"))
+    schemas = {t.name: t.parameters for t in tools}
+    for text, reason in _texts(llm, "Order two AB12 mugs, express.", _sweep(use.constraint(), 200)):
+        # "required" allows parallel calls, and a small model may repeat one until max_tokens:
+        # then every call it completed still counts (a cut-off block is text, not a call).
+        assert reason == "stop" or mode == "required", text
+        events = parse(text)
+        names = [e.name for e in events if isinstance(e, CallStart)]
+        assert names and (mode == "required" or names == ["place_order"]), text
+        arguments = ["".join(e.text for e in events if isinstance(e, CallArguments) and e.index == i)
+                     for i in range(len(names))]
+        for name, args in zip(names, arguments):
+            jsonschema.validate(json.loads(args), schemas[name])
