@@ -1,8 +1,12 @@
-"""Anthropic's Messages API (POST /v1/messages), streamed or not.
+"""Anthropic's Messages API (POST /v1/messages), streamed or not, with tools.
 
-    stop_reason: eos -> end_turn, a stop sequence -> stop_sequence, max_tokens -> max_tokens
-    stream events: message_start, content_block_start, content_block_delta*, content_block_stop,
-                   message_delta (stop_reason, output_tokens), message_stop
+    stop_reason: eos -> end_turn (tool_use when calls were made), a stop sequence ->
+                 stop_sequence, max_tokens -> max_tokens
+    stream events: message_start, then per content block (text, tool_use) content_block_start,
+                   content_block_delta* (text_delta, input_json_delta), content_block_stop,
+                   then message_delta (stop_reason, output_tokens), message_stop
+    tools: the same machinery as OpenAI's chat (frontend/tool_calls); in the input, assistant
+           tool_use blocks become the chat's tool_calls, user tool_result blocks tool messages
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from frontend.async_llm import Generation
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import from_exception
-from frontend.http.params import messages_params
-from frontend.http.protocol import MessagesRequest
+from frontend.http.params import anthropic_tool_use, messages_params
+from frontend.http.protocol import AnthropicMessage, MessagesRequest, TextPart, ToolResultBlock, ToolUseBlock
 from frontend.http.runner import run_to_end, unless_disconnected
-from frontend.output_processor import EOS, LENGTH, STOP_STRING
+from frontend.http.tool_output import AnthropicBlocks, StreamedCalls, anthropic_blocks
+from frontend.output_processor import EOS, LENGTH, STOP_STRING, STOPPED
+from frontend.tool_calls.hermes import Content
+from frontend.tool_calls.prompt import chat_with_tools
 
 _STOP_REASONS = {EOS: "end_turn", STOP_STRING: "stop_sequence", LENGTH: "max_tokens"}
 
@@ -33,27 +40,52 @@ def _text(content) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
+def _stop_reason(reason: str | None, num_calls: int) -> str:
+    if num_calls and reason in STOPPED:
+        return "tool_use"
+    return _STOP_REASONS.get(reason, "end_turn")
+
+
+def _chat_messages(m: AnthropicMessage) -> list[dict]:
+    """One Anthropic message as chat messages: tool results first (each a tool message), then
+    the text, with the assistant's tool_use blocks as its tool_calls."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
+               for b in m.content if isinstance(b, ToolResultBlock)]
+    text = "".join(b.text for b in m.content if isinstance(b, TextPart))
+    calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+             for b in m.content if isinstance(b, ToolUseBlock)]
+    message = {"role": m.role, "content": text, **({"tool_calls": calls} if calls else {})}
+    return results + ([message] if text or calls or not results else [])
+
+
 async def create_message(ctx: HttpContext, request: Request):
     body = await parse_body(request, MessagesRequest)
     ctx.check_model(body.model)
     processor = ctx.llm.require_ready()
-    params = messages_params(body)
+    tools = anthropic_tool_use(body)
+    params = messages_params(body, tools, processor)
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
-    messages += [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+    messages += [chat for m in body.messages for chat in _chat_messages(m)]
     # A conversation ending with the assistant's words asks the model to continue them.
     continue_final = messages[-1]["role"] == "assistant" if messages else False
+    messages, template_tools = chat_with_tools(processor.tokenizer.chat_template, messages, tools)
     prompt = processor.tokenize_chat(messages, add_generation_prompt=not continue_final,
-                                     continue_final_message=continue_final)
+                                     continue_final_message=continue_final, tools=template_tools)
     generation = ctx.llm.admit(prompt, params)
     message_id = f"msg_{uuid.uuid4().hex}"
+    parses = tools is not None and tools.parses
     if body.stream:
-        return StreamingResponse(ctx.counted(_stream(ctx, generation, message_id, body.model)),
+        return StreamingResponse(ctx.counted(_stream(ctx, generation, message_id, body.model, parses)),
                                  media_type="text/event-stream")
     [[sample]] = await unless_disconnected(request, ctx.counted_call(run_to_end(ctx.llm, [generation])))
+    content = anthropic_blocks(sample.text) if parses else [{"type": "text", "text": sample.text}]
+    num_calls = sum(b["type"] == "tool_use" for b in content)
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": body.model,
-        "content": [{"type": "text", "text": sample.text}],
-        "stop_reason": _STOP_REASONS.get(sample.finish_reason, "end_turn"),
+        "content": content or [{"type": "text", "text": ""}],
+        "stop_reason": _stop_reason(sample.finish_reason, num_calls),
         "stop_sequence": sample.stop_reason if sample.finish_reason == STOP_STRING else None,
         "usage": _usage(generation)})
 
@@ -63,25 +95,29 @@ def _usage(generation: Generation) -> dict:
             "cache_read_input_tokens": generation.state.num_cached_tokens}
 
 
-async def _stream(ctx: HttpContext, generation: Generation, message_id: str, model: str) -> AsyncIterator[str]:
+async def _stream(ctx: HttpContext, generation: Generation, message_id: str, model: str,
+                  parses: bool) -> AsyncIterator[str]:
     yield _event("message_start", {"message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {**_usage(generation), "output_tokens": 0}}})
-    yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    blocks, calls = AnthropicBlocks(_event), StreamedCalls()
     reason, stop = None, None
     try:
         async for deltas in ctx.llm.generate(generation):
             for d in deltas:
-                if d.text:
-                    yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": d.text}})
-                if d.finish_reason is not None:
+                final = d.finish_reason is not None
+                events = calls.events(d.text, final) if parses else [Content(d.text)] if d.text else []
+                for event in blocks.send(events):
+                    yield event
+                if final:
                     reason, stop = d.finish_reason, d.stop_reason
     except Exception as e:  # noqa: BLE001 - the stream has started: Anthropic's in-band error event
         yield _event("error", {"error": from_exception(e).body()["error"]})
         return
-    yield _event("content_block_stop", {"index": 0})
+    for event in blocks.close():
+        yield event
     yield _event("message_delta", {
-        "delta": {"stop_reason": _STOP_REASONS.get(reason, "end_turn"),
+        "delta": {"stop_reason": _stop_reason(reason, calls.num_calls),
                   "stop_sequence": stop if reason == STOP_STRING else None},
         "usage": {"output_tokens": generation.state.num_completion_tokens}})
     yield _event("message_stop", {})

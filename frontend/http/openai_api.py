@@ -19,19 +19,24 @@ from engine.errors import InvalidRequest
 from frontend.async_llm import Generation
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import from_exception
-from frontend.http.params import chat_params, completion_params
+from frontend.http.params import chat_params, completion_params, openai_tool_use
 from frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.http.runner import SampleResult, merged, run_to_end, unless_disconnected
+from frontend.http.tool_output import StreamedCalls, openai_delta, openai_message
 from frontend.output_processor import STOPPED, PositionLogprobs, SampleDelta
+from frontend.tool_calls.prompt import chat_with_tools
 
 
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-def finish_reason(reason: str | None) -> str | None:
-    """OpenAI's names: eos, stop strings and stop tokens are all "stop"; vLLM's "abort" stays."""
-    return "stop" if reason in STOPPED else reason
+def finish_reason(reason: str | None, num_calls: int = 0) -> str | None:
+    """OpenAI's names: eos, stop strings and stop tokens are all "stop", or "tool_calls" when
+    the sample made calls; vLLM's "abort" stays, and so does "length" (a call may be cut off)."""
+    if reason in STOPPED:
+        return "tool_calls" if num_calls else "stop"
+    return reason
 
 
 def stop_reason(reason: str | None, value: str | int | None) -> str | int | None:
@@ -42,7 +47,7 @@ async def create_completion(ctx: HttpContext, request: Request):
     body = await parse_body(request, CompletionRequest)
     ctx.check_model(body.model)
     processor = ctx.llm.require_ready()
-    params = completion_params(body)
+    params = completion_params(body, processor)
     prompts = _completion_prompts(processor, body)
     generations = [ctx.llm.admit(p, params, priority=body.priority) for p in prompts]
     response = _Response(ctx, "cmpl", "text_completion", body.model, generations, body.stream_options)
@@ -61,22 +66,33 @@ async def create_chat_completion(ctx: HttpContext, request: Request):
     body = await parse_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
     processor = ctx.llm.require_ready()
-    params = chat_params(body)
+    tools = openai_tool_use(body)
+    params = chat_params(body, tools, processor)
     messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
+    messages, template_tools = chat_with_tools(processor.tokenizer.chat_template, messages, tools)
     prompt = processor.tokenize_chat(
         messages, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-        continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs)
+        continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs,
+        tools=template_tools)
     generation = ctx.llm.admit(prompt, params, priority=body.priority)
     response = _Response(ctx, "chatcmpl", "chat.completion", body.model, [generation], body.stream_options)
+    parses = tools is not None and tools.parses
     if body.stream:
-        return StreamingResponse(ctx.counted(response.stream(_chat_chunk(ctx), role_first=True)),
+        return StreamingResponse(ctx.counted(response.stream(_chat_chunk(ctx, parses), role_first=True)),
                                  media_type="text/event-stream")
     [samples] = await unless_disconnected(request, ctx.counted_call(run_to_end(ctx.llm, [generation])))
-    choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
-                "logprobs": _chat_logprobs(ctx, s.logprobs) if params.logprobs is not None else None,
-                "finish_reason": finish_reason(s.finish_reason),
-                "stop_reason": stop_reason(s.finish_reason, s.stop_reason)} for s in samples]
+    choices = [_chat_choice(ctx, s, params.logprobs is not None, parses) for s in samples]
     return JSONResponse(response.body(choices))
+
+
+def _chat_choice(ctx: HttpContext, s: SampleResult, logprobs: bool, parses: bool) -> dict:
+    message = {"role": "assistant", "content": s.text}
+    if parses:  # the text outside the calls is the content; the calls are tool_calls
+        message["content"], message["tool_calls"] = openai_message(s.text)
+    return {"index": s.index, "message": message,
+            "logprobs": _chat_logprobs(ctx, s.logprobs) if logprobs else None,
+            "finish_reason": finish_reason(s.finish_reason, len(message.get("tool_calls", ()))),
+            "stop_reason": stop_reason(s.finish_reason, s.stop_reason)}
 
 
 class _Response:
@@ -175,11 +191,19 @@ def _completion_output(ctx: HttpContext, body: CompletionRequest, g: Generation,
     return text, _completion_logprobs(ctx, positions, ids, start)
 
 
-def _chat_chunk(ctx: HttpContext):
+def _chat_chunk(ctx: HttpContext, parses: bool):
+    calls: dict[int, StreamedCalls] = {}  # per choice, with tools: its parser
+
     def make(g: Generation, index: int, d: SampleDelta) -> dict:
         logprobs = _chat_logprobs(ctx, d.logprobs) if g.state.params.logprobs is not None else None
-        return {"index": index, "delta": {"content": d.text} if d.text else {}, "logprobs": logprobs,
-                "finish_reason": finish_reason(d.finish_reason),
+        delta, num_calls = {"content": d.text} if d.text else {}, 0
+        if parses:
+            stream = calls.setdefault(index, StreamedCalls())
+            content, tool_calls = openai_delta(stream.events(d.text, d.finish_reason is not None), stream.ids)
+            delta = {k: v for k, v in (("content", content), ("tool_calls", tool_calls)) if v}
+            num_calls = stream.num_calls
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason(d.finish_reason, num_calls),
                 "stop_reason": stop_reason(d.finish_reason, d.stop_reason)}
     return make
 

@@ -1,13 +1,19 @@
-"""Each HTTP API's fields -> engine `SamplingParams`: one mapping per API, here."""
+"""Each HTTP API's fields -> engine `SamplingParams`: one mapping per API, here. Also what
+constrains the output (response_format, vLLM's structured_outputs, forced tool calls) and
+the tools, mapped onto frontend/tool_calls."""
 
 from __future__ import annotations
 
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
+from engine.structured_output.params import StructuredOutputsParams
 from frontend.http.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest, _Sampling
+from frontend.tool_calls.tools import EMPTY_PARAMETERS, Tool, ToolChoice, ToolUse, tool_use
+
+_OLD_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
 
 
-def completion_params(req: CompletionRequest) -> SamplingParams:
+def completion_params(req: CompletionRequest, processor) -> SamplingParams:
     _refuse_unsupported(req)
     if req.suffix:
         raise InvalidRequest("suffix: not supported (no fill-in-the-middle); remove it")
@@ -15,40 +21,148 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None and prompt_logprobs is None:
         prompt_logprobs = req.logprobs
-    return _params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+    constraint = _one_constraint(processor, _output_constraints(req))
+    return _params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs,
+                   structured_outputs=constraint)
 
 
-def chat_params(req: ChatCompletionRequest) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, tools: ToolUse | None, processor) -> SamplingParams:
     _refuse_unsupported(req)
-    if req.tools:
-        raise InvalidRequest("tools: tool calling is not supported yet (it arrives with structured "
-                             "output); remove tools")
-    if req.tool_choice not in (None, "none"):
-        raise InvalidRequest("tool_choice: tool calling is not supported yet; remove tool_choice")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequest("top_logprobs: needs logprobs set to true")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs)
+    constraints = _output_constraints(req) + _forced_calls(processor, tools, "tools[{}].function.parameters")
+    return _params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
+                   structured_outputs=_one_constraint(processor, constraints))
 
 
-def messages_params(req: MessagesRequest) -> SamplingParams:
-    if req.tools:
-        raise InvalidRequest("tools: tool use is not supported yet; remove tools")
+def messages_params(req: MessagesRequest, tools: ToolUse | None, processor) -> SamplingParams:
+    constraints = _forced_calls(processor, tools, "tools[{}].input_schema")
     return SamplingParams(
         max_tokens=req.max_tokens, stop=req.stop_sequences or [],
         temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0)
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+        structured_outputs=_one_constraint(processor, constraints))
+
+
+def openai_tool_use(req: ChatCompletionRequest) -> ToolUse | None:
+    tools = [Tool(t.function.name, t.function.description,
+                  EMPTY_PARAMETERS if t.function.parameters is None else t.function.parameters)
+             for t in req.tools or []]
+    choice = req.tool_choice
+    if choice is None:
+        mode, name = "auto", None
+    elif choice in ("none", "auto", "required"):
+        mode, name = choice, None
+    elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict) \
+            and isinstance(choice["function"].get("name"), str):
+        mode, name = "named", choice["function"]["name"]
+    else:
+        raise InvalidRequest('tool_choice: must be "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": NAME}}')
+    return tool_use(tools, ToolChoice(mode, name, req.parallel_tool_calls), field="tools")
+
+
+def anthropic_tool_use(req: MessagesRequest) -> ToolUse | None:
+    tools = [Tool(t.name, t.description, t.input_schema) for t in req.tools or []]
+    choice = req.tool_choice
+    if choice is None:
+        return tool_use(tools, ToolChoice("auto"))
+    if choice.type == "tool" and choice.name is None:
+        raise InvalidRequest('tool_choice.name: {"type": "tool"} needs the name of the tool to call')
+    mode = {"any": "required", "tool": "named"}.get(choice.type, choice.type)
+    return tool_use(tools, ToolChoice(mode, choice.name if mode == "named" else None,
+                                      not choice.disable_parallel_tool_use))
 
 
 def _refuse_unsupported(req: _Sampling) -> None:
-    """Fields we can't honour yet get a 400 that says so, never a silent ignore."""
+    """Fields we can't honour get a 400 that says so, never a silent ignore."""
     if req.best_of not in (None, 1):
         raise InvalidRequest(f"best_of: only 1 is supported, got {req.best_of}")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise InvalidRequest("response_format: structured output is not supported yet; remove it")
     if req.logit_bias:
         raise InvalidRequest("logit_bias: not supported; remove it")
+    old = [name for name in _OLD_GUIDED if name in (req.model_extra or {})]
+    if old:
+        raise InvalidRequest(f"{old[0]}: vLLM's guided_* fields are replaced by structured_outputs "
+                             '(e.g. {"structured_outputs": {"json": SCHEMA}}); use that')
+
+
+def _output_constraints(req: _Sampling) -> list[tuple[str, StructuredOutputsParams]]:
+    """(the field it came from, the constraint) for response_format and structured_outputs."""
+    found = []
+    fmt = _response_format(req.response_format)
+    if fmt is not None:
+        found.append(fmt)
+    so = req.structured_outputs
+    if so is not None:
+        fields = {"json": so.json_, "json_object": so.json_object or False, "regex": so.regex,
+                  "choice": None if so.choice is None else tuple(so.choice), "grammar": so.grammar}
+        constraint = StructuredOutputsParams(**fields)  # its messages name structured_outputs.KIND
+        found.append((f"structured_outputs.{constraint.kind}", constraint))
+    return found
+
+
+def _response_format(fmt: dict | None) -> tuple[str, StructuredOutputsParams] | None:
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "response_format", StructuredOutputsParams(json_object=True)
+    if kind != "json_schema":
+        raise InvalidRequest(f"response_format.type: must be text, json_object or json_schema, got {kind!r}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequest('response_format.json_schema: must be an object {"name", "schema", ...}')
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequest("response_format.json_schema.schema: must be a JSON schema object, got "
+                             f"{'nothing' if schema is None else type(schema).__name__}")
+    field = "response_format.json_schema.schema"
+    return field, _renamed(field, lambda: StructuredOutputsParams(json=schema))
+
+
+def _forced_calls(processor, tools: ToolUse | None, field: str) -> list[tuple[str, StructuredOutputsParams]]:
+    """The grammar of required or named calls, after each tool's schema alone is checked (so a
+    bad one is named by its place, not as a line of a generated grammar)."""
+    constraint = None if tools is None else tools.constraint()
+    if constraint is None:
+        return []
+    for i, tool in enumerate(tools.tools):
+        if tools.choice.mode == "required" or tool.name == tools.choice.name:
+            _check(processor, StructuredOutputsParams(json=tool.parameters), field.format(i))
+    return [("tool_choice", constraint)]
+
+
+def _one_constraint(processor, found: list[tuple[str, StructuredOutputsParams]]) -> StructuredOutputsParams | None:
+    if len(found) > 1:
+        where = [w.split(".")[0] for w, _ in found]
+        raise InvalidRequest(f"{where[0]}: only one of response_format, structured_outputs and a forced tool "
+                             f"call (tool_choice required or named) may constrain the output, but "
+                             f"{' and '.join(where)} both do; remove one")
+    if not found:
+        return None
+    where, constraint = found[0]
+    _check(processor, constraint, where)
+    return constraint
+
+
+def _check(processor, constraint: StructuredOutputsParams, field: str) -> None:
+    """The grammar library's check, its message under the request's own field name."""
+    _renamed(field, lambda: processor.check_constraint(constraint))
+
+
+def _renamed(field: str, check):
+    """`check()`, with an InvalidRequest's `structured_outputs.KIND:` replaced by `field:`."""
+    try:
+        return check()
+    except InvalidRequest as e:
+        message = str(e)
+        if message.startswith("structured_outputs.") and ": " in message:
+            message = message.split(": ", 1)[1]
+        raise InvalidRequest(f"{field}: {message}") from None
 
 
 def _params(req: _Sampling, **kwargs) -> SamplingParams:

@@ -6,7 +6,7 @@ the same messages. Unknown fields are allowed and logged at debug level, as vLLM
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
@@ -21,6 +21,18 @@ class _Request(BaseModel):
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
+
+
+class StructuredOutputsRequest(BaseModel):
+    """vLLM's `structured_outputs` extra: set exactly one (engine StructuredOutputsParams)."""
+
+    model_config = ConfigDict(extra="forbid")  # vLLM's other options would be silently ignored
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Sampling(_Request):
@@ -39,8 +51,9 @@ class _Sampling(_Request):
     user: str | None = None
     best_of: StrictInt | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None  # checked by hand: params.py says what is wrong
     # vLLM's extras
+    structured_outputs: StructuredOutputsRequest | None = None
     top_k: StrictInt | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -75,23 +88,70 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
+class FunctionDefinition(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of type object; None: no arguments
+    strict: StrictBool | None = None  # accepted; required/named calls are always enforced
+
+
+class ChatTool(BaseModel):
+    type: Literal["function"]  # OpenAI's "custom" tools take free text: not supported
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Any = None  # checked by hand: params.py says what is wrong
+    parallel_tool_calls: StrictBool = True
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: StrictBool = False
 
 
+class ToolUseBlock(BaseModel):
+    """An assistant's earlier call."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(BaseModel):
+    """The caller's answer to a call, in a user message."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextPart] = ""
+    is_error: StrictBool = False
+
+
+ContentBlock = Annotated[TextPart | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+
+
 class AnthropicMessage(BaseModel):
     role: Literal["user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[ContentBlock]
+
+
+class AnthropicTool(BaseModel):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None  # Anthropic's server tools (web search, ...) run on its side
+
+
+class AnthropicToolChoice(BaseModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: StrictBool = False
 
 
 class MessagesRequest(_Request):
@@ -105,7 +165,8 @@ class MessagesRequest(_Request):
     top_p: float | None = None
     top_k: StrictInt | None = None
     metadata: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[AnthropicTool] | None = None
+    tool_choice: AnthropicToolChoice | None = None
 
 
 class TokenizeRequest(_Request):

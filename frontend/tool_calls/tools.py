@@ -71,7 +71,8 @@ def tool_use(tools: list[Tool], choice: ToolChoice, field: str = "tools") -> Too
     tool list in messages (each API spells it its own way)."""
     if not tools:
         if choice.mode in ("required", "named"):
-            raise InvalidRequest(f"tool_choice: {choice.mode!r} needs tools; none were given")
+            wanted = f"a call of {choice.name!r}" if choice.mode == "named" else "a tool call"
+            raise InvalidRequest(f"tool_choice: asks for {wanted}, but no tools were given")
         return None
     if len(tools) > MAX_TOOLS:
         raise InvalidRequest(f"{field}: at most {MAX_TOOLS} tools, got {len(tools)}")

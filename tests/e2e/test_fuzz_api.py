@@ -6,15 +6,18 @@ afterwards the service still answers a normal request and every KV block is free
 
 from __future__ import annotations
 
+import json
 import math
 
 import grpc
+import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from grpc_client import VOCAB_SIZE, collect, generate, greedy
 from helpers import LONG
+from http_client import assert_error_body, model_name, no_new_server_errors, sse_data
 from pagedserve.v1 import generation_pb2 as gen
 from pagedserve.v1 import tokenization_pb2 as tok
 
@@ -224,3 +227,116 @@ def test_duplicate_and_absurd_values_together(fe):
         list(fe.generation.Generate(gen.GenerateRequest(text="word " * 2000), timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "maximum length" in info.value.details()
     still_healthy(fe)
+
+
+# -- structured output and tools over HTTP ---------------------------------------------------
+# The HTTP fuzzers in test_http_reliability.py send any JSON in any field; these aim at the
+# constraint and tool fields with values that are mostly meaningful, so the grammar, prompt
+# and parser paths really run: each request gets a 4xx with an error body, or a well-formed
+# answer (tool calls with JSON arguments); never a 500, and every KV block is free afterwards.
+
+ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=6),
+                        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                     max_size=3), max_leaves=5)
+
+
+def mostly(valid):
+    """`valid` five times in six, else any JSON: enough requests get through to be answered."""
+    return st.integers(0, 5).flatmap(lambda k: ANY_JSON if k == 0 else valid)
+
+
+SCHEMAS = mostly(st.sampled_from([
+    {"type": "object"}, {"type": "object", "properties": {}},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]},
+    {"type": "object", "properties": {"s": {"type": "string", "pattern": "^[a-c]{1,3}$"},
+                                      "e": {"enum": ["x", "y"]}}, "required": ["s", "e"],
+     "additionalProperties": False},
+    {"type": "string", "maxLength": 3}, {"type": "objekt"}, {"type": "object", "dependentSchemas": {"a": {}}},
+    {"type": "object", "properties": {"r": {"$ref": "#/$defs/R"}}, "$defs": {"R": {"type": "boolean"}}},
+]))
+NAMES = st.integers(0, 3).flatmap(lambda k: st.sampled_from(["f", "get_x", "g"]) if k else
+                                   st.sampled_from(["a b", "", "x" * 65]) | st.text(max_size=5))
+OPENAI_TOOLS = st.lists(mostly(st.fixed_dictionaries(
+    {"type": mostly(st.just("function")),
+     "function": st.fixed_dictionaries({"name": NAMES}, optional={"description": st.text(max_size=10),
+                                                                  "parameters": SCHEMAS, "strict": st.booleans()})})),
+    max_size=3)
+OPENAI_TOOL_CHOICE = mostly(st.sampled_from(["none", "auto", "required"]) | st.builds(
+    lambda n: {"type": "function", "function": {"name": n}}, NAMES))
+RESPONSE_FORMATS = mostly(st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | st.builds(
+    lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}, SCHEMAS))
+STRUCTURED_KINDS = {
+    "json": SCHEMAS, "regex": st.sampled_from(["[a-c]{1,3}", "((", "x*", "<tool_call>"]),
+    "choice": st.lists(st.text(max_size=3), max_size=3), "json_object": st.booleans(),
+    "grammar": st.sampled_from(['start: "a" | "b"', 'start: %json {"type": "object"}', "start: ???",
+                                'start: "<tool_call>\\n" %json {"type": "object", "properties": {"name": '
+                                '{"const": "f"}, "arguments": {"type": "object"}}, "required": ["name", '
+                                '"arguments"]} "\\n</tool_call>"'])}
+STRUCTURED = mostly(st.one_of([st.fixed_dictionaries({kind: value}) for kind, value in STRUCTURED_KINDS.items()])
+                    | st.fixed_dictionaries({}, optional=STRUCTURED_KINDS))  # none, or several: a 400
+CHAT_FIELDS = {"response_format": RESPONSE_FORMATS, "structured_outputs": STRUCTURED, "tools": OPENAI_TOOLS,
+               "tool_choice": OPENAI_TOOL_CHOICE, "parallel_tool_calls": mostly(st.booleans()),
+               "stream": st.booleans(), "temperature": st.sampled_from([0, 1.0]),
+               "messages": st.just([{"role": "user", "content": "Hi"}]) | st.just([
+                   {"role": "user", "content": "Hi"},
+                   {"role": "assistant", "content": None, "tool_calls": [
+                       {"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+                   {"role": "tool", "tool_call_id": "c", "content": "2"}])}
+ANTHROPIC_TOOLS = st.lists(mostly(st.fixed_dictionaries({"name": NAMES, "input_schema": SCHEMAS},
+                                                        optional={"description": st.text(max_size=10)})),
+                           max_size=3)
+ANTHROPIC_TOOL_CHOICE = mostly(st.fixed_dictionaries(
+    {"type": st.sampled_from(["auto", "any", "tool", "none"])},
+    optional={"name": NAMES, "disable_parallel_tool_use": st.booleans()}))
+MESSAGES_FIELDS = {"tools": ANTHROPIC_TOOLS, "tool_choice": ANTHROPIC_TOOL_CHOICE, "stream": st.booleans(),
+                   "temperature": st.sampled_from([0, 1.0]),
+                   "messages": st.just([{"role": "user", "content": "Hi"}]) | st.just([
+                       {"role": "user", "content": "Hi"},
+                       {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "2"}]}])}
+ANSWERED: dict[str, int] = {}
+
+
+@pytest.mark.parametrize("route,fields,normal", [("/v1/chat/completions", CHAT_FIELDS, 60),
+                                                 ("/v1/messages", MESSAGES_FIELDS, 40)])
+def test_structured_and_tools_fuzz(fe, route, fields, normal):
+    model = model_name(fe)
+
+    @given(body=st.fixed_dictionaries({"max_tokens": st.integers(1, 12)}, optional=fields))
+    @examples(normal)
+    def fuzz(body):
+        body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], **body}
+        with httpx.stream("POST", f"{fe.http_url}{route}", json=body, timeout=60) as r:
+            r.read()
+        assert r.status_code < 500, (r.status_code, r.text, body)
+        event(f"{route} {r.status_code}")
+        if r.status_code != 200:
+            assert_error_body(r.json(), anthropic_shape=route == "/v1/messages")
+        else:
+            ANSWERED[route] = ANSWERED.get(route, 0) + 1
+            check_http_answer(route, r)
+        fe.wait_kv_free(timeout_s=10)
+    with no_new_server_errors(fe):
+        fuzz()
+    assert ANSWERED.get(route, 0) >= normal // 8, f"too few valid requests: {ANSWERED}"
+    still_healthy(fe)
+
+
+def check_http_answer(route: str, r) -> None:
+    if r.headers["content-type"].startswith("text/event-stream"):
+        if route == "/v1/messages":
+            assert "event: error" not in r.text and r.text.rstrip().endswith('"message_stop"}'), r.text[-300:]
+        else:
+            events = sse_data(r.text.splitlines())
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events[-3:]
+        return
+    answer = r.json()
+    if route == "/v1/messages":
+        assert answer["content"] and all(b["type"] in ("text", "tool_use") for b in answer["content"])
+        assert all(isinstance(b["input"], dict) for b in answer["content"] if b["type"] == "tool_use")
+        return
+    for choice in answer["choices"]:
+        for call in choice["message"].get("tool_calls") or []:
+            assert call["id"].startswith("call_") and isinstance(json.loads(call["function"]["arguments"]), dict)
+        if choice["finish_reason"] == "tool_calls":
+            assert choice["message"]["tool_calls"]

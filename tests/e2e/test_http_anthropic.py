@@ -127,8 +127,8 @@ def test_errors_in_anthropic_shape(client, model):
     assert "role" in info.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.create(model=model, max_tokens=4, messages=QUESTION,
-                               tools=[{"name": "f", "description": "d", "input_schema": {"type": "object"}}])
-    assert "tools" in info.value.body["error"]["message"]
+                               tools=[{"name": "f g", "description": "d", "input_schema": {"type": "object"}}])
+    assert "tools[0].name" in info.value.body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError) as info:
         client.messages.create(model="no-such-model", max_tokens=4, messages=QUESTION)
     assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "not_found_error"

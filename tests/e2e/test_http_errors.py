@@ -63,10 +63,54 @@ BAD_BODIES = {
     "top_p range": ("/v1/chat/completions", {**CHAT, "top_p": 2}, ["top_p"], "top_p"),
     "max_tokens range": ("/v1/completions", {**COMPLETION, "max_tokens": 0}, ["max_tokens"], "max_tokens"),
     "best_of": ("/v1/completions", {**COMPLETION, "best_of": 2}, ["best_of"], "best_of"),
-    "json_object": ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}},
-                    ["response_format", "not supported yet"], "response_format"),
-    "tools": ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-              ["tools", "not supported"], "tools"),
+    "response_format type": ("/v1/completions", {**COMPLETION, "response_format": {"type": "xml"}},
+                             ["response_format.type", "xml"], "response_format.type"),
+    "json_schema without schema": ("/v1/chat/completions",
+                                   {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                                   ["response_format.json_schema.schema"], "response_format.json_schema.schema"),
+    "invalid schema": ("/v1/chat/completions", {**CHAT, "response_format": {
+                           "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+                       ["response_format.json_schema.schema", "objekt"], "response_format.json_schema.schema"),
+    "unsupported schema keyword": ("/v1/completions", {**COMPLETION, "structured_outputs": {
+                                       "json": {"type": "object", "dependentSchemas": {"a": {}}}}},
+                                   ["structured_outputs.json", "dependentSchemas"], "structured_outputs.json"),
+    "invalid regex": ("/v1/chat/completions", {**CHAT, "structured_outputs": {"regex": "(("}},
+                      ["structured_outputs.regex", "unclosed"], "structured_outputs.regex"),
+    "two constraint kinds": ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "a", "choice": ["a"]}},
+                             ["exactly one", "regex, choice"], "structured_outputs"),
+    "unknown structured_outputs key": ("/v1/completions", {**COMPLETION, "structured_outputs": {"structural_tag": {}}},
+                                       ["structural_tag"], "structured_outputs.structural_tag"),
+    "response_format and structured_outputs": (
+        "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"},
+                                 "structured_outputs": {"choice": ["a"]}},
+        ["response_format and structured_outputs", "only one"], "response_format"),
+    "guided_json": ("/v1/completions", {**COMPLETION, "guided_json": {"type": "object"}},
+                    ["guided_json", "structured_outputs"], "guided_json"),
+    "tool name": ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+                  ["tools[0].name", "a b"], "tools[0].name"),
+    "tool names twice": ("/v1/chat/completions",
+                         {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}] * 2},
+                         ["tools[1].name", "twice"], "tools[1].name"),
+    "tool type": ("/v1/chat/completions", {**CHAT, "tools": [{"type": "custom", "custom": {"name": "f"}}]},
+                  ["tools.0.type", "function"], "tools.0.type"),
+    "tool parameters type": ("/v1/chat/completions", {**CHAT, "tools": [
+                                 {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+                             ["tools[0].parameters", "object"], "tools[0].parameters"),
+    "unknown named tool": ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                                    "tool_choice": {"type": "function", "function": {"name": "g"}}},
+                           ["tool_choice", "'g'"], "tool_choice"),
+    "tool_choice shape": ("/v1/chat/completions", {**CHAT, "tool_choice": "always"}, ["tool_choice", "required"],
+                          "tool_choice"),
+    "required without tools": ("/v1/chat/completions", {**CHAT, "tool_choice": "required"},
+                               ["tool_choice", "no tools were given"], "tool_choice"),
+    "forced tool schema": ("/v1/chat/completions", {**CHAT, "tool_choice": "required", "tools": [
+                               {"type": "function", "function": {"name": "f", "parameters": {
+                                   "type": "object", "dependentSchemas": {"a": {}}}}}]},
+                           ["tools[0].function.parameters", "dependentSchemas"], "tools[0].function.parameters"),
+    "forced tools and response_format": ("/v1/chat/completions", {
+        **CHAT, "tool_choice": "required", "response_format": {"type": "json_object"},
+        "tools": [{"type": "function", "function": {"name": "f"}}]}, ["response_format and tool_choice"],
+        "response_format"),
     "no prompt": ("/v1/completions", {"max_tokens": 2}, ["prompt", "required"], "prompt"),
     "no messages": ("/v1/chat/completions", {"max_tokens": 2}, ["messages", "required"], "messages"),
     "empty messages": ("/v1/chat/completions", {"messages": [], "max_tokens": 2}, ["messages"], "messages"),
@@ -111,10 +155,11 @@ def test_sdk_errors_are_typed(frontend, model):
     with pytest.raises(openai.BadRequestError) as info:  # the SDK raises before the first chunk
         client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2, top_p=2, stream=True)
     assert info.value.param == "top_p"
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2,
-                                       response_format={"type": "json_object"})
-    assert "not supported yet" in info.value.message
+    with pytest.raises(openai.BadRequestError) as info:  # a bad schema, before the stream starts
+        client.chat.completions.create(model=model, messages=CHAT["messages"], max_tokens=2, stream=True,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "x", "schema": {"type": "objekt"}}})
+    assert info.value.param == "response_format.json_schema.schema" and "objekt" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=model, prompt="Hi", max_tokens=2, extra_body={"best_of": 2})
     assert info.value.param == "best_of"

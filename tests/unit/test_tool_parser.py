@@ -19,7 +19,8 @@ from frontend.tool_calls.prompt import chat_with_tools, messages_as_text
 from frontend.tool_calls.tools import Tool, ToolChoice, tool_use
 
 JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=False) | st.text(max_size=8),
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8)
+    | st.floats(allow_nan=False, allow_infinity=False, allow_subnormal=False),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=8)
 ARGUMENTS = st.dictionaries(st.text(max_size=6), JSON_VALUES, max_size=3)
@@ -247,7 +248,8 @@ def test_template_choice():
     plain = [{"role": "user", "content": "hi"}]
     assert chat_with_tools("{{ messages }}", plain, None) == (plain, None)
     messages, tools = chat_with_tools("{% if tools %}{{ tools }}{% endif %}", plain, use)
-    assert messages == plain and tools == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert messages == plain
+    assert tools == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     messages, tools = chat_with_tools("{{ messages }}", plain, use)
     assert tools is None and messages[0]["role"] == "system"
     with pytest.raises(InvalidRequest, match="no chat template"):
