@@ -71,8 +71,9 @@ def _workload(model: dict, count_tokens: Callable, args: argparse.Namespace, pla
     else:
         requests, dataset = _requests(count_tokens, args, plan, model, index)
     dataset.update({"name": plan.dataset, "num_prompts": len(requests), "seed": args.seed,
-                    "mean_prompt_len": statistics.fmean(r.prompt_len for r in requests),
-                    "mean_output_len": statistics.fmean(r.output_len for r in requests)})
+                    "mean_prompt_len": statistics.fmean(r.prompt_len for r in requests)})
+    if plan.dataset != "structured":  # its replies end on their own: their lengths are in the report
+        dataset["mean_output_len"] = statistics.fmean(r.output_len for r in requests)
     return Workload(requests, model, dataset)
 
 
