@@ -1,7 +1,8 @@
 """What a request's output must match: vLLM's `StructuredOutputsParams`, one kind per request.
 
 Torch-free and library-free: the frontend builds and validates these, the engine compiles
-them. `key` is the canonical spec the engine caches compiled grammars by.
+them. `key` is the canonical spec the engine caches compiled grammars by: compact, but in the
+order given, as a schema's property order is the order the grammar writes them in.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class StructuredOutputsParams:
     """Exactly one field is set.
 
     json: a JSON Schema (a dict, or its JSON text); the output is one JSON value that
-        validates against it.
+        validates against it, with an object's properties in the schema's order.
     json_object: any JSON object.
     regex: the whole output matches this regular expression (Rust `regex` syntax).
     choice: the output is exactly one of these strings.
@@ -81,7 +82,9 @@ def _canonical_json(schema: str | dict) -> str:
             raise InvalidRequest(f"structured_outputs.json: not valid JSON ({e})") from None
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest("structured_outputs.json: a JSON schema must be an object")
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # Not sorted: the grammar writes properties in the schema's order, and a model answers
+    # better in the order the schema's author chose (a name before the fields that use it).
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def _choices(choices) -> tuple[str, ...]:

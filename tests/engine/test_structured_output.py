@@ -182,11 +182,22 @@ def test_compiles_never_block_the_step_loop(tiny):
 
 def test_compiled_grammars_are_cached_by_canonical_spec(tiny):
     manager = tiny.engine.structured_output
-    a = manager.request(SamplingParams(structured_outputs={"json": {"type": "object", "required": ["a"]}})
-                        .structured_outputs)
-    b = manager.request(SamplingParams(structured_outputs={"json": '{"required": ["a"], "type": "object"}'})
-                        .structured_outputs)
-    assert a.grammar is b.grammar
+
+    def grammar(schema):
+        return manager.request(SamplingParams(structured_outputs={"json": schema}).structured_outputs).grammar
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    assert grammar(schema) is grammar(json.dumps(schema, indent=2))  # spacing is not the spec
+    # Property order is: the output follows it.
+    reordered = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    assert grammar(reordered) is not grammar(schema)
+
+
+def test_properties_come_out_in_the_schema_order(tiny):
+    schema = {"type": "object", "additionalProperties": False, "required": ["zeta", "alpha"],
+              "properties": {"zeta": {"type": "integer", "minimum": 0, "maximum": 9},
+                             "alpha": {"type": "boolean"}}}
+    for text, reason in _texts(tiny, "x", _sweep({"json": schema}, 40)):
+        assert reason == "stop" and list(json.loads(text)) == ["zeta", "alpha"], text
 
 
 def test_aborting_a_request_waiting_for_its_grammar(tiny):
