@@ -8,6 +8,7 @@ from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
 from frontend.http.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest, _Sampling
+from frontend.tool_calls.hermes import tags_are_special
 from frontend.tool_calls.tools import EMPTY_PARAMETERS, Tool, ToolChoice, ToolUse, tool_use
 
 _OLD_GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend")
@@ -34,7 +35,8 @@ def chat_params(req: ChatCompletionRequest, tools: ToolUse | None, processor) ->
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     constraints = _output_constraints(req) + _forced_calls(processor, tools, "tools[{}].function.parameters")
     return _params(req, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=req.prompt_logprobs,
-                   structured_outputs=_one_constraint(processor, constraints))
+                   structured_outputs=_one_constraint(processor, constraints),
+                   skip_special_tokens=req.skip_special_tokens and not _keeps_tags(processor, tools))
 
 
 def messages_params(req: MessagesRequest, tools: ToolUse | None, processor) -> SamplingParams:
@@ -43,7 +45,12 @@ def messages_params(req: MessagesRequest, tools: ToolUse | None, processor) -> S
         max_tokens=req.max_tokens, stop=req.stop_sequences or [],
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-        structured_outputs=_one_constraint(processor, constraints))
+        structured_outputs=_one_constraint(processor, constraints),
+        skip_special_tokens=not _keeps_tags(processor, tools))
+
+
+def _keeps_tags(processor, tools: ToolUse | None) -> bool:
+    return tools is not None and tools.parses and tags_are_special(processor.tokenizer)
 
 
 def openai_tool_use(req: ChatCompletionRequest) -> ToolUse | None:
@@ -173,5 +180,5 @@ def _params(req: _Sampling, **kwargs) -> SamplingParams:
         top_k=req.top_k or 0, min_p=req.min_p or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids or [],
-        skip_special_tokens=req.skip_special_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
-        **kwargs)
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        **{"skip_special_tokens": req.skip_special_tokens, **kwargs})

@@ -296,6 +296,15 @@ def _tag_prefix_len(text: str) -> int:
     return 0
 
 
+def tags_are_special(tokenizer) -> bool:
+    """Does the tokenizer hold <tool_call> as a special token (Hermes 2 Pro's does)? Then the
+    output must keep special tokens, or the parser never sees the tags."""
+    backend = getattr(tokenizer, "backend", None)  # frontend.tokenizer.Tokenizer's tokenizers.Tokenizer
+    if backend is None or not hasattr(backend, "get_added_tokens_decoder"):
+        return False
+    return any(t.special and t.content in (OPEN, CLOSE) for t in backend.get_added_tokens_decoder().values())
+
+
 def parse(text: str) -> list[Event]:
     """The events of a whole text: as a stream's, except that a block cut off or malformed
     anywhere is Content (nothing was sent that could not be taken back)."""

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from engine.errors import InvalidRequest
 from frontend.tool_calls.grammar import forced_calls_grammar
-from frontend.tool_calls.hermes import CallArguments, CallStart, Content, HermesParser, parse
+from frontend.tool_calls.hermes import CallArguments, CallStart, Content, HermesParser, parse, tags_are_special
 from frontend.tool_calls.json_scan import COMPLETE, INCOMPLETE, INVALID, JsonScanner
 from frontend.tool_calls.prompt import chat_with_tools, messages_as_text
 from frontend.tool_calls.tools import Tool, ToolChoice, tool_use
@@ -254,3 +254,18 @@ def test_template_choice():
     assert tools is None and messages[0]["role"] == "system"
     with pytest.raises(InvalidRequest, match="no chat template"):
         chat_with_tools(None, plain, use)
+
+
+def test_tags_as_special_tokens_are_noticed():
+    """Hermes 2 Pro's tokenizer has <tool_call> as a special token: output must keep those."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models
+    backend = RustTokenizer(models.WordLevel({"a": 0}, unk_token="a"))
+    assert not tags_are_special(SimpleNamespace(backend=backend))
+    backend.add_tokens(["<tool_call>"])
+    assert not tags_are_special(SimpleNamespace(backend=backend))
+    backend.add_special_tokens(["</tool_call>"])
+    assert tags_are_special(SimpleNamespace(backend=backend))
+    assert not tags_are_special(object())
