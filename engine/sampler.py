@@ -67,9 +67,7 @@ class Sampler:
         if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
             logits = logits[:, :self.num_tokens]  # a view: padding columns never compete
         if _is_plain_greedy(rows):
-            # Hot path. The upcast is exact, and CPU argmax over bf16 is ~5x slower than
-            # upcast + argmax over fp32.
-            return SamplerOutput(logits.float().argmax(dim=-1).tolist(), [None] * len(rows))
+            return _greedy(logits, rows, lm_head_rows)
         # A copy: the stages below write in place and the caller keeps its logits.
         logits = logits.to(torch.float32, copy=True)
         grammar_s = _apply_grammar(logits, rows, lm_head_rows)
@@ -105,7 +103,23 @@ class Sampler:
 
 def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
     return all(r.params.greedy and not r.params.uses_penalties and r.params.logprobs is None
-               and len(r.output_token_ids) >= r.params.min_tokens and r.matcher is None for r in rows)
+               and (len(r.output_token_ids) >= r.params.min_tokens or r.matcher is not None) for r in rows)
+
+
+def _greedy(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: int) -> SamplerOutput:
+    """The hot path: argmax. The upcast is exact, and CPU argmax over bf16 is ~5x slower than
+    upcast + argmax over fp32. Constrained rows are copied out and masked on their own, so the
+    others cost what they cost alone."""
+    logits = logits.float()
+    token_ids = logits.argmax(dim=-1)
+    constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    grammar_s = None
+    if constrained:
+        index = _index(constrained, logits)
+        masked = logits[index]  # a copy: the caller keeps its logits
+        grammar_s = _apply_grammar(masked, [rows[i] for i in constrained], lm_head_rows)
+        token_ids[index] = masked.argmax(dim=-1)
+    return SamplerOutput(token_ids.tolist(), [None] * len(rows), grammar_s)
 
 
 def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: int) -> float | None:
@@ -116,8 +130,16 @@ def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: 
         return None
     start = time.perf_counter()
     bitmask = torch.zeros(len(constrained), GrammarBackend.bitmask_width(lm_head_rows), dtype=torch.int32)
-    for row, i in enumerate(constrained):
-        rows[i].matcher.fill_bitmask(bitmask, row)
+    matchers = [rows[i].matcher for i in constrained]
+    # A forking prompt's n rows share one matcher: fill it once.
+    unique = list({id(m): m for m in matchers}.values())
+    if len(unique) < len(matchers):
+        slot = {id(m): k for k, m in enumerate(unique)}
+        filled = bitmask[:len(unique)]
+        type(unique[0]).fill_bitmasks(unique, filled)
+        bitmask = filled[[slot[id(m)] for m in matchers]]
+    else:
+        type(matchers[0]).fill_bitmasks(matchers, bitmask)
     if logits.device.type == "cpu" and _bitmask_kernel():
         ops.apply_token_bitmask(logits, bitmask, torch.tensor(constrained, dtype=torch.long))
     else:
