@@ -77,6 +77,15 @@ OPTIONS = st.fixed_dictionaries({}, optional={
     "priority": INT32,
     "add_special_tokens": st.booleans(),
     "time_limit_ms": st.integers(0, 2**32 - 1),
+    # The constraint oneof: wild text, a few valid constraints, and known-bad ones. Several
+    # keys at once: the last set wins, as protobuf's oneof does.
+    "json_schema": st.text(max_size=40) | st.sampled_from(
+        ['{"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}',
+         '{"type": "bogus"}', '{"dependentSchemas": {}}', "[]", "true"]),
+    "regex": st.text(max_size=20) | st.sampled_from(["[ab]{1,4}", "a(b", r"\\d{2}", "a{99999}{99999}"]),
+    "choice": st.builds(lambda c: gen.Choices(choices=c), st.lists(st.text(max_size=8), max_size=4)),
+    "grammar": st.text(max_size=30) | st.sampled_from(['start: "x" | "y"', "start: foo", "start: /[0-9]+/"]),
+    "json_object": st.booleans(),
 })
 
 
