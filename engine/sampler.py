@@ -130,16 +130,17 @@ def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: 
         return None
     start = time.perf_counter()
     bitmask = torch.zeros(len(constrained), GrammarBackend.bitmask_width(lm_head_rows), dtype=torch.int32)
-    matchers = [rows[i].matcher for i in constrained]
-    # A forking prompt's n rows share one matcher: fill it once.
-    unique = list({id(m): m for m in matchers}.values())
-    if len(unique) < len(matchers):
-        slot = {id(m): k for k, m in enumerate(unique)}
-        filled = bitmask[:len(unique)]
-        type(unique[0]).fill_bitmasks(unique, filled)
-        bitmask = filled[[slot[id(m)] for m in matchers]]
-    else:
-        type(matchers[0]).fill_bitmasks(matchers, bitmask)
+    # One thread, row by row: llguidance's own thread pool measured slower inside the engine
+    # (its threads fight torch's, which spin on for a while after the forward). A forking
+    # prompt's n rows share one matcher: it is filled once and the row copied.
+    filled: dict[int, int] = {}
+    for row, i in enumerate(constrained):
+        matcher = rows[i].matcher
+        if id(matcher) in filled:
+            bitmask[row] = bitmask[filled[id(matcher)]]
+        else:
+            matcher.fill_bitmask(bitmask, row)
+            filled[id(matcher)] = row
     if logits.device.type == "cpu" and _bitmask_kernel():
         ops.apply_token_bitmask(logits, bitmask, torch.tensor(constrained, dtype=torch.long))
     else:

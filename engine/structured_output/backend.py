@@ -30,13 +30,6 @@ class GrammarMatcher(ABC):
     def fill_bitmask(self, bitmask, row: int) -> None:
         """Write the tokens allowed next into row `row` of `bitmask`."""
 
-    @classmethod
-    def fill_bitmasks(cls, matchers: list[GrammarMatcher], bitmask) -> None:
-        """Row i of `bitmask` for matchers[i]: a batch at once, which a library may spread
-        over threads."""
-        for row, matcher in enumerate(matchers):
-            matcher.fill_bitmask(bitmask, row)
-
     @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Forget the last `num_tokens` accepted tokens (rejected speculative tokens)."""

@@ -7,7 +7,6 @@ turn into InvalidRequest (compile) or a failed request (a rejected token).
 
 from __future__ import annotations
 
-import functools
 import json
 
 import llguidance
@@ -49,14 +48,6 @@ class LLGuidanceMatcher(GrammarMatcher):
         from llguidance.torch import fill_next_token_bitmask  # imports torch: engine side only
         fill_next_token_bitmask(self.matcher, bitmask, row)
 
-    @classmethod
-    def fill_bitmasks(cls, matchers: list[LLGuidanceMatcher], bitmask) -> None:
-        if len(matchers) == 1:
-            return matchers[0].fill_bitmask(bitmask, 0)
-        from llguidance.torch import fill_next_token_bitmask_par
-        # The library's own threads, without the GIL: a batch's rows on every core.
-        fill_next_token_bitmask_par(_executor(), [(m.matcher, row) for row, m in enumerate(matchers)], bitmask)
-
     def rollback(self, num_tokens: int) -> None:
         self.matcher.rollback(num_tokens)
 
@@ -65,11 +56,6 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def error(self) -> str:
         return self.matcher.get_error()
-
-
-@functools.cache
-def _executor() -> llguidance.LLExecutor:
-    return llguidance.LLExecutor()
 
 
 class LLGuidanceGrammar(CompiledGrammar):
