@@ -131,10 +131,13 @@ class Scheduler:
             budget -= num_new
 
     def _take_compiled(self) -> None:
-        if not any(r.structured.grammar.done() for r in self.waiting_for_grammar):
+        if not self.waiting_for_grammar:
             return
-        ready = [r for r in self.waiting_for_grammar if r.structured.grammar.done()]
-        self.waiting_for_grammar = [r for r in self.waiting_for_grammar if not r.structured.grammar.done()]
+        # One look per future: a compile that finishes meanwhile waits for the next step.
+        ready, still = [], []
+        for request in self.waiting_for_grammar:
+            (ready if request.structured.grammar.done() else still).append(request)
+        self.waiting_for_grammar = still
         for request in ready:
             request.status = RequestStatus.WAITING
             self._queue_with_grammar(request)
