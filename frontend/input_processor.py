@@ -26,7 +26,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.limits = limits
         self.grammar_backend = get_backend_class("llguidance")
-        self._valid_constraints: dict[tuple[str, str], None] = {}  # validated keys, oldest first
+        self._valid_constraints: dict[str, None] = {}  # validated keys, oldest first
 
     def tokenize(self, text: str, add_special_tokens: bool = True, field: str = "text") -> list[int]:
         if not isinstance(text, str) or not text:

@@ -53,7 +53,7 @@ class StructuredOutputManager:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._backend: Future | None = None
         self._make_backend = lambda: self.backend_class(tokenizer, vocab_size, eos_token_ids)
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[str, Future] = OrderedDict()
 
     def request(self, params: StructuredOutputsParams) -> StructuredRequest:
         return StructuredRequest(params, self._compiled(params))

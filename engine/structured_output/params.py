@@ -7,6 +7,7 @@ order given, as a schema's property order is the order the grammar writes them i
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 
@@ -69,9 +70,10 @@ class StructuredOutputsParams:
         return getattr(self, kind)
 
     @property
-    def key(self) -> tuple[str, str]:
-        """Equal keys compile to the same grammar."""
-        return self.kind, self.spec
+    def key(self) -> str:
+        """Equal keys compile to the same grammar. A digest: caches keep thousands of keys, and
+        a spec may be 256 KB."""
+        return hashlib.sha256(f"{self.kind}\0{self.spec}".encode()).hexdigest()
 
 
 def _canonical_json(schema: str | dict) -> str:
