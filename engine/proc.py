@@ -107,9 +107,9 @@ class EngineProc:
                 outputs = self.core.step() if self.core.has_unfinished_requests() else []
                 snapshot = self.core.stats()
                 self.stats = _stats_to_proto(snapshot)
-                self._publish(outputs)
-                if self.metrics is not None:
+                if self.metrics is not None:  # first: a client that has a step's tokens sees its metrics
                     self.metrics.record(snapshot, self.core.take_iteration_stats())
+                self._publish(outputs)
                 if self._drained():
                     break
         finally:
