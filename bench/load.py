@@ -85,7 +85,6 @@ async def run_load(send: Send, requests: list[BenchRequest], offsets_s: list[flo
 
 async def generate(stub, request: BenchRequest, run_start: float | None = None) -> RequestRecord:
     """One greedy Generate stream that must produce exactly `request.output_len` tokens."""
-    import grpc
     from pagedserve.v1 import generation_pb2 as gen
     sampling = gen.SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
     if isinstance(request.prompt, str):
@@ -93,11 +92,21 @@ async def generate(stub, request: BenchRequest, run_start: float | None = None) 
     else:
         message = gen.GenerateRequest(token_ids=gen.TokenIds(ids=request.prompt), sampling=sampling)
     record = RequestRecord(prompt_tokens=request.prompt_len, expected_output_tokens=request.output_len)
+    return await timed_stream(stub, message, record, run_start)
+
+
+async def timed_stream(stub, message, record: RequestRecord, run_start: float | None = None,
+                       on_response: Callable[[object], None] | None = None) -> RequestRecord:
+    """Run one Generate call, timing its messages into `record`; `on_response` sees each
+    message too (a caller that keeps the text)."""
+    import grpc
     start = time.perf_counter()
     record.sent_at_s = start - (run_start or start)
     try:
         async for response in stub.Generate(message):
             _apply(record, response, time.perf_counter() - start)
+            if on_response is not None:
+                on_response(response)
     except grpc.aio.AioRpcError as e:
         record.code, record.error = e.code().name, e.details() or ""
     record.e2e_s = time.perf_counter() - start

@@ -19,12 +19,11 @@ from __future__ import annotations
 import collections
 import json
 import statistics
-import time
 import urllib.request
 from dataclasses import dataclass
 
 from bench.datasets import JsonRequest
-from bench.load import RequestRecord, _apply
+from bench.load import RequestRecord, timed_stream
 from bench.serve_metrics import summarize
 
 GROUPS = ("constrained", "unconstrained")
@@ -47,7 +46,6 @@ class JsonRecord(RequestRecord):
 
 async def generate_json(stub, request: JsonRequest, run_start: float | None = None) -> JsonRecord:
     """One greedy Generate stream of a chat prompt, constrained or not; ends on its own."""
-    import grpc
     from pagedserve.v1 import generation_pb2 as gen
     message = gen.GenerateRequest(chat=gen.Chat(messages=[gen.ChatMessage(role="user", content=request.prompt)]),
                                   sampling=gen.SamplingParams(temperature=0, max_tokens=request.output_len))
@@ -55,21 +53,15 @@ async def generate_json(stub, request: JsonRequest, run_start: float | None = No
         message.json_schema = json.dumps(request.schema)
     record = JsonRecord(prompt_tokens=request.prompt_len, expected_output_tokens=request.output_len,
                         task=request.task, constrained=request.constrained)
-    start = time.perf_counter()
-    record.sent_at_s = start - (run_start or start)
-    try:
-        async for response in stub.Generate(message):
-            _apply(record, response, time.perf_counter() - start)
-            kind = response.WhichOneof("kind")
-            if kind == "chunk":
-                record.text += response.chunk.text
-            elif kind == "finished":
-                record.finish_reason = gen.FinishReason.Name(response.finished.reason)
-    except grpc.aio.AioRpcError as e:
-        record.code, record.error = e.code().name, e.details() or ""
-    record.e2e_s = time.perf_counter() - start
-    if not record.ok and not record.error:
-        record.code, record.error = "UNKNOWN", "stream ended without Finished"
+
+    def keep_reply(response) -> None:
+        kind = response.WhichOneof("kind")
+        if kind == "chunk":
+            record.text += response.chunk.text
+        elif kind == "finished":
+            record.finish_reason = gen.FinishReason.Name(response.finished.reason)
+
+    await timed_stream(stub, message, record, run_start, keep_reply)
     if record.ok:
         _check_reply(record, request.schema)
     return record
