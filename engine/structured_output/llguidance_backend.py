@@ -17,16 +17,16 @@ from engine.structured_output.params import StructuredOutputsParams
 
 # Compact JSON: no free whitespace between tokens, so a model can't stall a JSON document on
 # endless spaces or newlines (vLLM's `disable_any_whitespace`, on by default here).
-_JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The constraint in llguidance's grammar format."""
     kind = params.kind
     if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=JSON_OPTIONS)
     if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":  # Lark string literals take JSON's escapes

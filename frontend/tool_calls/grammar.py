@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import json
 
-# Compact JSON without free whitespace: a small model can't stall on endless spaces (as for
-# response_format, see engine/structured_output/llguidance_backend.py).
-_JSON_OPTIONS = {"whitespace_flexible": False}
+# Compact JSON, as for response_format: one setting for every JSON the engine constrains.
+from engine.structured_output.llguidance_backend import JSON_OPTIONS
 _ARGUMENTS_DEF = "__arguments__"
 
 
@@ -44,7 +43,7 @@ def call_schema(name: str, parameters: dict) -> dict:
         "required": ["name", "arguments"],
         "additionalProperties": False,
         "$defs": {**moved_defs, _ARGUMENTS_DEF: _rewrite_refs(parameters)},
-        "x-guidance": _JSON_OPTIONS,
+        "x-guidance": JSON_OPTIONS,
     }
 
 
