@@ -31,9 +31,18 @@ HELP = {
     "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda and "
                    "--attention-backend cupy, else off)",
     "num_threads": "CPU threads for torch (default: all cores)",
+    "speculative_method": "speculative decoding: ngram (prompt lookup: propose what followed the "
+                          "context's last n-gram earlier on) or draft (a small model, "
+                          "--speculative-model); verified losslessly by the model (unset: off)",
+    "num_speculative_tokens": "most tokens proposed per request per step",
+    "speculative_model": "draft model for --speculative-method draft: HF folder or .gguf sharing "
+                         "the model's tokenizer (setting it implies --speculative-method draft)",
+    "prompt_lookup_min": "ngram: shortest suffix n-gram to look up",
+    "prompt_lookup_max": "ngram: longest suffix n-gram to look up (the longest match wins)",
 }
 CHOICES = {"dtype": ["float32", "bfloat16", "float16", "auto"], "scheduling_policy": ["fcfs", "priority"],
-           "attention_backend": ["auto", "torch", "cpu", "cupy"], "quantization": ["none", "int4", "int8"]}
+           "attention_backend": ["auto", "torch", "cpu", "cupy"], "quantization": ["none", "int4", "int8"],
+           "speculative_method": ["ngram", "draft", "none"]}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None:

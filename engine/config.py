@@ -11,6 +11,8 @@ from dataclasses import dataclass, fields
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cupy")
 QUANTIZATIONS = (None, "none", "int4", "int8")
+SPECULATIVE_METHODS = (None, "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
@@ -34,6 +36,13 @@ class EngineConfig:
     quantization: str | None = None  # int4 | int8: quantize float weights at load; none: dequantize GGUF
     cuda_graphs: bool | None = None  # decode in CUDA graphs; None: on for device cuda + backend cupy
     num_threads: int | None = None  # CPU: torch intra-op threads (default: all cores)
+    # Speculative decoding: propose tokens (n-gram prompt lookup, or a small draft model) and
+    # verify them all in one target step. None: off.
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 4  # most tokens proposed per request per step
+    speculative_model: str | None = None  # draft: HF folder or .gguf with the target's tokenizer
+    prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram looked up
+    prompt_lookup_max: int = 5  # ngram: longest
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -71,6 +80,30 @@ class EngineConfig:
         elif self.cuda_graphs and not (on_cuda and self.attention_backend == "cupy"):
             raise ValueError("cuda_graphs: needs device 'cuda' and attention_backend 'cupy', got "
                              f"device {self.device!r} and attention_backend {self.attention_backend!r}")
+
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_method == "none":
+            self.speculative_method = None
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method: must be ngram or draft (or unset), got {self.speculative_method!r}")
+        if self.speculative_model is not None and self.speculative_method is None:
+            self.speculative_method = "draft"  # a draft model says which method
+        if self.speculative_method == "draft" and self.speculative_model is None:
+            raise ValueError("speculative_method 'draft' needs speculative_model: a small model with the "
+                             "target's tokenizer")
+        if self.speculative_method == "ngram" and self.speculative_model is not None:
+            raise ValueError("speculative_model: only for speculative_method 'draft', not 'ngram'")
+        _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens: at most {MAX_SPECULATIVE_TOKENS}, "
+                             f"got {self.num_speculative_tokens}")
+        _positive("prompt_lookup_min", self.prompt_lookup_min)
+        _positive("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:

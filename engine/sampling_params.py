@@ -46,6 +46,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Constrain the output to a JSON schema, regex, choice or grammar (a dict is taken too).
     structured_outputs: StructuredOutputsParams | None = None
+    # Opt this request out of the engine's speculative decoding (its output is the same either
+    # way; this only trades its latency for the others' throughput).
+    disable_speculation: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -95,7 +98,7 @@ class SamplingParams:
             _int("stop_token_ids", t, 0, 2**31 - 1)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise InvalidRequest("structured_outputs: must be a StructuredOutputsParams or a dict of its fields")
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "disable_speculation"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequest(f"{name}: must be true or false, got {getattr(self, name)!r}")
 
