@@ -15,7 +15,8 @@ from pagedserve.v1 import generation_pb2 as gen
 # SamplingParams fields that proto3 marks `optional` (their default is not zero).
 _OPTIONAL = ("n", "temperature", "top_p", "seed", "max_tokens", "logprobs", "repetition_penalty",
              "prompt_logprobs")
-_PLAIN = ("top_k", "min_p", "min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty")
+_PLAIN = ("top_k", "min_p", "min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty",
+          "disable_speculation")
 
 
 def sampling_params_from_proto(msg: gen.SamplingParams, *, skip_special_tokens: bool = True,

@@ -46,6 +46,7 @@ def messages_params(req: MessagesRequest, tools: ToolUse | None, processor) -> S
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
         structured_outputs=_one_constraint(processor, constraints),
+        disable_speculation=req.disable_speculation,
         skip_special_tokens=not _keeps_tags(processor, tools))
 
 
@@ -181,4 +182,5 @@ def _params(req: _Sampling, **kwargs) -> SamplingParams:
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, stop_token_ids=req.stop_token_ids or [],
         include_stop_str_in_output=req.include_stop_str_in_output,
+        disable_speculation=req.disable_speculation,
         **{"skip_special_tokens": req.skip_special_tokens, **kwargs})

@@ -65,6 +65,7 @@ class _Sampling(_Request):
     prompt_logprobs: StrictInt | None = None
     priority: StrictInt = 0
     request_id: str | None = None
+    disable_speculation: StrictBool = False  # ours: opt out of the engine's speculative decoding
 
 
 class CompletionRequest(_Sampling):
@@ -167,6 +168,7 @@ class MessagesRequest(_Request):
     metadata: dict[str, Any] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    disable_speculation: StrictBool = False  # ours, as on the OpenAI routes
 
 
 class TokenizeRequest(_Request):
