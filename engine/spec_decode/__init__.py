@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers that draft tokens and the bookkeeping that verifies them."""
