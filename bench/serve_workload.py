@@ -50,18 +50,24 @@ def build_workload(address: str, args: argparse.Namespace, plan, index: int, bac
         model, count_tokens = describe_target(args)
         return _workload(model, count_tokens, args, plan, index)
     import grpc
+    with grpc.insecure_channel(address) as channel:
+        model = grpc_model_info(channel, address)
+        if plan.dataset == "structured":
+            return _workload(model, grpc_chat_counter(channel), args, plan, index, ratio)
+        return _workload(model, grpc_token_counter(channel), args, plan, index)
+
+
+def grpc_model_info(channel, address: str) -> dict:
+    """GetModelInfo's facts the workloads need; SystemExit if the server does not answer."""
+    import grpc
 
     from pagedserve.v1 import info_pb2, info_pb2_grpc
-    with grpc.insecure_channel(address) as channel:
-        try:
-            info = info_pb2_grpc.InfoStub(channel).GetModelInfo(info_pb2.GetModelInfoRequest(), timeout=30)
-        except grpc.RpcError as e:
-            raise SystemExit(f"GetModelInfo on {address} failed: {e.code().name}: {e.details()}") from e
-        model = {"model_name": info.model_name, "architecture": info.architecture, "dtype": info.dtype,
-                 "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}
-        if plan.dataset == "structured":
-            return _workload(model, _grpc_chat_counter(channel), args, plan, index, ratio)
-        return _workload(model, _grpc_token_counter(channel), args, plan, index)
+    try:
+        info = info_pb2_grpc.InfoStub(channel).GetModelInfo(info_pb2.GetModelInfoRequest(), timeout=30)
+    except grpc.RpcError as e:
+        raise SystemExit(f"GetModelInfo on {address} failed: {e.code().name}: {e.details()}") from e
+    return {"model_name": info.model_name, "architecture": info.architecture, "dtype": info.dtype,
+            "vocab_size": info.vocab_size, "max_model_len": info.max_model_len}
 
 
 def _workload(model: dict, count_tokens: Callable, args: argparse.Namespace, plan, index: int,
@@ -93,7 +99,7 @@ def _requests(count_tokens: Callable[[str, bool], int], args: argparse.Namespace
     return _sharegpt(count_tokens, args, plan, model)
 
 
-def _grpc_token_counter(channel) -> Callable[[str, bool], int]:
+def grpc_token_counter(channel) -> Callable[[str, bool], int]:
     """Counts with the server's own Tokenize (while `channel` is open)."""
     from pagedserve.v1 import tokenization_pb2, tokenization_pb2_grpc
     tokenize = tokenization_pb2_grpc.TokenizationStub(channel).Tokenize
@@ -105,7 +111,7 @@ def _grpc_token_counter(channel) -> Callable[[str, bool], int]:
     return count_tokens
 
 
-def _grpc_chat_counter(channel) -> Callable[[str], int]:
+def grpc_chat_counter(channel) -> Callable[[str], int]:
     """Counts a user message as Generate renders it with the chat template."""
     from pagedserve.v1 import generation_pb2, tokenization_pb2, tokenization_pb2_grpc
     tokenize = tokenization_pb2_grpc.TokenizationStub(channel).Tokenize

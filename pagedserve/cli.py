@@ -53,6 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "so outputs have exactly that many tokens. Reports throughput, goodput, and TTFT, "
                     "TPOT, ITL and E2E latency (mean, median, p90, p99); writes one JSON per run, and "
                     "with --sweep-rates a summary JSON and a throughput-latency PNG."))
+    from bench.spec_decode import add_arguments as add_spec
+    add_spec(bench_kinds.add_parser(
+        "spec", help="speculative decoding (ngram, draft) against none: TPOT, throughput, acceptance",
+        description="Speculative-decoding benchmark: a `pagedserve serve` per --configs entry (off, ngram, "
+                    "draft with --draft-model), each running the same requests of two workloads at each "
+                    "--concurrency: edit (our own paragraphs to repeat with one phrase changed, as chat, "
+                    "greedy, eos honoured: the reply copies the prompt) and random (random token ids, "
+                    "greedy, eos ignored). Reports TPOT p50 and mean, TTFT p50, output tok/s, the "
+                    "engine's acceptance rate, mean acceptance length and per-position rate (its /metrics "
+                    "counters, read around each run), TPOT speed-up over off, and how many replies match "
+                    "off's token for token. Writes JSON and a PNG."))
     from bench.kernels import add_arguments as add_kernels
     add_kernels(bench_kinds.add_parser(
         "kernels", help="paged-attention kernels against the measured HBM bandwidth (needs a GPU)",
@@ -103,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "serve":
         from bench.serve import run
+        return run(args)
+    if args.command == "bench" and args.bench == "spec":
+        from bench.spec_decode import run
         return run(args)
     if args.command == "bench" and args.bench == "kernels":
         from bench.kernels import run
