@@ -152,26 +152,31 @@ class BlockManager:
         self._register_full_blocks(state, token_ids)
         return True
 
-    def append_slots(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> bool:
-        """Grow a sequence's table to cover `num_tokens` tokens (token_ids: all its tokens).
+    def append_slots(self, seq_id: str, token_ids: Sequence[int], num_tokens: int,
+                     num_computed_tokens: int | None = None) -> bool:
+        """Grow a sequence's table to cover `num_tokens` tokens (token_ids: all its tokens,
+        never draft tokens: so no block hash covers an unverified token).
 
-        If the last block is partial, about to be written and shared, it is copied first
-        (recorded in `blocks_to_copy`). Returns False and changes nothing if blocks run short.
+        This step writes KV from `num_computed_tokens` (default: the end of what the table
+        covered) on; a shared block in that range is copied first (recorded in
+        `blocks_to_copy`). A table never shrinks: slots that speculative decoding's rejected
+        drafts took stay allocated and are simply written again later. Returns False and
+        changes nothing if blocks run short.
         """
         state = self._seq(seq_id)
-        if num_tokens < state.num_tokens:
-            raise ValueError(f"{seq_id!r}: num_tokens={num_tokens} < {state.num_tokens} already covered")
+        first_write = state.num_tokens if num_computed_tokens is None else num_computed_tokens
+        num_tokens = max(num_tokens, state.num_tokens)
         num_new = self.num_blocks_needed(num_tokens) - len(state.block_ids)
-        needs_copy = (num_tokens > state.num_tokens and state.num_tokens % self.block_size != 0
-                      and self._blocks[state.block_ids[-1]].ref_count > 1)
-        if num_new + needs_copy > self.num_free_blocks:
+        shared = [i for i in range(first_write // self.block_size, len(state.block_ids))
+                  if self._blocks[state.block_ids[i]].ref_count > 1] if num_tokens > first_write else []
+        if num_new + len(shared) > self.num_free_blocks:
             return False
-        if needs_copy:
-            src = state.block_ids[-1]
+        for i in shared:
+            src = state.block_ids[i]
             dst = self._pop_free_block()
             self._blocks[src].ref_count -= 1  # was > 1, so src stays owned by another sequence
             self.blocks_to_copy.append((src, dst))
-            state.block_ids[-1] = dst
+            state.block_ids[i] = dst
         state.block_ids.extend(self._pop_free_block() for _ in range(num_new))
         state.num_tokens = num_tokens
         state.num_written_hashes = len(state.block_hashes)  # the previous step has run

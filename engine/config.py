@@ -122,6 +122,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_model_len: int
     policy: str = "fcfs"
+    num_lookahead_tokens: int = 0  # KV slots past each step's tokens, for a draft model's drafts
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

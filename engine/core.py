@@ -21,7 +21,8 @@ from engine.request import Request, RequestStatus, sample_request_id
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_output.manager import StructuredOutputManager
-from engine.stats import IterationStats
+from engine.stats import IterationStats, SpecDecodingStats
+from engine.spec_decode.proposers import build_speculator
 from engine.errors import EngineOverloaded, InvalidRequest
 from engine.validation import PromptLimits, check_prompt
 
@@ -40,6 +41,7 @@ class EngineStats:
     num_preemptions: int
     num_prefix_cache_queries: int
     num_prefix_cache_hits: int
+    spec_decoding: SpecDecodingStats | None = None  # totals; None when speculative decoding is off
 
 
 class EngineCore:
@@ -64,10 +66,13 @@ class EngineCore:
         self.limits = PromptLimits(self.vocab_size, self.max_model_len, self.block_manager.num_blocks,
                                    config.block_size)
         self.iteration_stats = IterationStats() if log_stats else None
+        self.speculator = build_speculator(config, self.model_runner, self.max_model_len,
+                                           self.model_runner.sampler.num_tokens or self.vocab_size)
+        lookahead = config.num_speculative_tokens if config.speculative_method == "draft" else 0
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-            max_model_len=self.max_model_len, policy=config.scheduling_policy), self.block_manager,
-            self.iteration_stats)
+            max_model_len=self.max_model_len, policy=config.scheduling_policy,
+            num_lookahead_tokens=lookahead), self.block_manager, self.iteration_stats)
 
     def _fit_max_model_len(self, max_model_len: int) -> int:
         # A sequence longer than the whole pool would preempt itself forever: never admit one.
@@ -120,6 +125,8 @@ class EngineCore:
         schedule_s = time.perf_counter() - start
         result = self.model_runner.execute(sched)
         outputs = self.scheduler.take_failed_outputs() + self.scheduler.update_from_output(sched, result)
+        if self.speculator is not None:
+            self.speculator.after_step(sched, self.scheduler.requests)
         if self.iteration_stats is not None:
             self.iteration_stats.observe_step(schedule_s, result.model_s, result.sample_s,
                                               sched.num_batched_tokens, result.grammar_s)
@@ -152,7 +159,8 @@ class EngineCore:
             num_running=len(self.scheduler.running), num_waiting=self.scheduler.num_waiting,
             num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
-            num_prefix_cache_queries=bm.num_cache_queries, num_prefix_cache_hits=bm.num_cache_hits)
+            num_prefix_cache_queries=bm.num_cache_queries, num_prefix_cache_hits=bm.num_cache_hits,
+            spec_decoding=None if self.speculator is None else self.scheduler.spec_stats.copy())
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         check_prompt(prompt, params, self.limits)

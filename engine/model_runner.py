@@ -8,6 +8,7 @@ positions, slot mappings and block tables, runs the model, and samples.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,10 +20,28 @@ from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, load_model, read_arch_config
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, sample_request_id
-from engine.sampler import Sampler, SamplingRow, prompt_logprobs
+from engine.sampler import NOT_EMITTED, Sampler, SamplingRow, prompt_logprobs
 
 MAX_DEFAULT_MODEL_LEN = 8192
 PROMPT_LOGPROBS_ROWS = 512  # prompt positions scored per LM-head call
+
+
+@dataclass(slots=True)
+class ForwardRow:
+    """One sequence's share of a forward: what to compute and which rows need logits."""
+
+    token_ids: list[int]  # the tokens to compute this step
+    start: int  # position of the first
+    block_ids: list[int]  # its block table
+    num_logits: int  # trailing rows whose logits are needed: 0, 1, or 1 + drafts
+
+
+def forward_row(s: ScheduledRequest) -> ForwardRow:
+    """A scheduled request's row: its uncomputed tokens, then the drafts it verifies."""
+    r, drafts = s.request, s.spec_token_ids
+    start = r.num_computed_tokens
+    tokens = r.all_token_ids[start:start + s.num_new_tokens - len(drafts)] + drafts
+    return ForwardRow(tokens, start, s.block_ids, (1 + len(drafts)) if s.num_samples else 0)
 
 
 class ModelRunner:
@@ -82,26 +101,30 @@ class ModelRunner:
         self.backend.copy_blocks(self.kv_caches, sched.blocks_to_copy)
         # Single-token rows run the batched decode path; put them first.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
-        if self.graphs is not None and self._all_decode(order):
-            hidden, last_rows = self._run_graph(order)
-        else:
-            input_ids, positions, meta, last_rows = self._prepare(order)
-            hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
+        hidden, last_rows = self.forward([forward_row(s) for s in order])
         prompt_lps = self._prompt_logprobs(order, hidden)
         sampling = [s for s in order if s.num_samples]
         if not sampling:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start)
-        logits = self.model.compute_logits(hidden[last_rows])[:len(sampling)]
+        rows, row_owner, logits_index = self._sampling_rows(sampling)
+        logits = self.model.compute_logits(hidden[last_rows])[:logits_index[-1] + 1]
         model_end = time.perf_counter()
-        rows, row_owner = self._sampling_rows(sampling)
-        if len(rows) != len(sampling):  # forking prompts sample n tokens from one logits row
-            logits = logits[torch.tensor(row_owner, device=logits.device)]
+        if logits_index != list(range(len(logits))):  # forking prompts sample n tokens from one row
+            logits = logits[torch.tensor(logits_index, device=logits.device)]
         sampled = self.sampler(logits, rows)
         out = self._group(sampling, row_owner, sampled)
         out.prompt_logprobs = prompt_lps
         out.model_s, out.sample_s = model_end - start, time.perf_counter() - model_end
         out.grammar_s = sampled.grammar_s
         return out
+
+    def forward(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the model over `rows` (single-token rows first, for the batched decode path):
+        (hidden states, the indices of the rows whose logits are needed, in order)."""
+        if self.graphs is not None and self._all_decode(rows):
+            return self._run_graph(rows)
+        input_ids, positions, meta, last_rows = self._prepare(rows)
+        return self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches)), last_rows
 
     def _prompt_logprobs(self, order: list[ScheduledRequest], hidden: torch.Tensor
                          ) -> dict[str, list[dict[int, float]]]:
@@ -131,24 +154,24 @@ class ModelRunner:
             entries += prompt_logprobs(self.model.compute_logits(rows), targets, num_top)
         return entries
 
-    def _prepare(self, order: list[ScheduledRequest]):
+    def _prepare(self, order: list[ForwardRow]):
         bs = self.block_size
         input_ids, positions, slots, last_rows, prefills = [], [], [], [], []
         decode_tables, decode_lens = [], []
-        for s in order:
-            start, end = s.request.num_computed_tokens, s.request.num_computed_tokens + s.num_new_tokens
+        for f in order:
+            num_new = len(f.token_ids)
+            start, end = f.start, f.start + num_new
             row = len(input_ids)
-            input_ids += s.request.all_token_ids[start:end]
+            input_ids += f.token_ids
             positions += range(start, end)
-            slots += [s.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            if s.num_samples:
-                last_rows.append(len(input_ids) - 1)
-            if s.num_new_tokens == 1:
-                decode_tables.append(s.block_ids)
+            slots += [f.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
+            last_rows += range(len(input_ids) - f.num_logits, len(input_ids))
+            if num_new == 1:
+                decode_tables.append(f.block_ids)
                 decode_lens.append(end)
             else:
-                table = torch.tensor(s.block_ids[:(end + bs - 1) // bs], dtype=torch.long)
-                prefills.append(PrefillChunk(row, s.num_new_tokens, end, table.to(self.device)))
+                table = torch.tensor(f.block_ids[:(end + bs - 1) // bs], dtype=torch.long)
+                prefills.append(PrefillChunk(row, num_new, end, table.to(self.device)))
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots), num_decode_tokens=len(decode_tables),
             decode_block_tables=self._padded(decode_tables) if decode_tables else None,
@@ -162,22 +185,22 @@ class ModelRunner:
             last_rows += last_rows[-1:] * (bucket(len(last_rows)) - len(last_rows))
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last_rows)
 
-    def _all_decode(self, order: list[ScheduledRequest]) -> bool:
-        return 0 < len(order) <= self.graphs.max_batch and all(s.num_new_tokens == 1 for s in order)
+    def _all_decode(self, order: list[ForwardRow]) -> bool:
+        return 0 < len(order) <= self.graphs.max_batch and all(len(f.token_ids) == 1 for f in order)
 
-    def _run_graph(self, order: list[ScheduledRequest]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_graph(self, order: list[ForwardRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """A pure-decode step through the captured graph of its batch-size bucket."""
         bs = self.block_size
         ids, positions, slots, lens, last_rows = [], [], [], [], []
-        for row, s in enumerate(order):
-            pos = s.request.num_computed_tokens
-            ids.append(s.request.all_token_ids[pos])
+        for row, f in enumerate(order):
+            pos = f.start
+            ids.append(f.token_ids[0])
             positions.append(pos)
-            slots.append(s.block_ids[pos // bs] * bs + pos % bs)
+            slots.append(f.block_ids[pos // bs] * bs + pos % bs)
             lens.append(pos + 1)
-            if s.num_samples:
+            if f.num_logits:
                 last_rows.append(row)
-        hidden = self.graphs.run(ids, positions, slots, [s.block_ids for s in order], lens)
+        hidden = self.graphs.run(ids, positions, slots, [f.block_ids for f in order], lens)
         return hidden, self._tensor(last_rows)
 
     def _tensor(self, values: list[int]) -> torch.Tensor:
@@ -187,19 +210,35 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         return self._tensor([t + [0] * (width - len(t)) for t in tables])
 
-    def _sampling_rows(self, sampling: list[ScheduledRequest]) -> tuple[list[SamplingRow], list[int]]:
-        rows, owner = [], []
+    def _sampling_rows(self, sampling: list[ScheduledRequest]
+                       ) -> tuple[list[SamplingRow], list[int], list[int]]:
+        """Rows to sample, the request each belongs to, and the logits row each reads."""
+        rows, owner, logits_index = [], [], []
+        next_logits = 0
         for i, s in enumerate(sampling):
             r = s.request
+            matcher = None if r.structured is None else r.structured.matcher
+            drafts = s.spec_token_ids
+            if drafts:  # row j verifies drafts[j] after drafts[:j]; the last row follows them all
+                generator = self._generator(r.request_id, r.seed)
+                for j in range(len(drafts) + 1):
+                    rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids,
+                                            r.output_token_ids + drafts[:j], generator, matcher,
+                                            drafts[j] if j < len(drafts) else None))
+                    owner.append(i)
+                    logits_index.append(next_logits)
+                    next_logits += 1
+                continue
             for index in range(s.num_samples):
                 request_id = r.request_id if index == 0 else sample_request_id(r.parent_id, index)
                 seed = None if r.seed is None else r.seed + index
                 # A forking prompt's n rows share sample 0's matcher: none has a token yet.
-                matcher = None if r.structured is None else r.structured.matcher
                 rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
                                         self._generator(request_id, seed), matcher))
                 owner.append(i)
-        return rows, owner
+                logits_index.append(next_logits)
+            next_logits += 1
+        return rows, owner, logits_index
 
     def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -213,6 +252,8 @@ class ModelRunner:
         out = ModelRunnerOutput(request_ids=[s.request.request_id for s in sampling],
                                 token_ids=[[] for _ in sampling], logprobs=[[] for _ in sampling])
         for owner, token, logprobs in zip(row_owner, sampled.token_ids, sampled.logprobs):
+            if token == NOT_EMITTED:  # a verification row past the accepted run
+                continue
             out.token_ids[owner].append(token)
             out.logprobs[owner].append(logprobs)
         return out

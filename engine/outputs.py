@@ -19,6 +19,10 @@ class ScheduledRequest:
     num_new_tokens: int  # tokens to compute, from request.num_computed_tokens on
     block_ids: list[int]  # the request's whole block table after this step's allocation
     num_samples: int  # 0: a prefill chunk short of the end; n: a prompt forking n samples; else 1
+    # Speculative decoding: draft tokens verified this step, after the request's last token
+    # (num_new_tokens counts them). The scheduler's update sets how many were accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -43,7 +47,8 @@ class ModelRunnerOutput:
     """Sampled tokens for each request that reached the end of its tokens this step."""
 
     request_ids: list[str] = field(default_factory=list)
-    token_ids: list[list[int]] = field(default_factory=list)  # n tokens for a forking prompt, else 1
+    # n tokens for a forking prompt's n samples; with drafts, the accepted ones then one more; else 1
+    token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[dict[int, float] | None]] = field(default_factory=list)
     # Requests scoring their prompt this step (params.prompt_logprobs): one entry per prompt
     # position this chunk reached, in order (a chunk's rows predict positions start+1..).

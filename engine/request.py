@@ -83,6 +83,8 @@ class Request:
     # With params.structured_outputs: its grammar (compiling, then compiled) and its matcher.
     structured: StructuredRequest | None = None
     error: str | None = None  # why it ended FINISHED_INVALID or FINISHED_ERROR
+    # Speculative decoding: tokens proposed after its last one, verified in its next step.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

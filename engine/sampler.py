@@ -10,6 +10,13 @@ Order of work per step (each stage runs only if some row needs it):
         ├─► greedy rows: argmax
         └─► random rows: / temperature ─► top_k ─► top_p ─► min_p ─► exponential race
 
+Speculative decoding adds verification groups: a request's k draft tokens give k + 1
+consecutive rows, row j scoring the position after drafts[:j] (its penalties count those
+drafts, its grammar mask has accepted them). Each row goes through every stage above as a
+normal row would; then instead of sampling, the group is verified (spec_decode.rejection):
+greedy rows accept drafts equal to their argmax, random rows accept by min(1, p/q) and
+resample the first rejection from the residual. Rows past a group's emitted run get token -1.
+
 Sampling uses the exponential race, argmax(p / q) with q ~ Exp(1), which draws
 from p without a cumsum or a renormalisation. A seeded row draws its q from its
 own generator, so its tokens do not depend on the rest of the batch. Every stage touches only
@@ -31,7 +38,10 @@ import cpu_kernels
 from cpu_kernels import ops
 
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.rejection import greedy_verify, rejection_sample
 from engine.structured_output.backend import GrammarBackend, GrammarMatcher
+
+NOT_EMITTED = -1  # a verification row past its group's emitted run
 
 
 @dataclass(slots=True)
@@ -43,14 +53,17 @@ class SamplingRow:
     output_token_ids: list[int]  # generated so far, before this step
     generator: torch.Generator | None  # seeded per request; None: the global RNG
     matcher: GrammarMatcher | None = None  # structured output: what the grammar allows next
+    # Speculative decoding: the draft token this row verifies. A group's rows are consecutive:
+    # k rows with their drafts, then one (draft None) for the token after the last draft.
+    draft_token_id: int | None = None
 
 
 @dataclass(slots=True)
 class SamplerOutput:
     """What one sampler step produced, one entry per row."""
 
-    token_ids: list[int]
-    # None where params.logprobs is None; else the sampled token plus the top-N.
+    token_ids: list[int]  # NOT_EMITTED on verification rows past their group's run
+    # None where params.logprobs is None (or not emitted); else the token plus the top-N.
     logprobs: list[dict[int, float] | None]
     grammar_s: float | None = None  # time spent on the grammar's bitmask; None: no constrained row
 
@@ -119,7 +132,7 @@ def _greedy(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: int) ->
         masked = logits[index]  # a copy: the caller keeps its logits
         grammar_s = _apply_grammar(masked, [rows[i] for i in constrained], lm_head_rows)
         token_ids[index] = masked.argmax(dim=-1)
-    return SamplerOutput(token_ids.tolist(), [None] * len(rows), grammar_s)
+    return SamplerOutput(_verify_greedy(token_ids.tolist(), rows), [None] * len(rows), grammar_s)
 
 
 def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: int) -> float | None:
@@ -132,15 +145,29 @@ def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: 
     bitmask = torch.zeros(len(constrained), GrammarBackend.bitmask_width(lm_head_rows), dtype=torch.int32)
     # One thread, row by row: llguidance's own thread pool measured slower inside the engine
     # (its threads fight torch's, which spin on for a while after the forward). A forking
-    # prompt's n rows share one matcher: it is filled once and the row copied.
-    filled: dict[int, int] = {}
+    # prompt's n rows share one matcher: it is filled once and the row copied. A verification
+    # group's rows share one too: it accepts each row's draft before the next row's fill, and
+    # is rolled back after. Once it rejects a draft, later rows of the group are moot (that
+    # draft's probability is 0, so verification stops there): they copy the last mask.
+    filled: dict[tuple[int, int], int] = {}  # (matcher, drafts it has accepted) -> bitmask row
+    advanced: dict[int, tuple[GrammarMatcher, int]] = {}  # matcher -> (it, drafts accepted)
+    dead: set[int] = set()
     for row, i in enumerate(constrained):
-        matcher = rows[i].matcher
-        if id(matcher) in filled:
-            bitmask[row] = bitmask[filled[id(matcher)]]
+        matcher, draft = rows[i].matcher, rows[i].draft_token_id
+        depth = advanced.get(id(matcher), (matcher, 0))[1]
+        key = (id(matcher), depth)
+        if key in filled or id(matcher) in dead:
+            bitmask[row] = bitmask[filled.get(key, row - 1)]
         else:
             matcher.fill_bitmask(bitmask, row)
-            filled[id(matcher)] = row
+            filled[key] = row
+        if draft is not None and id(matcher) not in dead:
+            if matcher.accept(draft):
+                advanced[id(matcher)] = (matcher, depth + 1)
+            else:
+                dead.add(id(matcher))
+    for matcher, depth in advanced.values():
+        matcher.rollback(depth)
     if logits.device.type == "cpu" and _bitmask_kernel():
         ops.apply_token_bitmask(logits, bitmask, torch.tensor(constrained, dtype=torch.long))
     else:
@@ -199,8 +226,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    verified = _verified_random_rows(rows)
     greedy_idx = [i for i, r in enumerate(rows) if r.params.greedy]
-    random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
+    random_idx = [i for i, r in enumerate(rows) if not r.params.greedy and i not in verified]
     if greedy_idx:
         index = _index(greedy_idx, logits)
         token_ids[index] = logits[index].argmax(dim=-1)
@@ -209,7 +237,69 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         random_rows = [rows[i] for i in random_idx]
         probs = _filtered_probs(logits[index], random_rows)
         token_ids[index] = _race(probs, [r.generator for r in random_rows])
-    return token_ids.tolist()
+    tokens = token_ids.tolist()
+    if verified:
+        _verify_random(logits, rows, sorted(verified), tokens)
+    return _verify_greedy(tokens, rows)
+
+
+def _groups(rows: list[SamplingRow]) -> list[range]:
+    """The verification groups (rows with drafts, then the row after): ranges of > 1 rows."""
+    groups, start = [], None
+    for i, r in enumerate(rows):
+        if r.draft_token_id is not None:
+            start = i if start is None else start
+        elif start is not None:
+            groups.append(range(start, i + 1))
+            start = None
+    return groups
+
+
+def _verified_random_rows(rows: list[SamplingRow]) -> set[int]:
+    return {i for g in _groups(rows) if not rows[g[0]].params.greedy for i in g}
+
+
+def _verify_greedy(tokens: list[int], rows: list[SamplingRow]) -> list[int]:
+    """Greedy groups: `tokens` holds each row's argmax; keep the accepted run plus one."""
+    groups = [g for g in _groups(rows) if rows[g[0]].params.greedy]
+    if not groups:
+        return tokens
+    width = max(len(g) for g in groups)
+    target = torch.tensor([[tokens[i] for i in g] + [0] * (width - len(g)) for g in groups])
+    drafts = torch.tensor([[rows[i].draft_token_id for i in g[:-1]] + [0] * (width - len(g))
+                           for g in groups]).view(len(groups), width - 1)
+    emitted, counts = greedy_verify(target, drafts, torch.tensor([len(g) - 1 for g in groups]))
+    _scatter_runs(tokens, groups, emitted.tolist(), counts.tolist())
+    return tokens
+
+
+def _verify_random(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int], tokens: list[int]) -> None:
+    """Random groups: the target's processed probs per row, then lossless rejection sampling.
+    The drafts were proposed deterministically (n-gram lookup, a greedy draft model): one-hot q."""
+    groups = [g for g in _groups(rows) if g[0] in set(idx)]
+    probs = _filtered_probs(logits[_index(idx, logits)], [rows[i] for i in idx])
+    at = {i: k for k, i in enumerate(idx)}
+    # A seeded group is verified alone: the randomness it draws depends on the batch's widest
+    # group, and its tokens must not depend on what it is batched with.
+    unseeded = [g for g in groups if rows[g[0]].generator is None]
+    batches = [[g] for g in groups if rows[g[0]].generator is not None] + ([unseeded] if unseeded else [])
+    for batch in batches:
+        width = max(len(g) for g in batch)
+        target = probs.new_zeros(len(batch), width, probs.shape[-1])
+        drafts = torch.zeros(len(batch), width - 1, dtype=torch.long)
+        for b, g in enumerate(batch):
+            target[b, :len(g)] = probs[[at[i] for i in g]]
+            drafts[b, :len(g) - 1] = torch.tensor([rows[i].draft_token_id for i in g[:-1]])
+        emitted, counts = rejection_sample(target, drafts.to(probs.device),
+                                           torch.tensor([len(g) - 1 for g in batch]), None,
+                                           [rows[g[0]].generator for g in batch])
+        _scatter_runs(tokens, batch, emitted.tolist(), counts.tolist())
+
+
+def _scatter_runs(tokens: list[int], groups: list[range], emitted: list[list[int]], counts: list[int]) -> None:
+    for g, run, count in zip(groups, emitted, counts):
+        for j, i in enumerate(g):
+            tokens[i] = run[j] if j < count else NOT_EMITTED
 
 
 def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -271,10 +361,14 @@ def _collect_logprobs(raw_logprobs: torch.Tensor | None, logprob_idx: list[int],
     out: list[dict[int, float] | None] = [None] * len(rows)
     if raw_logprobs is None:
         return out
-    entries = _logprob_entries(raw_logprobs, [token_ids[i] for i in logprob_idx],
-                               [rows[i].params.logprobs for i in logprob_idx])
-    for i, entry in zip(logprob_idx, entries):
-        out[i] = entry
+    kept = [k for k, i in enumerate(logprob_idx) if token_ids[i] != NOT_EMITTED]
+    if not kept:
+        return out
+    entries = _logprob_entries(raw_logprobs[_index(kept, raw_logprobs)],
+                               [token_ids[logprob_idx[k]] for k in kept],
+                               [rows[logprob_idx[k]].params.logprobs for k in kept])
+    for k, entry in zip(kept, entries):
+        out[logprob_idx[k]] = entry
     return out
 
 

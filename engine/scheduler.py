@@ -7,6 +7,11 @@ prefill chunks), then waiting ones in priority/arrival order. A prompt longer
 than what is left of the budget is chunked. When the KV pool runs dry, the
 newest (lowest-priority) running request is preempted by recompute.
 
+With speculative decoding a decoding request carries draft tokens (`spec_token_ids`, set by
+the proposer after the previous step): they are scheduled with its last token, count against the
+budget, and get KV slots; rejected ones are rolled back by lowering `num_computed_tokens`, their
+slots written again later. Drafts are never given to the block manager's hashing.
+
 A request with structured output first waits in `waiting_for_grammar` while its grammar
 compiles in a worker thread; each `schedule()` moves the compiled ones into the queue, so the
 step loop never waits for a compile.
@@ -22,7 +27,7 @@ from engine.errors import InvalidRequest
 from engine.config import SchedulerConfig
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus, sample_request_id
-from engine.stats import IterationStats
+from engine.stats import IterationStats, SpecDecodingStats
 
 
 class Scheduler:
@@ -40,6 +45,7 @@ class Scheduler:
         self.failed_outputs: list[EngineCoreOutput] = []
         self.finished_request_ids: set[str] = set()
         self.num_preemptions = 0  # total since start, for metrics
+        self.spec_stats = SpecDecodingStats()  # totals since start, for metrics
 
     # -- admission ---------------------------------------------------------------
 
@@ -96,16 +102,25 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Drafts follow a decode's one token, as far as the budget goes.
+            drafts = request.spec_token_ids[:max(0, budget - num_new)]
+            num_new += len(drafts)
             while not self.block_manager.append_slots(
-                    request.request_id, request.all_token_ids, request.num_computed_tokens + num_new):
+                    request.request_id, request.all_token_ids,
+                    self._slots(request.num_computed_tokens + num_new), request.num_computed_tokens):
                 victim = max(self.running, key=self._order)
                 budget += self._preempt(victim, out)
                 if victim is request:
                     break
             else:
-                out.scheduled.append(self._scheduled(request, num_new))
+                out.scheduled.append(self._scheduled(request, num_new, drafts))
                 budget -= num_new
         return budget
+
+    def _slots(self, end: int) -> int:
+        """Tokens the table must cover when this step computes up to `end`: with a draft model,
+        k more for the drafts it writes ahead (never past max_model_len)."""
+        return min(end + self.config.num_lookahead_tokens, max(end, self.config.max_model_len))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0:
@@ -118,7 +133,7 @@ class Scheduler:
                 cached_blocks, num_cached = self.block_manager.get_computed_blocks(request.all_token_ids)
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(request.request_id, request.all_token_ids,
-                                               num_cached + num_new, cached_blocks):
+                                               self._slots(num_cached + num_new), cached_blocks):
                 break  # the head waits for blocks; nobody overtakes it
             heapq.heappop(self.waiting)
             if request.status == RequestStatus.WAITING:
@@ -150,7 +165,7 @@ class Scheduler:
             except InvalidRequest as e:
                 request.error = str(e)
                 self._finish(request, RequestStatus.FINISHED_INVALID)
-                self.failed_outputs.append(self._output(request, [], None, None))
+                self.failed_outputs.append(self._output(request, [], [], None))
                 return
         self._push_waiting(request)
 
@@ -163,33 +178,58 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput
                            ) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled ones, fork n>1 prompts, finish stopped requests."""
+        drafted = {}
         for s in sched.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            s.request.spec_token_ids = []  # verified now; the proposer gives new ones
+            if s.spec_token_ids:
+                drafted[s.request.request_id] = s
         for request_id, entries in result.prompt_logprobs.items():
             self.requests[request_id].prompt_logprobs += entries
-        outputs, now = [], time.monotonic()
+        outputs = []
         for request_id, tokens, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
             request = self.requests[request_id]
-            samples = [request] + (self._fork(request, len(tokens) - 1) if len(tokens) > 1 else [])
-            for sample, token, token_logprobs in zip(samples, tokens, logprobs):
-                if self.stats is not None:
-                    self.stats.observe_token(sample, now)
-                sample.last_token_time = now
-                prompt_logprobs = self._take_prompt_logprobs(sample)
-                sample.append_output(token, token_logprobs)
-                status = self._check_stop(sample, token)
-                if status is not None:
-                    self.running.remove(sample)
-                    self._finish(sample, status)
-                outputs.append(self._output(sample, [token], token_logprobs, prompt_logprobs))
+            if request_id in drafted:
+                self._rollback(drafted[request_id], num_accepted=len(tokens) - 1)
+            if request.needs_fork:  # n tokens: one for each of the n samples
+                samples = [request] + self._fork(request, len(tokens) - 1)
+                runs = [([token], [lp]) for token, lp in zip(tokens, logprobs)]
+            else:  # one token, or with drafts the accepted ones and one more
+                samples, runs = [request], [(tokens, logprobs)]
+            for sample, (run, run_logprobs) in zip(samples, runs):
+                outputs.append(self._append_run(sample, run, run_logprobs))
         return outputs
 
+    def _rollback(self, s: ScheduledRequest, num_accepted: int) -> None:
+        """Rejected drafts' KV is not the sequence's: step back before them."""
+        s.num_accepted_tokens = num_accepted
+        s.request.num_computed_tokens -= len(s.spec_token_ids) - num_accepted
+        self.spec_stats.observe(len(s.spec_token_ids), num_accepted)
+
+    def _append_run(self, request: Request, tokens: list[int], logprobs: list) -> EngineCoreOutput:
+        """Append tokens in order until one stops the request (the rest are dropped)."""
+        now = time.monotonic()
+        prompt_logprobs = self._take_prompt_logprobs(request)
+        emitted = 0
+        for token, token_logprobs in zip(tokens, logprobs):
+            if self.stats is not None:
+                self.stats.observe_token(request, now)
+            request.last_token_time = now
+            request.append_output(token, token_logprobs)
+            emitted += 1
+            status = self._check_stop(request, token)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                break
+        return self._output(request, tokens[:emitted], logprobs[:emitted], prompt_logprobs)
+
     @staticmethod
-    def _output(request: Request, tokens: list[int], logprobs: dict[int, float] | None,
+    def _output(request: Request, tokens: list[int], logprobs: list[dict[int, float] | None],
                 prompt_logprobs: list | None) -> EngineCoreOutput:
         return EngineCoreOutput(
             request_id=request.parent_id or request.request_id, sample_index=request.sample_index,
-            new_token_ids=tokens, new_logprobs=None if logprobs is None else [logprobs],
+            new_token_ids=tokens, new_logprobs=None if not logprobs or logprobs[0] is None else logprobs,
             finish_reason=request.status.finish_reason, stop_token_id=request.stop_token_id,
             num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=prompt_logprobs, error=request.error,
@@ -247,11 +287,11 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        reaches_end = request.num_computed_tokens + num_new == request.num_tokens
+    def _scheduled(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledRequest:
+        reaches_end = request.num_computed_tokens + num_new - len(drafts) == request.num_tokens
         num_samples = 0 if not reaches_end else request.sampling_params.n if request.needs_fork else 1
         return ScheduledRequest(request, num_new, self.block_manager.block_table(request.request_id),
-                                num_samples)
+                                num_samples, list(drafts))
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Free the victim's blocks and requeue it; returns budget given back."""
@@ -261,6 +301,7 @@ class Scheduler:
         self.block_manager.free(victim.request_id, step_discarded=taken_back is not None)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.prompt_logprobs = []  # its recompute scores the prompt again from position 1
         victim.num_preemptions += 1
         self.num_preemptions += 1
