@@ -12,6 +12,15 @@
     pagedserve:engine_step_seconds{phase}          histogram: schedule, model, sample, and grammar
                                                    (structured output's bitmask, within sample)
 
+With speculative decoding on (vLLM's spec_decode counters):
+
+    pagedserve:spec_decode_num_drafts              counter: verification steps with drafts, per request
+    pagedserve:spec_decode_num_draft_tokens        counter: tokens proposed and verified
+    pagedserve:spec_decode_num_accepted_tokens     counter: of those, accepted
+    pagedserve:spec_decode_num_accepted_tokens_per_pos{position}   counter: accepted at draft slot i
+
+(acceptance rate = accepted / draft tokens; mean acceptance length = 1 + accepted / drafts).
+
 Counters get the `_total` suffix on the wire (`pagedserve:num_preemptions_total`).
 Every series carries `model_name`, as vLLM's do.
 """
@@ -21,6 +30,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+from engine.stats import SpecDecodingStats
 
 if TYPE_CHECKING:
     from engine.core import EngineStats
@@ -70,6 +81,14 @@ class EngineMetrics:
         step = make(Histogram, "engine_step_seconds", "Engine step time by phase", ("phase",),
                     buckets=STEP_BUCKETS)
         self._phases = {p: step.labels(model_name, p) for p in ("schedule", "model", "sample", "grammar")}
+        self._spec = {name: make(Counter, f"spec_decode_{name}", doc).labels(model_name) for name, doc in (
+            ("num_drafts", "Speculative decoding: verification steps with drafts, per request"),
+            ("num_draft_tokens", "Speculative decoding: draft tokens verified"),
+            ("num_accepted_tokens", "Speculative decoding: draft tokens accepted"))}
+        self._spec_per_pos = make(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                  "Speculative decoding: draft tokens accepted at each draft position",
+                                  ("position",))
+        self._model_name = model_name
         self._last: EngineStats | None = None  # the cumulative counts already exported
 
     def record(self, snapshot: EngineStats, stats: IterationStats | None) -> None:
@@ -82,9 +101,21 @@ class EngineMetrics:
         self._cache_queries.inc(snapshot.num_prefix_cache_queries - (last.num_prefix_cache_queries if last else 0))
         self._cache_hits.inc(snapshot.num_prefix_cache_hits - (last.num_prefix_cache_hits if last else 0))
         self._preemptions.inc(snapshot.num_preemptions - (last.num_preemptions if last else 0))
+        if snapshot.spec_decoding is not None:
+            self._record_spec(snapshot.spec_decoding, last.spec_decoding if last else None)
         self._last = snapshot
         if stats is not None:
             self._record_iteration(stats)
+
+    def _record_spec(self, now: SpecDecodingStats, before: SpecDecodingStats | None) -> None:
+        before = before or SpecDecodingStats()
+        self._spec["num_drafts"].inc(now.num_drafts - before.num_drafts)
+        self._spec["num_draft_tokens"].inc(now.num_draft_tokens - before.num_draft_tokens)
+        self._spec["num_accepted_tokens"].inc(now.num_accepted_tokens - before.num_accepted_tokens)
+        done = before.accepted_per_position
+        for position, count in enumerate(now.accepted_per_position):
+            self._spec_per_pos.labels(self._model_name, str(position)).inc(
+                count - (done[position] if position < len(done) else 0))
 
     def _record_iteration(self, stats: IterationStats) -> None:
         self._prompt_tokens.inc(stats.num_prompt_tokens)

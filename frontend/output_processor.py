@@ -143,16 +143,22 @@ class RequestState:
             raise InvalidRequest(out.error or "the engine refused the request")
         if out.finish_reason == "error":
             raise RequestFailed(out.error or "the engine could not finish the request")
-        s.num_tokens += len(out.new_token_ids)
-        delta.token_ids += out.new_token_ids
-        if self.params.logprobs is not None and out.new_logprobs:
-            delta.logprobs += [self._decode_logprobs(t, lp, self.params.logprobs)
-                               for t, lp in zip(out.new_token_ids, out.new_logprobs)]
-        text, stop = s.stops.add(s.detok.add(out.new_token_ids) + (s.detok.flush() if out.finished else ""))
-        delta.text += text
-        if stop is not None:
-            s.finish(delta, STOP_STRING, stop)
-            return not out.finished
+        tokens, logprobs = out.new_token_ids, out.new_logprobs or [None] * len(out.new_token_ids)
+        # Several tokens (speculative decoding's accepted run) with stop strings: one at a time,
+        # so the sample ends at the token that completes a stop string, as it would unbatched.
+        step = 1 if self.params.stop else max(1, len(tokens))
+        for start in range(0, len(tokens), step):
+            chunk, last = tokens[start:start + step], start + step >= len(tokens)
+            s.num_tokens += len(chunk)
+            delta.token_ids += chunk
+            if self.params.logprobs is not None and out.new_logprobs:
+                delta.logprobs += [self._decode_logprobs(t, lp, self.params.logprobs)
+                                   for t, lp in zip(chunk, logprobs[start:start + step])]
+            text, stop = s.stops.add(s.detok.add(chunk) + (s.detok.flush() if out.finished and last else ""))
+            delta.text += text
+            if stop is not None:
+                s.finish(delta, STOP_STRING, stop)
+                return not out.finished
         if out.finished:
             delta.text += s.stops.flush()
             s.finish(delta, self._reason(out), out.stop_token_id)

@@ -198,13 +198,37 @@ def test_finish_all_releases_held_back_text(tok):
     state.process([out(encode(tok, "done"), 0, finish="length")])
     state.process([out(encode(tok, "wait ST"), 1)])
     fox = encode(tok, "run 🦊")
-    assert state.process([out(fox[:-1], 2)])[0][0].text == ""  # the fox's last byte is yet to come
+    first = state.process([out(fox[:-1], 2)])[0][0].text
+    assert "\ufffd" not in first  # the fox's last byte is yet to come: its first ones wait
     deltas = state.finish_all(TIME_LIMIT)
     assert [d.index for d in deltas] == [1, 2]
     assert deltas[0].text == "ST" and deltas[0].num_tokens == len(encode(tok, "wait ST"))
-    assert deltas[1].text == tok.decode(fox[:-1]) and deltas[1].text.startswith("run \ufffd")
+    assert first + deltas[1].text == tok.decode(fox[:-1]) and "\ufffd" in deltas[1].text
     assert all(d.finish_reason == TIME_LIMIT for d in deltas)
     assert state.done and state.finish_all(TIME_LIMIT) == []
+
+
+def test_a_run_of_tokens_stops_at_the_token_completing_a_stop_string(tok):
+    """Speculative decoding hands over several tokens at once: the sample ends at the token
+    that completes the stop string, with the tokens, logprobs and text one-at-a-time gives."""
+    tokens = encode(tok, "one two STOP three four")
+    cut = next(i for i in range(1, len(tokens) + 1) if "STOP" in tok.decode(tokens[:i]))
+    lps = [{t: -0.5} for t in tokens]
+    runs = []
+    for chunks in ([tokens], [[t] for t in tokens]):
+        state = state_for(tok, SamplingParams(stop=["STOP"], logprobs=0))
+        text, ids, logprobs, to_stop = "", [], [], []
+        for i, chunk in enumerate(chunks):
+            start = sum(len(c) for c in chunks[:i])
+            deltas, stop = state.process([out(chunk, logprobs=lps[start:start + len(chunk)])])
+            for d in deltas:
+                text, ids, logprobs = text + d.text, ids + d.token_ids, logprobs + d.logprobs
+            to_stop += stop
+            if state.done:
+                break
+        runs.append((text, ids, [lp.sampled.token_id for lp in logprobs], to_stop))
+    assert runs[0] == runs[1]
+    assert runs[0][0] == "one two " and runs[0][1] == tokens[:cut] and runs[0][3] == [RID]
 
 
 def test_output_processor_groups_by_request_and_forgets_finished(tok):
