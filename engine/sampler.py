@@ -162,7 +162,8 @@ def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: 
             matcher.fill_bitmask(bitmask, row)
             filled[key] = row
         if draft is not None and id(matcher) not in dead:
-            if matcher.accept(draft):
+            # Ask the mask first: a matcher that rejects a token is left in an error state.
+            if _allows(bitmask[row], draft) and matcher.accept(draft):
                 advanced[id(matcher)] = (matcher, depth + 1)
             else:
                 dead.add(id(matcher))
@@ -173,6 +174,10 @@ def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: 
     else:
         apply_token_bitmask(logits, bitmask.to(logits.device), _index(constrained, logits))
     return time.perf_counter() - start
+
+
+def _allows(bitmask_row: torch.Tensor, token: int) -> bool:
+    return bool((int(bitmask_row[token // 32]) >> (token % 32)) & 1)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
