@@ -44,6 +44,12 @@ def forward_row(s: ScheduledRequest) -> ForwardRow:
     return ForwardRow(tokens, start, s.block_ids, (1 + len(drafts)) if s.num_samples else 0)
 
 
+def _as_decodes(f: ForwardRow) -> list[ForwardRow]:
+    if not 1 < len(f.token_ids) == f.num_logits:
+        return [f]
+    return [ForwardRow([t], f.start + i, f.block_ids, 1) for i, t in enumerate(f.token_ids)]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, eos_token_ids: tuple[int, ...]) -> None:
         self.config = config
@@ -99,8 +105,8 @@ class ModelRunner:
         start = time.perf_counter()
         self.release(sched.finished_request_ids)
         self.backend.copy_blocks(self.kv_caches, sched.blocks_to_copy)
-        # Single-token rows run the batched decode path; put them first.
-        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)
+        # Single-token rows and draft verifications run the batched decode path; put them first.
+        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1 and not s.spec_token_ids)
         hidden, last_rows = self.forward([forward_row(s) for s in order])
         prompt_lps = self._prompt_logprobs(order, hidden)
         sampling = [s for s in order if s.num_samples]
@@ -119,8 +125,15 @@ class ModelRunner:
         return out
 
     def forward(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the model over `rows` (single-token rows first, for the batched decode path):
-        (hidden states, the indices of the rows whose logits are needed, in order)."""
+        """Run the model over `rows` (single-token rows and verifications first, for the batched
+        decode path): (hidden states, the indices of the rows whose logits are needed, in order).
+
+        A verification (every token needs logits: a decode's token and its drafts) runs as one
+        decode row per token, each attending to the cache up to its own position: every K/V
+        of the step is written before attention reads any, so token j sees drafts 0..j-1.
+        The decode kernel is much cheaper than a prefill chunk for a few tokens, and each
+        token goes through the same kernels as without speculation."""
+        rows = [one for f in rows for one in _as_decodes(f)]
         if self.graphs is not None and self._all_decode(rows):
             return self._run_graph(rows)
         input_ids, positions, meta, last_rows = self._prepare(rows)
