@@ -301,6 +301,12 @@ void few_rows(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1) 
   for (int64_t c0 = g0; c0 < g1; c0 += kSuperGroup) {
     const int64_t c1 = std::min(g1, c0 + kSuperGroup);
     int64_t m = m0;
+    // 5 rows in one tile rather than 4 + 1: the 1-row tile would unpack every weight again
+    // for a single product. Speculative decoding verifies a token and 4 drafts: 5 rows.
+    if ((m1 - m0) % 4 == 1 && m1 - m0 >= 5) {
+      groups_by<5, 2>(p, m, c0, c1);
+      m += 5;
+    }
     for (; m + 4 <= m1; m += 4) groups_by<4, 2>(p, m, c0, c1);
     switch (m1 - m) {
       case 3: groups_by<3, 2>(p, m, c0, c1); break;
