@@ -67,6 +67,18 @@ def bf16_quant_linear(x: torch.Tensor, fmt: str, records: torch.Tensor, n: int) 
     return torch.ops.pagedserve_cpu.bf16_int8_linear(x, records, n)
 
 
+def bf16_unpack(fmt: str, records: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """A packed weight's bf16 values, unpacked once for `bf16_quant_linear_unpacked`."""
+    return torch.ops.pagedserve_cpu.bf16_unpack(records, n, k, fmt == "int4")
+
+
+def bf16_quant_linear_unpacked(x: torch.Tensor, fmt: str, records: torch.Tensor, unpacked: torch.Tensor,
+                               n: int) -> torch.Tensor:
+    """`bf16_quant_linear`, reading the weights from `bf16_unpack`'s copy (the scales still
+    from `records`): bitwise the same result, without unpacking per call."""
+    return torch.ops.pagedserve_cpu.bf16_linear_unpacked(x, records, unpacked, n, fmt == "int4")
+
+
 def bf16_rows(fmt: str, records: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (int64 [T]) of a packed [n, k] weight, dequantized as
     QuantizedTensor.dequantize() does, in bfloat16 [T, k]: a tied embedding's lookup."""

@@ -359,6 +359,56 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool
   return out;
 }
 
+// An int8 weight unpacked once, for good: each group's bf16 pairs as `unpack_group` writes
+// them, [G][K/2][32] words. Unpacking int8 costs more than the dot products it feeds, so for
+// a few rows (speculative decoding's verification, 2-15 rows) a layer that keeps this copy
+// (twice its int8 bytes) runs the panel tiles straight from it. Same op sequence per element.
+at::Tensor bf16_unpack(const at::Tensor& w, int64_t N, int64_t K, bool int4) {
+  const int64_t G = (N + 15) / 16, blocks = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0 && K > 0 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+              w.numel() == G * blocks * bytes_per_group_block(int4), "packed weights: wrong size for N, K");
+  at::Tensor out = at::empty({G * K / 2 * 32}, at::TensorOptions().dtype(at::kBFloat16));
+  const Problem p{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, 0, N, K, G, blocks, int4};
+  auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) unpack_group(p, g, dst + g * (K / 2 * 32));
+  });
+  return out;
+}
+
+at::Tensor bf16_linear_unpacked(const at::Tensor& x, const at::Tensor& w, const at::Tensor& unpacked,
+                                int64_t N, bool int4) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "x must be a contiguous 2-D bfloat16 tensor");
+  const int64_t M = x.size(0), K = x.size(1), G = (N + 15) / 16, blocks = K / kBlock;
+  TORCH_CHECK(K % kBlock == 0 && K > 0 && N > 0, "K must be a positive multiple of 32, N positive");
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() &&
+              w.numel() == G * blocks * bytes_per_group_block(int4), "packed weights: wrong size for N, K");
+  TORCH_CHECK(unpacked.scalar_type() == at::kBFloat16 && unpacked.is_contiguous() &&
+              unpacked.numel() == G * K / 2 * 32, "unpacked weights: wrong size for N, K");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  std::vector<float> xsum(int4 ? M * blocks : 0);
+  const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), w.data_ptr<uint8_t>(), xsum.data(),
+                  reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, G, blocks, int4};
+  if (int4) block_sums(p, xsum.data());
+  const auto* panel = reinterpret_cast<const uint16_t*>(unpacked.data_ptr());
+  const int64_t group_words = K / 2 * 32;
+  // Strips of kPanelGroups groups, as many_rows takes them; threads split the strips.
+  const int64_t strips = (G + kPanelGroups - 1) / kPanelGroups;
+  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
+      const int64_t m1 = std::min(M, m0 + kMChunk);
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t g = s * kPanelGroups;
+        if (G - g >= 2) panel_rows<2>(p, m0, m1, g, panel + g * group_words);
+        else panel_rows<1>(p, m0, m1, g, panel + g * group_words);
+      }
+    }
+  });
+  return out;
+}
+
 // Rows `ids` of a packed weight as bf16: w = q * scale (+ zero) in fp32, as
 // QuantizedTensor.dequantize() computes it, then rounded. A tied embedding's lookup.
 at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int64_t K, bool int4) {
@@ -403,6 +453,14 @@ at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int6
 
 #else  // no AVX512-BF16: the Python side checks `bf16_supported` and never calls these
 
+at::Tensor bf16_unpack(const at::Tensor&, int64_t, int64_t, bool) {
+  TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
+}
+
+at::Tensor bf16_linear_unpacked(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool) {
+  TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
+}
+
 at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
@@ -432,4 +490,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("bf16_int4_linear(Tensor x, Tensor w, int n) -> Tensor", &bf16_int4_linear);
   m.def("bf16_int8_linear(Tensor x, Tensor w, int n) -> Tensor", &bf16_int8_linear);
   m.def("bf16_rows(Tensor w, Tensor ids, int n, int k, bool int4) -> Tensor", &bf16_rows);
+  m.def("bf16_unpack(Tensor w, int n, int k, bool int4) -> Tensor", &bf16_unpack);
+  m.def("bf16_linear_unpacked(Tensor x, Tensor w, Tensor unpacked, int n, bool int4) -> Tensor",
+        &bf16_linear_unpacked);
 }

@@ -107,3 +107,13 @@ def test_rows_dequantize_as_the_reference(fmt):
     assert torch.equal(rows, w.dequantize()[ids].bfloat16())
     with pytest.raises(RuntimeError, match="out of range"):
         ops.bf16_rows(fmt, packing.pack(w).data, 130, 96, torch.tensor([130]))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("m", [1, 3, 5, 16, 40, 130])
+def test_unpacked_copy_gives_the_same_bits(fmt, m):
+    """The once-unpacked weights (QuantLinear keeps them for int8) change the speed, never a bit."""
+    w = packing.pack(random_weight(fmt, 328, 576))
+    unpacked = ops.bf16_unpack(fmt, w.data, w.n, 576)
+    x = bf16_input(m, 576, seed=3)
+    assert torch.equal(ops.bf16_quant_linear_unpacked(x, fmt, w.data, unpacked, w.n), run(x, w))
