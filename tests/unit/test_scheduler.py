@@ -418,3 +418,43 @@ def test_random_workload_keeps_invariants_and_finishes(num_blocks, budget, max_s
         if f"r{k}" not in aborted:
             assert [counts.get((f"r{k}", i)) for i in range(n)] == [max_tokens] * n
     assert_drained(sched)
+
+
+# -- speculative decoding -------------------------------------------------------------------
+
+
+def test_drafts_share_the_budget_take_slots_and_roll_back(make):
+    sched, runner = make(budget=8)
+    a = make_request("A", 5)
+    sched.add_request(a)
+    runner.step()  # prefill: 5 tokens, then one sampled
+    a.spec_token_ids = list(range(500, 509))  # 9 drafts: the budget takes 1 + 7
+    sched.add_request(make_request("B", 3))
+    out = sched.schedule()
+    [s] = out.scheduled  # B waits: the drafts took the budget
+    assert s.num_new_tokens == 8 and s.spec_token_ids == list(range(500, 507))
+    assert len(s.block_ids) == 4  # slots for positions 0..13 (block size 4)
+    # The verification accepts 2 drafts, then the target's own token.
+    result = ModelRunnerOutput(request_ids=["A"], token_ids=[[500, 501, 77]], logprobs=[[None] * 3])
+    sched.update_from_output(out, result)
+    assert a.output_token_ids[-3:] == [500, 501, 77] and a.spec_token_ids == []
+    assert a.num_computed_tokens == a.num_tokens - 1 == 8  # the 5 rejected positions rolled back
+    assert s.num_accepted_tokens == 2
+    assert sched.spec_stats.num_drafts == 1 and sched.spec_stats.num_draft_tokens == 7
+    assert sched.spec_stats.accepted_per_position == [1, 1, 0, 0, 0, 0, 0]
+    # The next step computes one token again; the table keeps its slots.
+    out, _ = runner.step()
+    assert [(r.request.request_id, r.num_new_tokens, len(r.block_ids)) for r in out.scheduled][0] == ("A", 1, 4)
+
+
+def test_a_stop_inside_an_accepted_run_drops_the_rest(make):
+    sched, runner = make()
+    a = make_request("A", 4, max_tokens=4)
+    sched.add_request(a)
+    runner.step()
+    a.spec_token_ids = [600, EOS, 601]
+    out = sched.schedule()
+    result = ModelRunnerOutput(request_ids=["A"], token_ids=[[600, EOS, 601, 602]], logprobs=[[None] * 4])
+    [output] = sched.update_from_output(out, result)
+    assert output.new_token_ids == [600, EOS] and output.finish_reason == "stop" and output.stop_token_id == EOS
+    assert a.status == RequestStatus.FINISHED_STOPPED and "A" not in sched.requests
