@@ -118,7 +118,6 @@ class EngineCore:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.model_runner.release(sched.finished_request_ids)
             if not self.scheduler.failed_outputs:
                 self._wait_for_grammars()
             return self.scheduler.take_failed_outputs()
@@ -127,6 +126,7 @@ class EngineCore:
         outputs = self.scheduler.take_failed_outputs() + self.scheduler.update_from_output(sched, result)
         if self.speculator is not None:
             self.speculator.after_step(sched, self.scheduler.requests)
+            self.speculator.observe_step(sched, time.perf_counter() - start)
         if self.iteration_stats is not None:
             self.iteration_stats.observe_step(schedule_s, result.model_s, result.sample_s,
                                               sched.num_batched_tokens, result.grammar_s)

@@ -19,7 +19,7 @@ from engine.cpu_tuning import bucket, tune_cpu
 from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, load_model, read_arch_config
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.request import Request, sample_request_id
+from engine.request import Request
 from engine.sampler import NOT_EMITTED, Sampler, SamplingRow, prompt_logprobs
 
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -42,6 +42,14 @@ def forward_row(s: ScheduledRequest) -> ForwardRow:
     start = r.num_computed_tokens
     tokens = r.all_token_ids[start:start + s.num_new_tokens - len(drafts)] + drafts
     return ForwardRow(tokens, start, s.block_ids, (1 + len(drafts)) if s.num_samples else 0)
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): well-spread seeds for neighbouring positions."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
 def _as_decodes(f: ForwardRow) -> list[ForwardRow]:
@@ -69,7 +77,6 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=DTYPES[config.dtype], device=self.device)
                           for _ in range(self.arch.num_layers)]
         self.sampler = Sampler(eos_token_ids)
-        self.generators: dict[str, torch.Generator] = {}  # seeded requests' private RNGs
         self.graphs = self._capture_graphs() if config.cuda_graphs else None
 
     def _capture_graphs(self):
@@ -95,15 +102,9 @@ class ModelRunner:
         bytes_per_block = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.block_size * itemsize
         return max(1, int(memory_gb * 2**30) // bytes_per_block)
 
-    def release(self, request_ids: set[str]) -> None:
-        """Forget finished requests' state (their seeded RNGs)."""
-        for request_id in request_ids:
-            self.generators.pop(request_id, None)
-
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        self.release(sched.finished_request_ids)
         self.backend.copy_blocks(self.kv_caches, sched.blocks_to_copy)
         # Single-token rows and draft verifications run the batched decode path; put them first.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1 and not s.spec_token_ids)
@@ -233,32 +234,33 @@ class ModelRunner:
             matcher = None if r.structured is None else r.structured.matcher
             drafts = s.spec_token_ids
             if drafts:  # row j verifies drafts[j] after drafts[:j]; the last row follows them all
-                generator = self._generator(r.request_id, r.seed)
                 for j in range(len(drafts) + 1):
+                    position = r.num_output_tokens + j
                     rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids,
-                                            r.output_token_ids + drafts[:j], generator, matcher,
-                                            drafts[j] if j < len(drafts) else None))
+                                            r.output_token_ids + drafts[:j], self._generator(r.seed, position),
+                                            matcher, drafts[j] if j < len(drafts) else None))
                     owner.append(i)
                     logits_index.append(next_logits)
                     next_logits += 1
                 continue
             for index in range(s.num_samples):
-                request_id = r.request_id if index == 0 else sample_request_id(r.parent_id, index)
                 seed = None if r.seed is None else r.seed + index
                 # A forking prompt's n rows share sample 0's matcher: none has a token yet.
                 rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                                        self._generator(request_id, seed), matcher))
+                                        self._generator(seed, r.num_output_tokens), matcher))
                 owner.append(i)
                 logits_index.append(next_logits)
             next_logits += 1
         return rows, owner, logits_index
 
-    def _generator(self, request_id: str, seed: int | None) -> torch.Generator | None:
+    def _generator(self, seed: int | None, position: int) -> torch.Generator | None:
+        """A seeded sample's randomness for output position `position`: a generator keyed by
+        (seed, position), not one stream per request. So its tokens depend on neither the
+        batch nor speculative decoding (which samples several positions in one step, and
+        discards rows past a rejection)."""
         if seed is None:
             return None
-        if request_id not in self.generators:
-            self.generators[request_id] = torch.Generator(self.device).manual_seed(seed)
-        return self.generators[request_id]
+        return torch.Generator(self.device).manual_seed(_mix(seed, position))
 
     @staticmethod
     def _group(sampling: list[ScheduledRequest], row_owner: list[int], sampled) -> ModelRunnerOutput:

@@ -12,10 +12,10 @@ Order of work per step (each stage runs only if some row needs it):
 
 Speculative decoding adds verification groups: a request's k draft tokens give k + 1
 consecutive rows, row j scoring the position after drafts[:j] (its penalties count those
-drafts, its grammar mask has accepted them). Each row goes through every stage above as a
-normal row would; then instead of sampling, the group is verified (spec_decode.rejection):
-greedy rows accept drafts equal to their argmax, random rows accept by min(1, p/q) and
-resample the first rejection from the residual. Rows past a group's emitted run get token -1.
+drafts, its grammar mask has accepted them). Each row goes through every stage above and
+samples as a normal row would; then the group keeps its drafts while they equal the sampled
+tokens, and the first sampled token that differs (see `_verify`: for one-hot drafts this is
+exactly rejection sampling). Rows past a group's emitted run get token -1.
 
 Sampling uses the exponential race, argmax(p / q) with q ~ Exp(1), which draws
 from p without a cumsum or a renormalisation. A seeded row draws its q from its
@@ -38,7 +38,7 @@ import cpu_kernels
 from cpu_kernels import ops
 
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.rejection import greedy_verify, rejection_sample
+from engine.spec_decode.rejection import greedy_verify
 from engine.structured_output.backend import GrammarBackend, GrammarMatcher
 
 NOT_EMITTED = -1  # a verification row past its group's emitted run
@@ -132,7 +132,7 @@ def _greedy(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: int) ->
         masked = logits[index]  # a copy: the caller keeps its logits
         grammar_s = _apply_grammar(masked, [rows[i] for i in constrained], lm_head_rows)
         token_ids[index] = masked.argmax(dim=-1)
-    return SamplerOutput(_verify_greedy(token_ids.tolist(), rows), [None] * len(rows), grammar_s)
+    return SamplerOutput(_verify(token_ids.tolist(), rows), [None] * len(rows), grammar_s)
 
 
 def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: int) -> float | None:
@@ -231,9 +231,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    verified = _verified_random_rows(rows)
     greedy_idx = [i for i, r in enumerate(rows) if r.params.greedy]
-    random_idx = [i for i, r in enumerate(rows) if not r.params.greedy and i not in verified]
+    random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
     if greedy_idx:
         index = _index(greedy_idx, logits)
         token_ids[index] = logits[index].argmax(dim=-1)
@@ -242,10 +241,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         random_rows = [rows[i] for i in random_idx]
         probs = _filtered_probs(logits[index], random_rows)
         token_ids[index] = _race(probs, [r.generator for r in random_rows])
-    tokens = token_ids.tolist()
-    if verified:
-        _verify_random(logits, rows, sorted(verified), tokens)
-    return _verify_greedy(tokens, rows)
+    return _verify(token_ids.tolist(), rows)
 
 
 def _groups(rows: list[SamplingRow]) -> list[range]:
@@ -260,13 +256,20 @@ def _groups(rows: list[SamplingRow]) -> list[range]:
     return groups
 
 
-def _verified_random_rows(rows: list[SamplingRow]) -> set[int]:
-    return {i for g in _groups(rows) if not rows[g[0]].params.greedy for i in g}
+def _verify(tokens: list[int], rows: list[SamplingRow]) -> list[int]:
+    """Each verification group: `tokens` holds the token every row sampled (argmax, or its own
+    exponential race) as if its drafts were right; accept drafts while they equal those, then
+    emit the first sampled token that differs, or the bonus after the last draft.
 
-
-def _verify_greedy(tokens: list[int], rows: list[SamplingRow]) -> list[int]:
-    """Greedy groups: `tokens` holds each row's argmax; keep the accepted run plus one."""
-    groups = [g for g in _groups(rows) if rows[g[0]].params.greedy]
+    Under random sampling this is the rejection sampler for drafts proposed deterministically
+    (one-hot q, as n-gram lookup and a greedy draft model give): draft x is accepted with
+    probability P(sample = x) = p(x) = min(1, p(x)/q(x)), and on rejection the emitted token
+    is a sample of p given that it is not x, which is norm(max(p - q, 0)). The output is the
+    target's distribution exactly (tests/unit/test_rejection_sampler.py; spec_decode.rejection
+    is the general form, for drafts sampled from a full q). And since each row's randomness is
+    its own (a seeded row's is keyed by its output position), a seeded request samples the
+    very tokens it samples without speculation."""
+    groups = _groups(rows)
     if not groups:
         return tokens
     width = max(len(g) for g in groups)
@@ -276,29 +279,6 @@ def _verify_greedy(tokens: list[int], rows: list[SamplingRow]) -> list[int]:
     emitted, counts = greedy_verify(target, drafts, torch.tensor([len(g) - 1 for g in groups]))
     _scatter_runs(tokens, groups, emitted.tolist(), counts.tolist())
     return tokens
-
-
-def _verify_random(logits: torch.Tensor, rows: list[SamplingRow], idx: list[int], tokens: list[int]) -> None:
-    """Random groups: the target's processed probs per row, then lossless rejection sampling.
-    The drafts were proposed deterministically (n-gram lookup, a greedy draft model): one-hot q."""
-    groups = [g for g in _groups(rows) if g[0] in set(idx)]
-    probs = _filtered_probs(logits[_index(idx, logits)], [rows[i] for i in idx])
-    at = {i: k for k, i in enumerate(idx)}
-    # A seeded group is verified alone: the randomness it draws depends on the batch's widest
-    # group, and its tokens must not depend on what it is batched with.
-    unseeded = [g for g in groups if rows[g[0]].generator is None]
-    batches = [[g] for g in groups if rows[g[0]].generator is not None] + ([unseeded] if unseeded else [])
-    for batch in batches:
-        width = max(len(g) for g in batch)
-        target = probs.new_zeros(len(batch), width, probs.shape[-1])
-        drafts = torch.zeros(len(batch), width - 1, dtype=torch.long)
-        for b, g in enumerate(batch):
-            target[b, :len(g)] = probs[[at[i] for i in g]]
-            drafts[b, :len(g) - 1] = torch.tensor([rows[i].draft_token_id for i in g[:-1]])
-        emitted, counts = rejection_sample(target, drafts.to(probs.device),
-                                           torch.tensor([len(g) - 1 for g in batch]), None,
-                                           [rows[g[0]].generator for g in batch])
-        _scatter_runs(tokens, batch, emitted.tolist(), counts.tolist())
 
 
 def _scatter_runs(tokens: list[int], groups: list[range], emitted: list[list[int]], counts: list[int]) -> None:

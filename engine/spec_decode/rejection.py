@@ -16,6 +16,13 @@ This emits tokens distributed exactly as sampling the target alone would (Leviat
 2023; vLLM's RejectionSampler). q = None means one-hot drafts (n-gram lookup, greedy draft
 model): q_j(d_j) = 1, so d_j is accepted with probability p_j(d_j).
 
+The engine's proposers draft deterministically, and for one-hot drafts the sampler verifies by
+coupling instead (engine/sampler.py `_verify`): each row samples as it would alone, and a draft
+is kept while it equals the sample. That is this rule exactly (accept with probability p(d);
+a rejection emits a sample of p given it is not d, i.e. of the residual), and it keeps a seeded
+request's tokens the same with and without speculation. `rejection_sample` is the general rule,
+for proposers that sample their drafts from a full q; `greedy_verify` serves both.
+
 Randomness: every row draws K uniforms (acceptance tests, slot j uses uniform j), then one [V]
 vector of Exp(1) (the final token's exponential race), however many drafts it has or accepts.
 A seeded row draws them from its own generator in that order, so the same seed and the same

@@ -1,32 +1,41 @@
-"""Which requests get drafts after each step, from which proposer, and when to stop trying.
+"""Which requests get drafts after each step, how many, from which proposer.
 
 After a step's update, every request that was scheduled, still runs and is decoding (all its
-tokens computed but the one just sampled) may get up to k drafts for its next step:
+tokens computed but the one just sampled) may get drafts for its next step, at most
 
-    k_eff = min(num_speculative_tokens, max_tokens left - 1, max_model_len left - 1)
+    limit = min(num_speculative_tokens, max_tokens left - 1, max_model_len left - 1)
 
-(the verification step emits up to k_eff + 1 tokens, which must fit both limits).
+(the verification step emits up to limit + 1 tokens, which must fit both limits).
 
-Back-off: drafts that are mostly rejected make a step slower than a plain decode (a k+1-token
-verification costs more than one token, and a draft model costs its forwards too). Each
-request keeps a moving average of its acceptance rate; when it falls below
-MIN_ACCEPTANCE_RATE the request stops proposing for a pause, then tries once again. A failed
-try doubles the pause (up to MAX_PAUSE_STEPS); a good one halves it.
+How many, below that: as many as pay for themselves. Each request keeps an estimate of the
+chance p that a draft of its is accepted (accepted drafts over tries, a try ending at the
+first rejection, recent verifications weighing most), so its j-th draft is used with
+probability p^j. A draft token costs `b` seconds of step time and the step emits tokens at
+rate T / time; a draft is worth adding while p^j * time > b * T: it must bring more tokens
+than the same time spent at the current rate. The drafts are handed out best first across
+the batch (`StepCost` fits a and b from recent decode steps, so this holds on a slow CPU,
+where a draft costs a third of a step, and on a GPU, where it is nearly free).
+
+Back-off: a request whose drafts do not pay proposes nothing for a pause, then tries again
+with one draft; a failed try doubles the pause (up to MAX_PAUSE_STEPS), a good one halves it
+and starts the request's estimate afresh.
+So a proposer that keeps missing costs a request one short try now and then.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from engine.outputs import SchedulerOutput
 from engine.request import Request, RequestStatus
+from engine.spec_decode.cost import StepCost
 
-# Break-even on this CPU: a 5-token verification of SmolLM2-135M costs about 1.3 decode steps
-# (docs/engine.md), which 4 drafts accepted at ~0.3 each already pay for.
-MIN_ACCEPTANCE_RATE = 0.3
-SMOOTHING = 0.5  # weight of the latest step in the moving average
+# Until StepCost has seen steps of different sizes: draft while p is at least this.
+FALLBACK_MIN_ACCEPTANCE = 0.5
+HISTORY_DECAY = 0.7  # weight of the past in a request's acceptance estimate, per verification
 FIRST_PAUSE_STEPS = 4
 MAX_PAUSE_STEPS = 64
 
@@ -46,9 +55,16 @@ class Proposer(Protocol):
 
 @dataclass(slots=True)
 class _Backoff:
-    acceptance: float = 1.0  # moving average of accepted / drafted; optimistic at first
+    accepted: float = 1.0  # decayed sums: drafts accepted, and tries that ended in a rejection
+    rejected: float = 0.0  # (optimistic at first: one accepted, none rejected)
     pause: int = 0  # length of the next pause, in steps
     skip: int = 0  # steps left without proposing
+    probing: bool = False  # the next proposal is a one-draft try after a pause
+
+    @property
+    def acceptance(self) -> float:
+        """The chance that a draft is accepted, given the ones before it were."""
+        return self.accepted / (self.accepted + self.rejected)
 
 
 class Speculator:
@@ -59,7 +75,13 @@ class Speculator:
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.vocab_limit = vocab_limit
+        self.cost = StepCost()
         self._backoff: dict[str, _Backoff] = {}
+
+    def observe_step(self, sched: SchedulerOutput, seconds: float) -> None:
+        """A step's time, schedule to proposals: decode steps feed the cost fit."""
+        if all(s.num_new_tokens == 1 + len(s.spec_token_ids) and s.num_samples == 1 for s in sched.scheduled):
+            self.cost.observe(sched.num_batched_tokens, seconds)
 
     def after_step(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
         """Learn from this step's verifications, then set each eligible request's drafts."""
@@ -75,15 +97,46 @@ class Speculator:
                 continue
             if state.skip > 0:
                 state.skip -= 1
+                if state.skip == 0:
+                    state.probing = True
                 continue
             candidates.append(r)
-            limits.append(limit)
+            limits.append(1 if state.probing else limit)
             tables.append(s.block_ids)
-        if not candidates:
+        probes = [self._backoff[r.request_id].probing for r in candidates]
+        worth = self._worth_it(candidates, limits, len(sched.scheduled))
+        limits = [1 if probe else k for probe, k in zip(probes, worth)]  # a try goes ahead regardless
+        chosen = [i for i, k in enumerate(limits) if k > 0]
+        for i, r in enumerate(candidates):
+            if limits[i] == 0:
+                self._pause(self._backoff[r.request_id])
+        if not chosen:
             return
-        drafts = self.proposer.propose(candidates, limits, tables, sched.blocks_to_copy)
-        for request, tokens in zip(candidates, drafts):
-            request.spec_token_ids = self._in_vocab(tokens)
+        drafts = self.proposer.propose([candidates[i] for i in chosen], [limits[i] for i in chosen],
+                                       [tables[i] for i in chosen], sched.blocks_to_copy)
+        for i, tokens in zip(chosen, drafts):
+            candidates[i].spec_token_ids = self._in_vocab(tokens)
+
+    def _worth_it(self, requests: list[Request], limits: list[int], batch_size: int) -> list[int]:
+        """Drafts per request that pay for themselves (see the module docstring), best first."""
+        fit = self.cost.fit()
+        chances = [self._backoff[r.request_id].acceptance for r in requests]
+        if fit is None:
+            return [k if p >= FALLBACK_MIN_ACCEPTANCE else 0 for k, p in zip(limits, chances)]
+        a, b = fit
+        tokens, time = float(batch_size), a + b * batch_size
+        granted = [0] * len(requests)
+        best = [(-p, i, 1) for i, p in enumerate(chances) if limits[i] > 0]
+        heapq.heapify(best)
+        while best:
+            neg_p, i, j = heapq.heappop(best)
+            if -neg_p * time <= b * tokens:
+                break  # the likeliest draft left does not pay: none after it does
+            granted[i] = j
+            tokens, time = tokens - neg_p, time + b
+            if j < limits[i]:
+                heapq.heappush(best, (neg_p * chances[i], i, j + 1))
+        return granted
 
     def _limit(self, r: Request) -> int:
         """Most drafts this request may take in its next step; 0 when it should take none."""
@@ -103,13 +156,19 @@ class Speculator:
 
     @staticmethod
     def _observe(state: _Backoff, num_drafts: int, num_accepted: int) -> None:
-        state.acceptance = (1 - SMOOTHING) * state.acceptance + SMOOTHING * num_accepted / num_drafts
-        if state.acceptance < MIN_ACCEPTANCE_RATE:
-            state.pause = min(max(2 * state.pause, FIRST_PAUSE_STEPS), MAX_PAUSE_STEPS)
-            state.skip = state.pause
-            state.acceptance = MIN_ACCEPTANCE_RATE  # one good try is enough to carry on
-        else:
-            state.pause //= 2
+        state.accepted = HISTORY_DECAY * state.accepted + num_accepted
+        state.rejected = HISTORY_DECAY * state.rejected + (num_accepted < num_drafts)
+        if state.probing:
+            state.probing = False
+            if num_accepted == num_drafts:  # the try paid: start afresh, with shorter pauses
+                state.accepted, state.rejected = 1.0, 0.0
+                state.pause //= 2
+
+    @staticmethod
+    def _pause(state: _Backoff) -> None:
+        state.pause = min(max(2 * state.pause, FIRST_PAUSE_STEPS), MAX_PAUSE_STEPS)
+        state.skip = state.pause
+        state.probing = False
 
     def _forget(self, requests: dict[str, Request]) -> None:
         gone = {rid for rid in self._backoff if rid not in requests}

@@ -218,15 +218,20 @@ def test_grammar_mask_applies_to_verification_rows(ngram_llm, bundled_path, prom
     assert_no_leak(ngram_llm)
 
 
-def test_seeded_sampling_is_reproducible_and_batch_independent(ngram_llm, prompts, reference):
+def test_seeded_sampling_is_reproducible_batch_independent_and_as_without_drafts(ngram_llm, bundled_path,
+                                                                                 prompts, reference):
     with_proposer(ngram_llm, Oracle(answers(prompts, reference)))
+    before = ngram_llm.engine.stats().spec_decoding
     seeded = SamplingParams(temperature=0.8, top_p=0.95, seed=7, max_tokens=MAX_NEW)
     alone = tokens(ngram_llm.generate([prompts[0]], seeded))[0]
     again = tokens(ngram_llm.generate([prompts[0]], seeded))[0]
     others = SamplingParams(temperature=1.0, max_tokens=MAX_NEW)
     batched = tokens(ngram_llm.generate([prompts[0], prompts[1], prompts[2]], [seeded, others, others]))[0]
-    assert alone == again == batched
-    assert ngram_llm.engine.stats().spec_decoding.num_accepted_tokens > 0
+    plain = tokens(LLM(str(bundled_path), dtype="float32").generate([prompts[0]], seeded))[0]
+    assert alone == again == batched == plain
+    after = ngram_llm.engine.stats().spec_decoding
+    assert after.num_accepted_tokens > before.num_accepted_tokens
+    assert after.num_accepted_tokens - before.num_accepted_tokens < after.num_draft_tokens - before.num_draft_tokens
     assert_no_leak(ngram_llm)
 
 

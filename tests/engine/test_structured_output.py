@@ -230,7 +230,6 @@ def test_a_token_the_grammar_rejects_ends_the_request_with_an_error(tiny):
     [out] = core.scheduler.update_from_output(sched, ModelRunnerOutput(["r"], [[bad]], [[None]]))
     assert out.finish_reason == "error" and "rejected sampled token" in out.error
     assert not core.has_unfinished_requests()
-    core.model_runner.release(core.scheduler.schedule().finished_request_ids)
 
 
 def test_offline_api_reports_a_failed_request(tiny):

@@ -322,3 +322,48 @@ def test_columns_past_num_tokens_are_never_sampled():
     out = Sampler([EOS], num_tokens=VOCAB)(logits, rows)
     assert max(out.token_ids) < VOCAB
     assert all(t < VOCAB for t in out.logprobs[2])
+
+
+# -- speculative decoding's verification rows --------------------------------------------------
+
+
+def test_verification_keeps_the_target_distribution():
+    """Drafts d1, d2 after token 0 of a Markov chain P: the first emitted token follows P[0];
+    given d1 was kept, the next follows P[d1]; given d2 too, the bonus follows P[d2]. Each
+    conditioning is on earlier slots only, so the checks are unbiased. ~6e4 groups, one call."""
+    vocab, groups = 6, 60_000
+    torch.manual_seed(11)
+    table = torch.distributions.Dirichlet(torch.ones(vocab)).sample((vocab,))
+    d1 = int(table[0].argmax())
+    d2 = int(table[d1].argsort()[-2])  # the second likeliest: rejected often
+    logits = table[[0, d1, d2]].log().repeat(groups, 1)
+    params = SamplingParams(temperature=1.0)
+    rows = [SamplingRow(params, [], [], None, None, draft) for _ in range(groups) for draft in (d1, d2, None)]
+    torch.manual_seed(5)
+    tokens = torch.tensor(Sampler([])(logits, rows).token_ids).view(groups, 3)
+
+    def tv(samples: torch.Tensor, expected: torch.Tensor) -> float:
+        counts = torch.bincount(samples, minlength=vocab).float()
+        return 0.5 * float((counts / counts.sum() - expected).abs().sum())
+
+    assert tv(tokens[:, 0], table[0]) < 0.015
+    kept_d1 = tokens[:, 0] == d1
+    assert (tokens[~kept_d1, 1] == -1).all()  # a rejection ends the run
+    assert tv(tokens[kept_d1, 1], table[d1]) < 0.03
+    kept_d2 = kept_d1 & (tokens[:, 1] == d2)
+    assert kept_d2.sum() > 1000
+    assert tv(tokens[kept_d2, 2], table[d2]) < 0.06
+
+
+def test_verification_of_a_seeded_row_samples_what_it_samples_without_drafts():
+    """Row j draws from its own position's generator: with drafts or without, the same tokens."""
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    params = SamplingParams(temperature=0.9, seed=1)
+    plain = [Sampler([])(logits[j:j + 1], [row(params, seed=100 + j)]).token_ids[0] for j in range(3)]
+    drafts = [plain[0], plain[1]]  # right drafts: the whole run is kept, plus the bonus
+    rows = [SamplingRow(params, [], [], torch.Generator().manual_seed(100 + j), None,
+                        drafts[j] if j < 2 else None) for j in range(3)]
+    assert Sampler([])(logits, rows).token_ids == plain
+    wrong = [SamplingRow(params, [], [], torch.Generator().manual_seed(100 + j), None,
+                         (plain[j] + 1) % 40 if j < 2 else None) for j in range(3)]
+    assert Sampler([])(logits, wrong).token_ids == [plain[0], -1, -1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine.outputs import ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.spec_decode.speculator import FIRST_PAUSE_STEPS, Speculator
+from engine.spec_decode.speculator import FIRST_PAUSE_STEPS, Speculator, _Backoff
 
 
 class Recorder:
@@ -71,16 +71,34 @@ def test_back_off_pauses_grow_while_drafts_miss_and_shrink_when_they_hit():
         step(spec, r)
         r.append_output(7, None)
         r.num_computed_tokens = r.num_tokens - 1
-    calls = len(proposer.limits)
-    # Pauses of 4, 8, 16, 32 steps after each miss: 5 tries in 60 steps.
-    assert calls == 5, calls
-    assert spec._backoff["a"].pause == 8 * FIRST_PAUSE_STEPS
-    # Hits halve the pause again: a try, then two verifications that accept everything.
+    # After the first miss, pauses of 4, 8, 16, 32 steps, each ended by a one-draft try.
+    assert [limits["a"] for limits in proposer.limits] == [4, 1, 1, 1]
     state = spec._backoff["a"]
-    state.skip = 0
-    for _ in range(3):
-        step(spec, r, accepted={"a": len(r.spec_token_ids)})
-    assert state.pause == 2 * FIRST_PAUSE_STEPS
+    assert state.pause == 8 * FIRST_PAUSE_STEPS and state.acceptance < 0.1
+    # A try that is accepted halves the pause.
+    state.skip, state.probing = 0, True
+    step(spec, r)
+    assert proposer.limits[-1] == {"a": 1}
+    step(spec, r, accepted={"a": 1})
+    assert state.pause == 4 * FIRST_PAUSE_STEPS
+
+
+def test_drafts_go_where_they_pay_once_the_step_cost_is_known():
+    proposer = Recorder()
+    spec = Speculator(proposer, num_speculative_tokens=4, max_model_len=1000, vocab_limit=1000)
+    for tokens in (1, 5, 1, 5, 2, 3):  # a = 6 ms, b = 3 ms: a draft costs half a plain step
+        spec.cost.observe(tokens, 0.006 + 0.003 * tokens)
+    a, b = spec.cost.fit()
+    assert abs(a - 0.006) < 1e-9 and abs(b - 0.003) < 1e-9
+    sure, likely, doubtful = decoding("sure"), decoding("likely"), decoding("doubtful")
+    for state, (accepted, rejected) in zip((spec._backoff.setdefault(r.request_id, _Backoff())
+                                            for r in (sure, likely, doubtful)), ((20, 0), (4, 1), (1, 3))):
+        state.accepted, state.rejected = accepted, rejected
+    step(spec, sure, likely, doubtful)
+    # p = 1: all 4; p = 0.8: 0.8^j beats b*T/time while the rate holds up; p = 0.25: none.
+    limits = proposer.limits[-1]
+    assert limits["sure"] == 4 and 1 <= limits["likely"] < 4 and "doubtful" not in limits
+    assert spec._backoff["doubtful"].skip == FIRST_PAUSE_STEPS
 
 
 def test_finished_requests_are_forgotten():
