@@ -7,12 +7,14 @@ tokens computed but the one just sampled) may get drafts for its next step, at m
 
 (the verification step emits up to limit + 1 tokens, which must fit both limits).
 
-How many, below that: as many as pay for themselves. Each request keeps an estimate of the
-chance p that a draft of its is accepted (accepted drafts over tries, a try ending at the
-first rejection, recent verifications weighing most), so its j-th draft is used with
-probability p^j. A draft token costs `b` seconds of step time and the step emits tokens at
-rate T / time; a draft is worth adding while p^j * time > b * T: it must bring more tokens
-than the same time spent at the current rate. The drafts are handed out best first across
+How many, below that: as many as pay for themselves. Each request keeps, per draft slot j,
+the chance c_j that its draft there is accepted once the ones before it were (recent
+verifications weighing most; optimistic at first), so its j-th draft is kept with probability
+P_j = c_1 ... c_j. (Acceptance comes in runs: a reply that copies its prompt keeps nearly
+every draft after the first, so one rate for all slots would draft too little.) A draft token
+costs `b` seconds of step time and the step emits tokens at rate T / time; a draft is worth
+adding while P_j * time > b * T: it must bring more tokens than the same time spent at the
+current rate. The drafts are handed out best first across
 the batch (`StepCost` fits a and b from recent decode steps, so this holds on a slow CPU,
 where a draft costs a third of a step, and on a GPU, where it is nearly free).
 
@@ -35,7 +37,7 @@ from engine.spec_decode.cost import StepCost
 
 # Until StepCost has seen steps of different sizes: draft while p is at least this.
 FALLBACK_MIN_ACCEPTANCE = 0.5
-HISTORY_DECAY = 0.7  # weight of the past in a request's acceptance estimate, per verification
+HISTORY_DECAY = 0.8  # weight of the past in a request's acceptance estimates, per verification
 FIRST_PAUSE_STEPS = 4
 MAX_PAUSE_STEPS = 64
 
@@ -55,16 +57,30 @@ class Proposer(Protocol):
 
 @dataclass(slots=True)
 class _Backoff:
-    accepted: float = 1.0  # decayed sums: drafts accepted, and tries that ended in a rejection
-    rejected: float = 0.0  # (optimistic at first: one accepted, none rejected)
+    # Per draft slot, decayed counts: verifications that reached it (every draft before it
+    # accepted), and of those, the ones that accepted it.
+    reached: list[float]
+    kept: list[float]
     pause: int = 0  # length of the next pause, in steps
     skip: int = 0  # steps left without proposing
     probing: bool = False  # the next proposal is a one-draft try after a pause
 
-    @property
-    def acceptance(self) -> float:
-        """The chance that a draft is accepted, given the ones before it were."""
-        return self.accepted / (self.accepted + self.rejected)
+    @classmethod
+    def fresh(cls, k: int) -> _Backoff:
+        return cls([0.0] * k, [0.0] * k)
+
+    def chance(self, slot: int) -> float:
+        """Of the draft at `slot` being accepted, the ones before it accepted (one imagined
+        success as the prior: a new request is trusted until it misses)."""
+        return (self.kept[slot] + 1) / (self.reached[slot] + 1)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        for j in range(len(self.reached)):
+            self.reached[j] *= HISTORY_DECAY
+            self.kept[j] *= HISTORY_DECAY
+        for j in range(min(num_drafts, num_accepted + 1)):
+            self.reached[j] += 1
+            self.kept[j] += j < num_accepted
 
 
 class Speculator:
@@ -89,7 +105,7 @@ class Speculator:
         candidates, limits, tables = [], [], []
         for s in sched.scheduled:
             r = s.request
-            state = self._backoff.setdefault(r.request_id, _Backoff())
+            state = self._backoff.setdefault(r.request_id, _Backoff.fresh(self.k))
             if s.spec_token_ids:
                 self._observe(state, len(s.spec_token_ids), s.num_accepted_tokens)
             limit = self._limit(r)
@@ -120,13 +136,13 @@ class Speculator:
     def _worth_it(self, requests: list[Request], limits: list[int], batch_size: int) -> list[int]:
         """Drafts per request that pay for themselves (see the module docstring), best first."""
         fit = self.cost.fit()
-        chances = [self._backoff[r.request_id].acceptance for r in requests]
+        states = [self._backoff[r.request_id] for r in requests]
         if fit is None:
-            return [k if p >= FALLBACK_MIN_ACCEPTANCE else 0 for k, p in zip(limits, chances)]
+            return [k if state.chance(0) >= FALLBACK_MIN_ACCEPTANCE else 0 for k, state in zip(limits, states)]
         a, b = fit
         tokens, time = float(batch_size), a + b * batch_size
         granted = [0] * len(requests)
-        best = [(-p, i, 1) for i, p in enumerate(chances) if limits[i] > 0]
+        best = [(-state.chance(0), i, 1) for i, state in enumerate(states) if limits[i] > 0]
         heapq.heapify(best)
         while best:
             neg_p, i, j = heapq.heappop(best)
@@ -135,7 +151,7 @@ class Speculator:
             granted[i] = j
             tokens, time = tokens - neg_p, time + b
             if j < limits[i]:
-                heapq.heappush(best, (neg_p * chances[i], i, j + 1))
+                heapq.heappush(best, (neg_p * states[i].chance(j), i, j + 1))
         return granted
 
     def _limit(self, r: Request) -> int:
@@ -154,15 +170,18 @@ class Speculator:
                 return tokens[:i]
         return tokens
 
-    @staticmethod
-    def _observe(state: _Backoff, num_drafts: int, num_accepted: int) -> None:
-        state.accepted = HISTORY_DECAY * state.accepted + num_accepted
-        state.rejected = HISTORY_DECAY * state.rejected + (num_accepted < num_drafts)
+    def _observe(self, state: _Backoff, num_drafts: int, num_accepted: int) -> None:
+        state.observe(num_drafts, num_accepted)
         if state.probing:
             state.probing = False
             if num_accepted == num_drafts:  # the try paid: start afresh, with shorter pauses
-                state.accepted, state.rejected = 1.0, 0.0
-                state.pause //= 2
+                pause = state.pause // 2
+                self._backoff_reset(state)
+                state.pause = pause
+
+    def _backoff_reset(self, state: _Backoff) -> None:
+        fresh = _Backoff.fresh(self.k)
+        state.reached, state.kept = fresh.reached, fresh.kept
 
     @staticmethod
     def _pause(state: _Backoff) -> None:

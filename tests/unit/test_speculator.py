@@ -71,10 +71,11 @@ def test_back_off_pauses_grow_while_drafts_miss_and_shrink_when_they_hit():
         step(spec, r)
         r.append_output(7, None)
         r.num_computed_tokens = r.num_tokens - 1
-    # After the first miss, pauses of 4, 8, 16, 32 steps, each ended by a one-draft try.
-    assert [limits["a"] for limits in proposer.limits] == [4, 1, 1, 1]
+    # Trusted for two tries (the prior is one success); then pauses of 4, 8, 16, 32 steps,
+    # each ended by a one-draft try.
+    assert [limits["a"] for limits in proposer.limits] == [4, 4, 1, 1, 1]
     state = spec._backoff["a"]
-    assert state.pause == 8 * FIRST_PAUSE_STEPS and state.acceptance < 0.1
+    assert state.pause == 8 * FIRST_PAUSE_STEPS and state.chance(0) < 0.25
     # A try that is accepted halves the pause.
     state.skip, state.probing = 0, True
     step(spec, r)
@@ -91,11 +92,12 @@ def test_drafts_go_where_they_pay_once_the_step_cost_is_known():
     a, b = spec.cost.fit()
     assert abs(a - 0.006) < 1e-9 and abs(b - 0.003) < 1e-9
     sure, likely, doubtful = decoding("sure"), decoding("likely"), decoding("doubtful")
-    for state, (accepted, rejected) in zip((spec._backoff.setdefault(r.request_id, _Backoff())
-                                            for r in (sure, likely, doubtful)), ((20, 0), (4, 1), (1, 3))):
-        state.accepted, state.rejected = accepted, rejected
+    for r, chances in ((sure, (1, 1, 1, 1)), (likely, (0.8, 0.8, 0.8, 0.8)), (doubtful, (0.25, 0.5, 1, 1))):
+        state = spec._backoff.setdefault(r.request_id, _Backoff.fresh(4))
+        state.reached = [99.0] * 4
+        state.kept = [c * 100 - 1 for c in chances]  # chance(j) = (kept + 1) / (reached + 1)
     step(spec, sure, likely, doubtful)
-    # p = 1: all 4; p = 0.8: 0.8^j beats b*T/time while the rate holds up; p = 0.25: none.
+    # All 4 sure ones; 0.8^j beats b*T/time while the rate holds up; 0.25 for the first: none.
     limits = proposer.limits[-1]
     assert limits["sure"] == 4 and 1 <= limits["likely"] < 4 and "doubtful" not in limits
     assert spec._backoff["doubtful"].skip == FIRST_PAUSE_STEPS
