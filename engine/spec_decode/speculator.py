@@ -37,6 +37,11 @@ from engine.spec_decode.cost import StepCost
 
 # Until StepCost has seen steps of different sizes: draft while p is at least this.
 FALLBACK_MIN_ACCEPTANCE = 0.5
+# Whatever the fit says (noise can make drafts look free), a draft costs at least this share
+# of a request's step, and a first draft accepted less often than this is never worth it: a
+# proposer that keeps missing backs off even where drafts are nearly free.
+MIN_DRAFT_COST_SHARE = 0.05
+MIN_FIRST_CHANCE = 0.2
 HISTORY_DECAY = 0.8  # weight of the past in a request's acceptance estimates, per verification
 FIRST_PAUSE_STEPS = 4
 MAX_PAUSE_STEPS = 64
@@ -140,9 +145,11 @@ class Speculator:
         if fit is None:
             return [k if state.chance(0) >= FALLBACK_MIN_ACCEPTANCE else 0 for k, state in zip(limits, states)]
         a, b = fit
+        b = max(b, MIN_DRAFT_COST_SHARE * (a + b * batch_size) / batch_size)
         tokens, time = float(batch_size), a + b * batch_size
         granted = [0] * len(requests)
-        best = [(-state.chance(0), i, 1) for i, state in enumerate(states) if limits[i] > 0]
+        best = [(-state.chance(0), i, 1) for i, state in enumerate(states)
+                if limits[i] > 0 and state.chance(0) >= MIN_FIRST_CHANCE]
         heapq.heapify(best)
         while best:
             neg_p, i, j = heapq.heappop(best)

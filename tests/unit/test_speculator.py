@@ -110,3 +110,17 @@ def test_finished_requests_are_forgotten():
     step(spec, a, b)
     step(spec, a)
     assert proposer.released == {"b"} and set(spec._backoff) == {"a"}
+
+
+def test_a_proposer_that_keeps_missing_backs_off_even_when_drafts_look_free():
+    proposer = Recorder()
+    spec = Speculator(proposer, num_speculative_tokens=4, max_model_len=1000, vocab_limit=1000)
+    for tokens in (1, 5, 1, 5):
+        spec.cost.observe(tokens, 0.010)  # a flat line: b = 0
+    r = decoding("a", max_tokens=None)
+    for _ in range(40):
+        step(spec, r)
+        r.append_output(7, None)
+        r.num_computed_tokens = r.num_tokens - 1
+    assert len(proposer.limits) <= 10
+    assert spec._backoff["a"].pause >= 4 * FIRST_PAUSE_STEPS
