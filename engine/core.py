@@ -118,6 +118,8 @@ class EngineCore:
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
+            if self.speculator is not None:
+                self.speculator.after_step(sched)  # forgets the requests that ended
             if not self.scheduler.failed_outputs:
                 self._wait_for_grammars()
             return self.scheduler.take_failed_outputs()
@@ -125,7 +127,7 @@ class EngineCore:
         result = self.model_runner.execute(sched)
         outputs = self.scheduler.take_failed_outputs() + self.scheduler.update_from_output(sched, result)
         if self.speculator is not None:
-            self.speculator.after_step(sched, self.scheduler.requests)
+            self.speculator.after_step(sched)
             self.speculator.observe_step(sched, time.perf_counter() - start)
         if self.iteration_stats is not None:
             self.iteration_stats.observe_step(schedule_s, result.model_s, result.sample_s,

@@ -33,7 +33,8 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # Copy-on-write block copies (src, dst) that must happen before the forward.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Requests that ended since the last step: the runner drops their state (seeded RNGs).
+    # Requests that ended since the last step: whoever keeps per-request state (the speculator,
+    # a draft model's KV bookkeeping) drops it.
     finished_request_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
 

@@ -104,9 +104,9 @@ class Speculator:
         if all(s.num_new_tokens == 1 + len(s.spec_token_ids) and s.num_samples == 1 for s in sched.scheduled):
             self.cost.observe(sched.num_batched_tokens, seconds)
 
-    def after_step(self, sched: SchedulerOutput, requests: dict[str, Request]) -> None:
+    def after_step(self, sched: SchedulerOutput) -> None:
         """Learn from this step's verifications, then set each eligible request's drafts."""
-        self._forget(requests)
+        self._forget(sched.finished_request_ids)
         candidates, limits, tables = [], [], []
         for s in sched.scheduled:
             r = s.request
@@ -124,6 +124,8 @@ class Speculator:
             candidates.append(r)
             limits.append(1 if state.probing else limit)
             tables.append(s.block_ids)
+        if not candidates:
+            return
         probes = [self._backoff[r.request_id].probing for r in candidates]
         worth = self._worth_it(candidates, limits, len(sched.scheduled))
         limits = [1 if probe else k for probe, k in zip(probes, worth)]  # a try goes ahead regardless
@@ -196,9 +198,9 @@ class Speculator:
         state.skip = state.pause
         state.probing = False
 
-    def _forget(self, requests: dict[str, Request]) -> None:
-        gone = {rid for rid in self._backoff if rid not in requests}
-        if gone:
-            for rid in gone:
-                del self._backoff[rid]
-            self.proposer.release(gone)
+    def _forget(self, request_ids: set[str]) -> None:
+        """Drop the state of requests that ended."""
+        for rid in request_ids:
+            self._backoff.pop(rid, None)
+        if request_ids:
+            self.proposer.release(request_ids)

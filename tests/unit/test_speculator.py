@@ -31,14 +31,15 @@ def decoding(rid: str, num_outputs: int = 1, prompt_len: int = 10, **params) -> 
     return r
 
 
-def step(spec: Speculator, *requests: Request, accepted: dict[str, int] | None = None) -> None:
+def step(spec: Speculator, *requests: Request, accepted: dict[str, int] | None = None,
+         finished: set[str] = frozenset()) -> None:
     scheduled = []
     for r in requests:
         s = ScheduledRequest(r, 1 + len(r.spec_token_ids), [0], 1, list(r.spec_token_ids))
         s.num_accepted_tokens = (accepted or {}).get(r.request_id, 0)
         scheduled.append(s)
         r.spec_token_ids = []  # verified: as the scheduler's update leaves them
-    spec.after_step(SchedulerOutput(scheduled=scheduled), {r.request_id: r for r in requests})
+    spec.after_step(SchedulerOutput(scheduled=scheduled, finished_request_ids=set(finished)))
 
 
 def test_limits_by_max_tokens_max_model_len_and_eligibility():
@@ -108,7 +109,7 @@ def test_finished_requests_are_forgotten():
     spec = Speculator(proposer, num_speculative_tokens=2, max_model_len=100, vocab_limit=1000)
     a, b = decoding("a"), decoding("b")
     step(spec, a, b)
-    step(spec, a)
+    step(spec, a, finished={"b"})
     assert proposer.released == {"b"} and set(spec._backoff) == {"a"}
 
 
