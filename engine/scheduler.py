@@ -213,7 +213,7 @@ class Scheduler:
         emitted = 0
         for token, token_logprobs in zip(tokens, logprobs):
             if self.stats is not None:
-                self.stats.observe_token(request, now)
+                self.stats.observe_token(request, now, first_of_step=emitted == 0)
             request.last_token_time = now
             request.append_output(token, token_logprobs)
             emitted += 1

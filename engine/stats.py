@@ -79,9 +79,13 @@ class IterationStats:
         self.sample_s.append(sample_s)
         self.iteration_tokens.append(num_tokens)
 
-    def observe_token(self, request: Request, now: float) -> None:
-        """Call before the token is appended to the request."""
+    def observe_token(self, request: Request, now: float, first_of_step: bool = True) -> None:
+        """Call before the token is appended to the request. The tokens a step gives one
+        request at once (speculative decoding's accepted run) count, but only the first is
+        timed: one inter-token latency per step, as vLLM records them."""
         self.num_generation_tokens += 1
+        if not first_of_step:
+            return
         if request.last_token_time is None:
             self.num_prompt_tokens += request.num_prompt_tokens
             self.ttfts_s.append(now - request.arrival_time)

@@ -447,6 +447,20 @@ def test_drafts_share_the_budget_take_slots_and_roll_back(make):
     assert [(r.request.request_id, r.num_new_tokens, len(r.block_ids)) for r in out.scheduled][0] == ("A", 1, 4)
 
 
+def test_an_accepted_run_counts_every_token_and_one_inter_token_latency():
+    from engine.stats import IterationStats
+    stats = IterationStats()
+    sched = Scheduler(SchedulerConfig(64, 16, 256), BlockManager(16, BS), stats)
+    a = make_request("A", 4)
+    sched.add_request(a)
+    sched.update_from_output(sched.schedule(), ModelRunnerOutput(["A"], [[500]], [[None]]))
+    a.spec_token_ids = [501, 502]
+    out = sched.schedule()
+    sched.update_from_output(out, ModelRunnerOutput(["A"], [[501, 502, 503]], [[None] * 3]))
+    assert stats.num_generation_tokens == 4 and len(stats.ttfts_s) == 1 and len(stats.itls_s) == 1
+    assert_drained(sched)
+
+
 def test_a_stop_inside_an_accepted_run_drops_the_rest(make):
     sched, runner = make()
     a = make_request("A", 4, max_tokens=4)
