@@ -265,7 +265,7 @@ def _verify(tokens: list[int], rows: list[SamplingRow]) -> list[int]:
     (one-hot q, as n-gram lookup and a greedy draft model give): draft x is accepted with
     probability P(sample = x) = p(x) = min(1, p(x)/q(x)), and on rejection the emitted token
     is a sample of p given that it is not x, which is norm(max(p - q, 0)). The output is the
-    target's distribution exactly (tests/unit/test_rejection_sampler.py; spec_decode.rejection
+    target's distribution exactly (tests/unit/test_sampler.py; spec_decode.rejection
     is the general form, for drafts sampled from a full q). And since each row's randomness is
     its own (a seeded row's is keyed by its output position), a seeded request samples the
     very tokens it samples without speculation."""
