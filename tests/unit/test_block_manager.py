@@ -6,6 +6,10 @@ which block ids later allocations receive, never by reading the queue itself.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -579,3 +583,15 @@ def test_drafts_landing_in_a_shared_block_copy_it_first():
     for seq in ("a", "b"):
         bm.free(seq)
     assert bm.num_free_blocks == 10
+
+
+def test_block_hashes_are_the_same_in_every_process():
+    """A frontend routing by prefix must compute the engine's keys: no per-process salt."""
+    code = ("from engine.block_manager import hash_block; "
+            "h = hash_block(None, tuple(range(16)), ('adapter-1',)); print(h, hash_block(h, (5,) * 16, ()))")
+    outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+               for seed in ("1", "2")}
+    first = block_manager.hash_block(None, tuple(range(16)), ("adapter-1",))
+    assert outputs == {f"{first} {block_manager.hash_block(first, (5,) * 16, ())}\n"}
+    assert block_manager.hash_block(None, tuple(range(16)), ()) != first  # extra keys count
