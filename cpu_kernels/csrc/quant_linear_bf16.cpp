@@ -333,7 +333,10 @@ void block_sums(const Problem& p, float* xsum) {
   });
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4) {
+// Checks x and the packed weights, allocates `out` [M, N] and, for int4, fills `xsum`: what
+// both entry points need before their tiles run.
+Problem linear_problem(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4, at::Tensor& out,
+                       std::vector<float>& xsum) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous 2-D bfloat16 tensor");
   const int64_t M = x.size(0), K = x.size(1), G = (N + 15) / 16, blocks = K / kBlock,
@@ -341,12 +344,20 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool
   TORCH_CHECK(K % kBlock == 0 && K > 0 && N > 0, "K must be a positive multiple of 32, N positive");
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == G * blocks * rec,
               "packed weights: want ", G * blocks * rec, " bytes for N=", N, ", K=", K, ", got ", w.numel());
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
-  std::vector<float> xsum(int4 ? M * blocks : 0);
+  out = at::empty({M, N}, x.options());
+  xsum.assign(int4 ? M * blocks : 0, 0.f);
   const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), w.data_ptr<uint8_t>(), xsum.data(),
                   reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, G, blocks, int4};
-  if (int4) block_sums(p, xsum.data());
+  if (int4 && M > 0) block_sums(p, xsum.data());
+  return p;
+}
+
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4) {
+  at::Tensor out;
+  std::vector<float> xsum;
+  const Problem p = linear_problem(x, w, N, int4, out, xsum);
+  const int64_t M = p.M, K = p.K, G = p.G;
+  if (M == 0) return out;
   // Threads split the column groups: each streams its share of the weights once per chunk of rows.
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     if (M < kPanelRows) {
@@ -378,20 +389,13 @@ at::Tensor bf16_unpack(const at::Tensor& w, int64_t N, int64_t K, bool int4) {
 
 at::Tensor bf16_linear_unpacked(const at::Tensor& x, const at::Tensor& w, const at::Tensor& unpacked,
                                 int64_t N, bool int4) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
-              "x must be a contiguous 2-D bfloat16 tensor");
-  const int64_t M = x.size(0), K = x.size(1), G = (N + 15) / 16, blocks = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0 && K > 0 && N > 0, "K must be a positive multiple of 32, N positive");
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() &&
-              w.numel() == G * blocks * bytes_per_group_block(int4), "packed weights: wrong size for N, K");
+  at::Tensor out;
+  std::vector<float> xsum;
+  const Problem p = linear_problem(x, w, N, int4, out, xsum);
+  const int64_t M = p.M, K = p.K, G = p.G;
   TORCH_CHECK(unpacked.scalar_type() == at::kBFloat16 && unpacked.is_contiguous() &&
               unpacked.numel() == G * K / 2 * 32, "unpacked weights: wrong size for N, K");
-  at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0) return out;
-  std::vector<float> xsum(int4 ? M * blocks : 0);
-  const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), w.data_ptr<uint8_t>(), xsum.data(),
-                  reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, G, blocks, int4};
-  if (int4) block_sums(p, xsum.data());
   const auto* panel = reinterpret_cast<const uint16_t*>(unpacked.data_ptr());
   const int64_t group_words = K / 2 * 32;
   // Strips of kPanelGroups groups, as many_rows takes them; threads split the strips.
