@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from bench.common import machine_info, median, print_table, write_result
 from bench.offline import time_engine_single
+from bench.plots import save_figure
 
 FORMATS = {
     "float32": dict(dtype="float32", quantization="none"),
@@ -199,7 +200,4 @@ def _plot(results: dict, path: Path) -> Path:
         ax.margins(x=0.2)
     axes[0].set_yticks(range(len(names)), [f"{n} ({results[n]['dtype']})\nppl {results[n]['perplexity']:.2f}"
                                            for n in names])
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

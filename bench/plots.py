@@ -5,6 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def save_figure(fig, path: Path, dpi: int = 120) -> Path:
+    """Lay out, write and close a benchmark's figure; returns its path."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_offline(results: dict, title: str, path: Path) -> Path:
     """Horizontal bars: output tokens/s of the engine and of each HF baseline."""
     import matplotlib
@@ -20,10 +29,7 @@ def plot_offline(results: dict, title: str, path: Path) -> Path:
     ax.set_xlabel("output tokens / s (higher is better)")
     ax.set_title(title, fontsize=10)
     ax.margins(x=0.15)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 SWEEP_PANELS = (("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99"),
@@ -67,10 +73,7 @@ def plot_sweep(runs: list[dict], title: str, path: Path) -> Path:
         ax.set_xlabel("achieved output throughput (tok/s)")
     axes.flat[0].legend()
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_soak(samples: list[dict], warmup_s: float, title: str, path: Path) -> Path:
@@ -97,10 +100,7 @@ def plot_soak(samples: list[dict], warmup_s: float, title: str, path: Path) -> P
         ax.axvspan(0, warmup_s / 60, color="0.9", zorder=0)  # warm-up: not judged
         ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def plot_kernels(rows: list[dict], title: str, path: Path) -> Path:
@@ -131,10 +131,7 @@ def plot_kernels(rows: list[dict], title: str, path: Path) -> Path:
     axes[0][0].set_ylabel("% of device-to-device copy bandwidth")
     axes[0][0].legend(fontsize=8)
     fig.suptitle(title + " (solid: heuristic's kernel; dotted: the other)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 PEER_PANELS = (("output_tok_s", None, "output tokens / s (higher is better)"),
@@ -171,7 +168,4 @@ def plot_peers(rows: list[dict], title: str, path: Path) -> Path:
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

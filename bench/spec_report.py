@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.common import machine_info, print_table, write_result
+from bench.plots import save_figure
 from bench.serve_metrics import tpot_ms
 
 HEADER = ["workload", "conc", "config", "ok / failed", "out len", "TPOT p50", "TPOT mean", "TTFT p50", "out tok/s",
@@ -121,10 +122,7 @@ def plot_spec(runs: list[dict], title: str, path: Path) -> Path:
         ax.margins(y=0.15)
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _speedup_label(run: dict) -> str:
