@@ -45,15 +45,6 @@ class SpecDecodingStats:
         return SpecDecodingStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
                                  list(self.accepted_per_position))
 
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        """Tokens per verification step: the accepted drafts plus the target's own token."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
-
 
 @dataclass
 class IterationStats:

@@ -184,13 +184,8 @@ class Speculator:
         if state.probing:
             state.probing = False
             if num_accepted == num_drafts:  # the try paid: start afresh, with shorter pauses
-                pause = state.pause // 2
-                self._backoff_reset(state)
-                state.pause = pause
-
-    def _backoff_reset(self, state: _Backoff) -> None:
-        fresh = _Backoff.fresh(self.k)
-        state.reached, state.kept = fresh.reached, fresh.kept
+                state.reached, state.kept = [0.0] * self.k, [0.0] * self.k
+                state.pause //= 2
 
     @staticmethod
     def _pause(state: _Backoff) -> None:
