@@ -19,6 +19,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_drain_arg(p, "on SIGTERM, keep serving until every frontend is gone and nothing runs, at "
                      "most this long; a second signal stops at once")
     add_metrics_args(p)
+    p.add_argument("--health-port", type=int, default=None, metavar="PORT",
+                   help='serve grpc.health.v1 on this port, for Kubernetes grpc probes: "" is liveness '
+                        "(SERVING unless a step hangs for a minute), pagedserve.v1.Engine readiness "
+                        "(SERVING once loaded and bound, NOT_SERVING while draining); 0 picks a free "
+                        "one (default: off)")
+    p.add_argument("--health-host", default="127.0.0.1",
+                   help="host the health port binds; 0.0.0.0 for kubelet probes (default: 127.0.0.1)")
     add_engine_args(p)
 
 
@@ -29,6 +36,10 @@ def run(args: argparse.Namespace) -> int:
     from engine.models.loader import tokenizer_files
     from engine.proc import EngineProc
     config = engine_config_from_args(args)
+    health = None
+    if args.health_port is not None:  # first: "" answers SERVING while the model loads
+        from engine.health_server import EngineHealth
+        health = EngineHealth(args.health_host, args.health_port)
     path = resolve_model_path(config.model)
     metrics_on = args.metrics_port is not None
     tokenizer = load_tokenizer(path, config.tokenizer)
@@ -43,5 +54,11 @@ def run(args: argparse.Namespace) -> int:
                       tokenizer_files(tokenizer))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: proc.on_signal())
-    proc.run()
+    if health is not None:
+        health.attach(proc)
+    try:
+        proc.run()
+    finally:
+        if health is not None:
+            health.stop()
     return 0

@@ -77,6 +77,7 @@ class EngineProc:
         self.metrics = metrics  # None: no metrics port; the core then collects no stats
         self.drain_timeout_s = drain_timeout_s
         self.drain_deadline: float | None = None  # set by begin_drain()
+        self.last_progress_s = time.monotonic()  # the main loop's heartbeat, for liveness probes
         self.engine_id = uuid.uuid4().hex[:12]
         self.welcome = self._welcome(model_name, tokenizer_files or {})
         self.inputs: queue.Queue = queue.Queue()
@@ -103,6 +104,7 @@ class EngineProc:
         log.info("engine %s listening on %s", self.engine_id, self.address)
         try:
             while not self.stopping.is_set():
+                self.last_progress_s = time.monotonic()
                 self._drain_inputs(block=not self.core.has_unfinished_requests())
                 outputs = self.core.step() if self.core.has_unfinished_requests() else []
                 snapshot = self.core.stats()
@@ -242,6 +244,7 @@ class EngineProc:
         elif kind == "ping":
             self._reply(identity, ipc.EngineResponse(pong=ipc.Pong(
                 seq=msg.ping.seq, stats=self.stats, engine_id=self.engine_id,
+                draining=self.drain_deadline is not None,  # frontends stop routing new requests here
                 frontends=[info_pb2.Peer(id=i, address=f.address) for i, f in self.frontends.items()])))
         elif frontend is None:
             log.warning("request from unknown frontend %s ignored (no Hello yet)", frontend_id)
