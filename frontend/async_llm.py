@@ -6,7 +6,9 @@
                                                           RequestState (output processor)
 
 It owns admission (draining, engine present, concurrency, one check of the prompt), the
-engine link, and each request's output state. The APIs only translate: their fields to
+engine pool, and each request's output state. A request that has received nothing yet from
+its engine when that engine is lost or answers "overloaded" moves to another engine; one that
+has, ends (UNAVAILABLE), since its client may have seen tokens already. The APIs only translate: their fields to
 `SamplingParams` and a prompt, `SampleDelta`s to their messages, and the typed errors
 (`InvalidRequest`, `EngineOverloaded`, `Unavailable`) to their status codes.
 """
@@ -26,7 +28,8 @@ from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
 from engine.ipc import output_from_proto, sampling_params_to_proto, structured_to_proto
 from engine.sampling_params import SamplingParams
 from engine.validation import PromptLimits
-from frontend.engine_client import EngineClient, EngineLost
+from frontend.engine_client import EngineLost
+from frontend.engine_pool import EnginePool, PooledEngine
 from frontend.input_processor import InputProcessor
 from frontend.output_processor import ABORT, TIME_LIMIT, RequestState, SampleDelta
 from frontend.tokenizer import Tokenizer
@@ -49,6 +52,8 @@ class Generation:
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None  # time.monotonic() of the first token
     queue: asyncio.Queue | None = None
+    engine: PooledEngine | None = None  # where it runs now
+    received: bool = False  # an output came: it can no longer move to another engine
 
     @property
     def engine_id(self) -> str:
@@ -67,8 +72,8 @@ class Generation:
 
 
 class AsyncLLM:
-    def __init__(self, client: EngineClient, max_concurrent_streams: int, tokenizer_path: str | None = None) -> None:
-        self.client = client
+    def __init__(self, pool: EnginePool | None, max_concurrent_streams: int, tokenizer_path: str | None = None) -> None:
+        self.pool = pool
         self.max_concurrent_streams = max_concurrent_streams
         self.tokenizer_path = tokenizer_path  # --tokenizer: overrides the engine's
         self.input: InputProcessor | None = None  # from the first handshake on
@@ -85,8 +90,13 @@ class AsyncLLM:
         return self.input.tokenizer if self.input is not None else None
 
     @property
+    def welcome(self) -> ipc.Welcome | None:
+        """The model facts every engine of the pool agrees on."""
+        return self.pool.welcome
+
+    @property
     def ready(self) -> bool:
-        return self.client.connected.is_set() and self.input is not None and not self.draining
+        return self.pool.num_ready > 0 and self.input is not None and not self.draining
 
     def on_welcome(self, welcome: ipc.Welcome) -> None:
         """Each handshake: the model's limits (a restarted engine may have another KV pool);
@@ -99,15 +109,18 @@ class AsyncLLM:
 
     def require_engine(self) -> InputProcessor:
         """For calls that need the model but start no generation (tokenize, model info)."""
-        if not self.client.connected.is_set() or self.input is None:
+        if not self.pool.serving() or self.input is None:
             raise Unavailable("no engine connected; retry shortly")
         return self.input
 
     def require_ready(self) -> InputProcessor:
-        """For a new generation: an engine, and not draining."""
+        """For a new generation: a ready engine, and not draining."""
         if self.draining:
             raise Unavailable("server is shutting down; retry on another replica")
-        return self.require_engine()
+        processor = self.require_engine()
+        if not self.pool.num_ready:
+            raise Unavailable("no engine ready (every engine is draining or refused); retry shortly")
+        return processor
 
     def admit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
               priority: int = 0, prompt_field: str = "prompt") -> Generation:
@@ -124,7 +137,7 @@ class AsyncLLM:
             raise EngineOverloaded(f"server busy: {num_running} requests running "
                                    f"(--max-concurrent-streams {self.max_concurrent_streams}); retry later")
         state = RequestState(uuid.uuid4().hex, prompt, params, processor.tokenizer,
-                             self.client.welcome.eos_token_ids)
+                             self.welcome.eos_token_ids)
         gen = Generation(request_id, state, priority)
         self.admitted[gen.engine_id] = gen
         return gen
@@ -133,11 +146,38 @@ class AsyncLLM:
                        ) -> AsyncIterator[list[SampleDelta]]:
         """Run an admitted request; yields the deltas that arrived together (several tokens
         per sample under load). Leaving early (cancel, disconnect) stops it in the engine."""
-        client, engine_id = self.client, gen.engine_id
-        self.admitted.pop(engine_id, None)
+        self.admitted.pop(gen.engine_id, None)
         self.active[gen.request_id] = gen
-        gen.queue = client.open_stream(engine_id)
         deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
+        tried: set[str] = set()
+        failed: tuple[PooledEngine, Exception] | None = None  # the last attempt's engine and error
+        try:
+            while True:
+                engine = self.pool.route(gen.state.prompt, tried)
+                if engine is None:  # the last engine's error says most (RESOURCE_EXHAUSTED or UNAVAILABLE)
+                    raise failed[1] if failed else Unavailable("no engine available; retry shortly")
+                if failed:
+                    self.pool.record_retry(failed[0], _reason(failed[1]))
+                    log.info("request %s: engine %s %s; retrying on %s", gen.request_id, failed[0].address,
+                             _reason(failed[1]), engine.address)
+                try:
+                    async for deltas in self._run_on(engine, gen, deadline):
+                        yield deltas
+                    return
+                except (EngineLost, EngineOverloaded) as e:
+                    if isinstance(e, EngineOverloaded):
+                        self.pool.record_overload(engine)
+                    if gen.received:
+                        raise
+                    tried.add(engine.address)
+                    failed = (engine, e)
+        finally:
+            del self.active[gen.request_id]
+
+    async def _run_on(self, engine: PooledEngine, gen: Generation, deadline: float | None
+                      ) -> AsyncIterator[list[SampleDelta]]:
+        client, engine_id = engine.client, gen.engine_id
+        gen.engine, gen.queue = engine, client.open_stream(engine_id)
         try:
             params = gen.state.params
             await client.add(ipc.AddRequest(
@@ -150,25 +190,25 @@ class AsyncLLM:
                 deltas = self._handle(gen, items)
                 if deltas:
                     yield deltas
+            self.pool.record_success(engine)
         finally:
-            del self.active[gen.request_id]
             client.close_stream(engine_id)
             if not gen.done:  # cancelled, disconnected or failed: free its blocks
-                self._abort_later([engine_id])
+                self._abort_later(engine, [engine_id])
+            self.pool.release(engine)
 
     def abort(self, request_ids: list[str]) -> list[bool]:
         """Stop running requests by the caller's id; their streams end with reason "abort".
         True for each id that was running."""
-        found, engine_ids = [], []
+        found = []
         for request_id in request_ids:
             gen = self.active.get(request_id)
             if gen is None or gen.queue is None or gen.done:
                 found.append(False)
                 continue
             gen.queue.put_nowait(_ABORTED)
-            engine_ids.append(gen.engine_id)
+            self._abort_later(gen.engine, [gen.engine_id])
             found.append(True)
-        self._abort_later(engine_ids)
         return found
 
     def _handle(self, gen: Generation, items: list) -> list[SampleDelta]:
@@ -181,9 +221,10 @@ class AsyncLLM:
                 outputs = []
                 deltas += gen.state.finish_all(ABORT if item is _ABORTED else TIME_LIMIT)
                 if item is _TIME_LIMIT:
-                    self._abort_later([gen.engine_id])
+                    self._abort_later(gen.engine, [gen.engine_id])
                 continue
             outputs.append(output_from_proto(item))
+            gen.received = True
         deltas += self._process(gen, outputs)
         if gen.first_token_time is None and any(d.token_ids for d in deltas):
             gen.first_token_time = time.monotonic()
@@ -194,20 +235,24 @@ class AsyncLLM:
             return []
         deltas, to_stop = gen.state.process(outputs)
         if to_stop:
-            self._abort_later(to_stop, stop_string=True)
+            self._abort_later(gen.engine, to_stop, stop_string=True)
         return deltas
 
-    def _abort_later(self, engine_ids: list[str], stop_string: bool = False) -> None:
+    def _abort_later(self, engine: PooledEngine | None, engine_ids: list[str], stop_string: bool = False) -> None:
         # Its own task: the caller may itself be a cancelled task, where an await would not run.
-        if not engine_ids:
+        if not engine_ids or engine is None:
             return
 
         async def send() -> None:
             try:
-                await self.client.abort(engine_ids, stop_string)
+                await engine.client.abort(engine_ids, stop_string)
             except EngineLost:
                 pass  # the engine is gone, and its requests with it
         asyncio.ensure_future(send())
+
+
+def _reason(error: Exception) -> str:
+    return "overloaded" if isinstance(error, EngineOverloaded) else "lost"
 
 
 async def _next(queue: asyncio.Queue, deadline: float | None):

@@ -5,7 +5,8 @@ then pings every `heartbeat_s`. The engine is lost when its connection closes (a
 engine's socket is closed by its kernel: seen at once, through a ZeroMQ socket monitor) or
 when it is silent longer than `timeout_s` (a hung engine or a cut network): every in-flight
 stream gets `EngineLost`, `connected` clears, and Hello resumes until an engine (the same or
-a restarted one) answers. Outputs are routed to per-request queues.
+a restarted one) answers. Outputs are routed to per-request queues. One client links to one
+engine; the engine pool (frontend/engine_pool.py) holds one per engine.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class EngineClient:
         self.on_state = on_state or (lambda connected: None)
         self.welcome: ipc.Welcome | None = None
         self.stats = ipc.EngineStats()
+        self.num_added_since_stats = 0  # requests the latest stats cannot count yet
+        self.draining = False  # the engine said it is shutting down (Pong.draining)
         self.peers: list = []  # frontends the engine knows, from the last Pong
         self.connected = asyncio.Event()
         self.streams: dict[str, asyncio.Queue] = {}
@@ -50,6 +53,7 @@ class EngineClient:
         self._sock.setsockopt(zmq.IDENTITY, frontend_id.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue requests for an absent engine
+        self._sock.setsockopt(zmq.IPV6, 1)  # an engine found by DNS may have an IPv6 address
         self._tasks: list[asyncio.Task] = []
 
     async def start(self) -> None:
@@ -90,6 +94,12 @@ class EngineClient:
 
     async def add(self, add: ipc.AddRequest) -> None:
         await self._send(ipc.EngineRequest(add=add))
+        self.num_added_since_stats += 1
+
+    async def say_bye(self) -> None:
+        """Tell a draining engine we have nothing more for it, so it may stop before its timeout."""
+        if self.connected.is_set():
+            await self._send(ipc.EngineRequest(bye=ipc.Bye()))
 
     async def abort(self, request_ids: list[str], stop_string: bool = False) -> None:
         """`stop_string`: a stop string ended them, so the engine counts them as stopped."""
@@ -127,8 +137,9 @@ class EngineClient:
                 self._lose("a new engine answers at this address")  # it never saw our Hello
                 return
             self.stats, self.peers = msg.pong.stats, list(msg.pong.frontends)
+            self.num_added_since_stats, self.draining = 0, msg.pong.draining
         elif kind == "outputs":
-            self.stats = msg.outputs.stats
+            self.stats, self.num_added_since_stats = msg.outputs.stats, 0
             for out in msg.outputs.outputs:
                 queue = self.streams.get(out.request_id)
                 if queue is not None:
@@ -144,6 +155,7 @@ class EngineClient:
             self._fail_streams("the engine restarted")
         self.welcome = welcome
         if not self.connected.is_set():
+            self.draining = False
             log.info("connected to engine %s at %s (%s)", welcome.engine_id, self.address, welcome.model_name)
             self.connected.set()
             self.on_state(True)

@@ -1,4 +1,5 @@
-"""`pagedserve frontend`: the gRPC frontend process on its own."""
+"""`pagedserve frontend`: the gRPC frontend process on its own, over one engine or several
+(`--engine-address` repeated, or `--engine-dns`: data parallel)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,26 @@ import os
 
 from engine.arg_utils import add_drain_arg, add_log_level_arg, configure_logging
 from engine.main import DEFAULT_ADDRESS
+from frontend.router import POLICIES
 from pagedserve.metrics_http import add_metrics_args
 
 
 def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) -> None:
     if with_engine_address:
-        p.add_argument("--engine-address", default=DEFAULT_ADDRESS,
-                       help=f"the engine's ZeroMQ endpoint (default: {DEFAULT_ADDRESS})")
+        p.add_argument("--engine-address", action="append", default=None, metavar="ADDRESS",
+                       help="an engine's ZeroMQ endpoint; repeat it for several engines (data parallel) "
+                            f"(default: {DEFAULT_ADDRESS} unless --engine-dns is given)")
+        p.add_argument("--engine-dns", type=_dns_name, default=None, metavar="HOST:PORT",
+                       help="find engines by DNS: every A/AAAA record of HOST is an engine at tcp://IP:PORT "
+                            "(a Kubernetes headless Service, docker compose --scale); re-resolved every "
+                            "--engine-dns-interval-s, and engines whose record goes are drained, then dropped")
+        p.add_argument("--engine-dns-interval-s", type=_positive_float, default=5.0,
+                       help="how often --engine-dns is resolved again, in seconds (default: 5)")
+    p.add_argument("--routing-policy", choices=POLICIES, default="cache_aware",
+                   help="how a request picks its engine when there are several: cache_aware (the engine "
+                        "holding the longest cached prefix of its prompt, unless load is unbalanced), "
+                        "least_loaded (fewest waiting + running requests for its KV capacity), or "
+                        "round_robin (default: cache_aware)")
     p.add_argument("--host", default="127.0.0.1", help="listen host of the gRPC and HTTP APIs (default: 127.0.0.1)")
     p.add_argument("--grpc-port", type=int, default=50051,
                    help="gRPC port; 0 picks a free one (default: 50051)")
@@ -41,9 +55,12 @@ def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) 
         add_log_level_arg(p)
 
 
-def config_from_args(args: argparse.Namespace, engine_address: str):
+def config_from_args(args: argparse.Namespace, engine_addresses: list[str], engine_dns: str | None = None,
+                     engine_dns_interval_s: float = 5.0):
     from frontend.server import FrontendConfig
-    return FrontendConfig(engine_address=engine_address, host=args.host, grpc_port=args.grpc_port,
+    return FrontendConfig(engine_addresses=engine_addresses, engine_dns=engine_dns,
+                          engine_dns_interval_s=engine_dns_interval_s, routing_policy=args.routing_policy,
+                          host=args.host, grpc_port=args.grpc_port,
                           tokenizer=args.tokenizer, max_concurrent_streams=args.max_concurrent_streams,
                           engine_timeout_s=args.engine_timeout_s, drain_timeout_s=args.drain_timeout_s,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
@@ -54,7 +71,22 @@ def config_from_args(args: argparse.Namespace, engine_address: str):
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from frontend.server import run as run_server
-    return run_server(config_from_args(args, args.engine_address))
+    addresses = args.engine_address or ([] if args.engine_dns else [DEFAULT_ADDRESS])
+    return run_server(config_from_args(args, addresses, args.engine_dns, args.engine_dns_interval_s))
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _dns_name(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return text
 
 
 def _port_or_off(value: str) -> int | None:

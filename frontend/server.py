@@ -1,7 +1,9 @@
-"""The frontend process: a grpc.aio server on uvloop, linked to one engine over ZeroMQ.
+"""The frontend process: a grpc.aio server on uvloop, linked over ZeroMQ to one engine or
+several (data parallel: frontend/engine_pool.py).
 
 Health (grpc.health.v1): "" is SERVING while the process is up; the Generation service
-is SERVING only while an engine is connected and answering heartbeats.
+is SERVING only while at least one engine is ready (connected, answering heartbeats, not
+draining).
 
 Shutdown (SIGTERM or SIGINT) drains: both health statuses turn NOT_SERVING, new streams get
 UNAVAILABLE, running ones may finish for up to `drain_timeout_s`; then the server stops.
@@ -22,9 +24,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from frontend.async_llm import AsyncLLM
-from frontend.engine_client import EngineClient
+from frontend.engine_pool import EnginePool
 from frontend.interceptors import DecodeGuard, MetricsInterceptor
 from frontend.metrics import FrontendMetrics
+from frontend.router import make_policy
 from frontend.servicers import GenerationService, GrpcContext, InfoService, TokenizationService
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc, info_pb2, info_pb2_grpc
 from pagedserve.v1 import tokenization_pb2, tokenization_pb2_grpc
@@ -35,7 +38,10 @@ GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].fu
 
 @dataclass
 class FrontendConfig:
-    engine_address: str
+    engine_addresses: list[str]  # fixed engines (ZeroMQ endpoints)
+    engine_dns: str | None = None  # HOST:PORT: every address HOST resolves to is an engine
+    engine_dns_interval_s: float = 5.0
+    routing_policy: str = "cache_aware"
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     tokenizer: str | None = None  # a tokenizer folder; default: the one the engine hands over
@@ -67,7 +73,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     address = f"{config.host}:{port}"
     health_servicer = health.aio.HealthServicer()
     llm = _async_llm(config, address, health_servicer, metrics)
-    metrics.watch_engine(llm.client)
+    metrics.watch_pool(llm.pool)
     _add_services(server, GrpcContext(llm, metrics, config.log_prompts), health_servicer)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -81,7 +87,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
         http = await start_http(ctx, config.host, config.http_port)
         llm.http_address = http[2]
         print(f"http listening on {http[2]}", flush=True)
-    await llm.client.start()
+    await llm.pool.start(config.engine_addresses, config.engine_dns, config.engine_dns_interval_s)
     try:
         await stop.wait()
         await _drain(llm, health_servicer, config.drain_timeout_s, force)
@@ -91,7 +97,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
             http[0].should_exit = True
             await http[1]
         await server.stop(grace=1.0)
-        await llm.client.close()
+        await llm.pool.close()
 
 
 async def _drain(llm: AsyncLLM, health_servicer, timeout_s: float, force: asyncio.Event) -> None:
@@ -109,28 +115,30 @@ async def _drain(llm: AsyncLLM, health_servicer, timeout_s: float, force: asynci
 
 def _async_llm(config: FrontendConfig, address: str, health_servicer, metrics: FrontendMetrics) -> AsyncLLM:
     llm = AsyncLLM(None, config.max_concurrent_streams, config.tokenizer)
-    announced = False
+    announced, serving = False, None
 
-    def on_engine_state(connected: bool) -> None:
-        nonlocal announced
-        if connected:
-            try:
-                llm.on_welcome(llm.client.welcome)
-            except Exception:  # noqa: BLE001 - stay NOT_SERVING, say why, keep the process up
-                log.exception("could not load the tokenizer; not serving")
-                return
-            if not announced:
-                announced = True
-                http = f", http http://{llm.http_address}/v1" if llm.http_address else ""
-                print(f"pagedserve ready: model {llm.client.welcome.model_name}, grpc {address}{http}", flush=True)
-        metrics.engine_connected.set(1 if connected else 0)
-        if llm.draining:
-            return  # stays NOT_SERVING
-        status = health_pb2.HealthCheckResponse.SERVING if connected else health_pb2.HealthCheckResponse.NOT_SERVING
+    def on_welcome(welcome) -> None:
+        try:
+            llm.on_welcome(welcome)
+        except Exception:  # noqa: BLE001 - stay NOT_SERVING, say why, keep the process up
+            log.exception("could not load the tokenizer; not serving")
+
+    def on_change() -> None:
+        nonlocal announced, serving
+        ready = llm.pool.num_ready > 0 and llm.input is not None
+        if ready and not announced:
+            announced = True
+            http = f", http http://{llm.http_address}/v1" if llm.http_address else ""
+            print(f"pagedserve ready: model {llm.welcome.model_name}, grpc {address}{http}", flush=True)
+        metrics.engine_connected.set(llm.pool.num_ready)
+        if llm.draining or ready == serving:
+            return  # draining stays NOT_SERVING
+        serving = ready
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         asyncio.ensure_future(health_servicer.set(GENERATION_SERVICE, status))
 
-    llm.client = EngineClient(config.engine_address, uuid.uuid4().hex, address, config.heartbeat_s,
-                              config.engine_timeout_s, on_engine_state)
+    llm.pool = EnginePool(make_policy(config.routing_policy), uuid.uuid4().hex, address, config.heartbeat_s,
+                          config.engine_timeout_s, on_change, on_welcome)
     return llm
 
 

@@ -222,18 +222,29 @@ class InfoService(info_pb2_grpc.InfoServicer):
     async def GetModelInfo(self, request, context):  # noqa: N802
         async with status_codes(context):
             self.ctx.llm.require_engine()
-            w = self.ctx.llm.client.welcome
+            w = self.ctx.llm.welcome
             return info_pb2.ModelInfo(model_name=w.model_name, architecture=w.architecture,
                                       max_model_len=w.max_model_len, vocab_size=w.vocab_size,
                                       eos_token_ids=w.eos_token_ids, dtype=w.dtype)
 
     async def GetServerInfo(self, request, context):  # noqa: N802
+        """KV blocks and requests of every answering engine together; every engine of the pool,
+        whatever its state; the frontends those engines know."""
         async with status_codes(context):
-            self.ctx.llm.require_engine()
-            client = self.ctx.llm.client
-            w, s = client.welcome, client.stats
+            llm = self.ctx.llm
+            llm.require_engine()
+            serving = llm.pool.serving()
+            kv_total = kv_free = running = waiting = 0
+            frontends: dict[str, info_pb2.Peer] = {}
+            for engine in serving:
+                w, s = engine.client.welcome, engine.client.stats
+                kv_total += w.kv_blocks_total
+                kv_free += s.kv_blocks_free if s.kv_blocks_total else w.kv_blocks_total
+                running, waiting = running + s.num_running, waiting + s.num_waiting
+                frontends.update((peer.id, peer) for peer in engine.client.peers)
+            engines = [info_pb2.Peer(id=e.client.welcome.engine_id if e.client.welcome else "", address=e.address)
+                       for e in llm.pool.engines.values()]
             return info_pb2.ServerInfo(
-                block_size=w.block_size, kv_blocks_total=w.kv_blocks_total,
-                kv_blocks_free=s.kv_blocks_free if s.kv_blocks_total else w.kv_blocks_total,
-                num_running=s.num_running, num_waiting=s.num_waiting, frontends=client.peers,
-                engines=[info_pb2.Peer(id=w.engine_id, address=client.address)], version=VERSION)
+                block_size=llm.welcome.block_size, kv_blocks_total=kv_total, kv_blocks_free=kv_free,
+                num_running=running, num_waiting=waiting, frontends=list(frontends.values()),
+                engines=engines, version=VERSION)

@@ -22,8 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
         "engine", help="the engine process alone, serving frontends over ZeroMQ",
         description="Run the engine alone: it binds a ZeroMQ endpoint that frontends connect to."))
     add_frontend(commands.add_parser(
-        "frontend", help="the gRPC frontend alone, connected to a running engine",
-        description="Run the gRPC frontend alone, connected to an engine over ZeroMQ."))
+        "frontend", help="the gRPC frontend alone, connected to one or more running engines",
+        description="Run the gRPC frontend alone, connected over ZeroMQ to an engine, or to several "
+                    "(--engine-address repeated, or --engine-dns) among which it routes each request "
+                    "(--routing-policy)."))
     from pagedserve.health import add_health_arguments, add_ping_arguments
     add_health_arguments(commands.add_parser(
         "health", help="grpc.health.v1 Check on a frontend; exit 0 if SERVING (a healthcheck)",

@@ -4,6 +4,9 @@ The engine runs as a child process (`pagedserve engine ...` with the same engine
 the frontend runs here. Ctrl-C or SIGTERM drains the frontend (running streams finish,
 new ones are refused), then stops the engine. If the engine dies, so does `serve`, with
 the engine's exit code.
+
+`--data-parallel-size N` starts N engine children on N endpoints (tcp ports PORT, PORT+1, ...;
+ipc paths PATH-0, PATH-1, ...; engine metrics ports likewise) behind the one frontend.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import logging
 import subprocess
 import sys
 import threading
+from urllib.parse import urlsplit
 
 from engine.arg_utils import add_drain_arg, add_engine_args, add_log_level_arg, configure_logging
 from engine.main import DEFAULT_ADDRESS
@@ -27,7 +31,11 @@ ENGINE_STOP_TIMEOUT_S = 15
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-address", default=DEFAULT_ADDRESS,
-                   help=f"ZeroMQ endpoint between the two processes (default: {DEFAULT_ADDRESS})")
+                   help="ZeroMQ endpoint between the two processes; with --data-parallel-size N, the "
+                        f"first of N (tcp: the next N-1 ports; ipc: PATH-0 ... PATH-N-1) (default: {DEFAULT_ADDRESS})")
+    p.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
+                   help="engine processes behind the one frontend, each with the same engine flags; "
+                        "with --engine-metrics-port PORT they serve /metrics on PORT, PORT+1, ... (default: 1)")
     add_log_level_arg(p)
     add_drain_arg(p, "on SIGTERM, let running streams finish for at most this long, refusing new "
                      "ones; a second signal stops at once")
@@ -40,10 +48,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # flag); the rest go to the engine.
 _FRONTEND_ONLY = {"--host": 1, "--grpc-port": 1, "--max-concurrent-streams": 1, "--engine-timeout-s": 1,
                   "--engine-address": 1, "--log-level": 1, "--metrics-port": 1, "--engine-metrics-port": 1,
-                  "--log-prompts": 0, "--http-port": 1, "--served-model-name": -1, "--api-key": 1}
+                  "--log-prompts": 0, "--http-port": 1, "--served-model-name": -1, "--api-key": 1,
+                  "--data-parallel-size": 1, "--routing-policy": 1}
 
 
-def engine_command(args: argparse.Namespace, argv: list[str]) -> list[str]:
+def engine_addresses(address: str, n: int) -> list[str]:
+    """N distinct endpoints from the first."""
+    if n == 1:
+        return [address]
+    if address.startswith("tcp://"):
+        base = urlsplit(address)
+        host = address[len("tcp://"):].rsplit(":", 1)[0]
+        return [f"tcp://{host}:{base.port + i}" for i in range(n)]
+    return [f"{address}-{i}" for i in range(n)]
+
+
+def engine_command(args: argparse.Namespace, argv: list[str], address: str | None = None,
+                   metrics_port: int | None = None) -> list[str]:
     """The child's command line: our engine flags, passed through unchanged."""
     passthrough, skip = [], 0
     for arg in argv:
@@ -56,45 +77,59 @@ def engine_command(args: argparse.Namespace, argv: list[str]) -> list[str]:
             skip = 0 if "=" in arg else _FRONTEND_ONLY[flag]
             continue
         passthrough.append(arg)
-    metrics = [] if args.engine_metrics_port is None else ["--metrics-port", str(args.engine_metrics_port)]
-    return [sys.executable, "-m", "pagedserve", "engine", "--address", args.engine_address,
+    metrics_port = args.engine_metrics_port if metrics_port is None else metrics_port
+    metrics = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
+    return [sys.executable, "-m", "pagedserve", "engine", "--address", address or args.engine_address,
             "--log-level", args.log_level, *metrics, *passthrough]
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     configure_logging(args.log_level)
     import uvloop
-    engine = subprocess.Popen(engine_command(args, argv))
-    engine_died = threading.Event()
+    addresses = engine_addresses(args.engine_address, args.data_parallel_size)
+    port = args.engine_metrics_port
+    engines = [subprocess.Popen(engine_command(args, argv, address, None if port is None or port == 0 else port + i))
+               for i, address in enumerate(addresses)]
+    died: list[subprocess.Popen] = []
     try:
-        uvloop.run(_frontend(config_from_args(args, args.engine_address), engine, engine_died))
-        return (engine.returncode or 1) if engine_died.is_set() else 0
+        uvloop.run(_frontend(config_from_args(args, addresses), engines, died))
+        return (died[0].returncode or 1) if died else 0
     finally:
-        engine.terminate()
-        try:
-            engine.wait(ENGINE_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log.warning("engine did not stop in %ss; killing it", ENGINE_STOP_TIMEOUT_S)
-            engine.kill()
-            engine.wait()
+        for engine in engines:
+            engine.terminate()
+        for engine in engines:
+            try:
+                engine.wait(ENGINE_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                log.warning("engine did not stop in %ss; killing it", ENGINE_STOP_TIMEOUT_S)
+                engine.kill()
+                engine.wait()
 
 
-async def _frontend(config, engine: subprocess.Popen, engine_died: threading.Event) -> None:
-    """The frontend, stopped as a signal would stop it if the engine exits on its own (a bad
-    --model at start-up, a crash): `serve` must not outlive its engine."""
+async def _frontend(config, engines: list[subprocess.Popen], died: list[subprocess.Popen]) -> None:
+    """The frontend, stopped as a signal would stop it if an engine exits on its own (a bad
+    --model at start-up, a crash): `serve` must not outlive its engines."""
     from frontend.server import serve as serve_frontend
     stop, loop = asyncio.Event(), asyncio.get_running_loop()
 
-    def watch() -> None:
+    def watch(engine: subprocess.Popen) -> None:
         code = engine.wait()
         if stop.is_set():
             return  # we are stopping it
-        log.error("engine exited with code %s; stopping", code)
-        engine_died.set()
+        log.error("engine (pid %d) exited with code %s; stopping", engine.pid, code)
+        died.append(engine)
         try:
             loop.call_soon_threadsafe(stop.set)
         except RuntimeError:
             pass  # the loop is closed: the frontend has stopped already
 
-    threading.Thread(target=watch, name="engine-watch", daemon=True).start()
+    for engine in engines:
+        threading.Thread(target=watch, args=(engine,), name=f"engine-watch-{engine.pid}", daemon=True).start()
     await serve_frontend(config, stop)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value

@@ -137,7 +137,7 @@ def _add_openai_routes(app: FastAPI, ctx: HttpContext) -> None:
     @app.get("/v1/models")
     async def models():
         ctx.llm.require_engine()
-        welcome = ctx.llm.client.welcome
+        welcome = ctx.llm.welcome
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": welcome.model_name,
              "max_model_len": welcome.max_model_len} for name in ctx.model_names()]}

@@ -33,7 +33,7 @@ class HttpContext:
     def model_names(self) -> list[str]:
         if self.served_names:
             return self.served_names
-        welcome = self.llm.client.welcome
+        welcome = self.llm.welcome
         return [welcome.model_name] if welcome is not None else []
 
     def check_model(self, model: str | None) -> None:

@@ -175,16 +175,18 @@ class RequestOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Pong(_message.Message):
-    __slots__ = ("seq", "stats", "frontends", "engine_id")
+    __slots__ = ("seq", "stats", "frontends", "engine_id", "draining")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     seq: int
     stats: EngineStats
     frontends: _containers.RepeatedCompositeFieldContainer[_info_pb2.Peer]
     engine_id: str
-    def __init__(self, seq: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., frontends: _Optional[_Iterable[_Union[_info_pb2.Peer, _Mapping]]] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, seq: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., frontends: _Optional[_Iterable[_Union[_info_pb2.Peer, _Mapping]]] = ..., engine_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("request_id", "message", "kind")

@@ -1,0 +1,251 @@
+"""EnginePool: the engines one frontend serves from (data parallel), one EngineClient each.
+
+    --engine-address A --engine-address B        fixed engines
+    --engine-dns HOST:PORT                       every A/AAAA record of HOST, re-resolved every
+                                                 --engine-dns-interval-s (a headless Service)
+
+Each engine has a state:
+
+    connecting ──handshake──► ready ◄──► draining (its Pong says so, or DNS dropped it)
+        │                       │
+        └── refused             └── lost (silent or closed) ──handshake──► ready
+            (its model facts disagree with the pool's)
+
+Requests go only to ready engines whose circuit breaker lets them through; the router
+(frontend/router.py) picks one. The first engine's handshake sets the facts (model, max
+length, block size, vocabulary, eos ids) that every other engine must share: one that
+disagrees is refused, with a log line that says why. An engine DNS no longer lists is
+drained (no new requests; running ones finish) and then dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from frontend.engine_client import EngineClient
+from frontend.router import CircuitBreaker, EngineView, RoutingPolicy, prompt_block_hashes
+from pagedserve.v1 import engine_ipc_pb2 as ipc
+
+log = logging.getLogger("pagedserve.frontend")
+_AGREED_FACTS = ("model_name", "max_model_len", "block_size", "vocab_size", "eos_token_ids")
+
+
+class EngineState(enum.Enum):
+    CONNECTING = "connecting"
+    READY = "ready"
+    DRAINING = "draining"
+    LOST = "lost"
+    REFUSED = "refused"
+
+
+@dataclass
+class PooledEngine:
+    """One engine of the pool, with what the frontend counts about it."""
+
+    client: EngineClient
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    removed: bool = False  # DNS no longer lists it: drain, then drop
+    refused: str = ""  # why its handshake disagrees with the pool's; "" when it agrees
+    ever_connected: bool = False
+    said_bye: bool = False  # to the engine draining now
+    num_routed: int = 0
+    num_prefix_hits: int = 0  # requests sent here for a cached prefix
+    num_prefix_hit_tokens: int = 0  # the tokens those prefixes cover
+    num_retries: dict[str, int] = field(default_factory=dict)  # by reason: lost, overloaded
+
+    @property
+    def address(self) -> str:
+        return self.client.address
+
+    @property
+    def state(self) -> EngineState:
+        if not self.client.connected.is_set():
+            return EngineState.LOST if self.ever_connected else EngineState.CONNECTING
+        if self.refused:
+            return EngineState.REFUSED
+        if self.removed or self.client.draining:
+            return EngineState.DRAINING
+        return EngineState.READY
+
+    def view(self) -> EngineView:
+        stats, welcome = self.client.stats, self.client.welcome
+        total = stats.kv_blocks_total or (welcome.kv_blocks_total if welcome is not None else 0)
+        usage = 1 - stats.kv_blocks_free / total if stats.kv_blocks_total else 0.0
+        num_requests = stats.num_running + stats.num_waiting + self.client.num_added_since_stats
+        return EngineView(self.address, max(num_requests, len(self.client.streams)), total, usage)
+
+
+class EnginePool:
+    def __init__(self, policy: RoutingPolicy, frontend_id: str, grpc_address: str = "",
+                 heartbeat_s: float = 0.5, timeout_s: float = 3.0,
+                 on_change: Callable[[], None] | None = None,
+                 on_welcome: Callable[[ipc.Welcome], None] | None = None) -> None:
+        self.policy = policy
+        self.frontend_id, self.grpc_address = frontend_id, grpc_address
+        self.heartbeat_s, self.timeout_s = heartbeat_s, timeout_s
+        self.on_change = on_change or (lambda: None)
+        self.on_welcome = on_welcome or (lambda welcome: None)  # each accepted handshake
+        self.engines: dict[str, PooledEngine] = {}  # by address, in the order they came
+        self.welcome: ipc.Welcome | None = None  # the first accepted handshake: the pool's facts
+        self._tasks: list[asyncio.Task] = []
+        self._started = False
+
+    # -- membership ----------------------------------------------------------------
+
+    async def start(self, addresses: list[str], dns: str | None = None, dns_interval_s: float = 5.0) -> None:
+        self._started = True
+        for address in addresses:
+            await self.add(address)
+        if dns is not None:
+            self._tasks.append(asyncio.create_task(self._resolve_loop(dns, dns_interval_s)))
+        self._tasks.append(asyncio.create_task(self._bye_loop()))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(e.client.close() for e in self.engines.values()))
+
+    async def add(self, address: str) -> None:
+        engine = self.engines.get(address)
+        if engine is not None:
+            engine.removed = False  # DNS lists it again
+            return
+        client = EngineClient(address, self.frontend_id, self.grpc_address, self.heartbeat_s, self.timeout_s,
+                              on_state=lambda connected: self._on_state(address, connected))
+        self.engines[address] = PooledEngine(client)
+        log.info("engine %s added", address)
+        if self._started:
+            await client.start()
+
+    def remove(self, address: str) -> None:
+        """Route nothing new to it; drop it once nothing of ours runs there."""
+        engine = self.engines.get(address)
+        if engine is not None and not engine.removed:
+            engine.removed = True
+            log.info("engine %s removed: draining %d requests", address, len(engine.client.streams))
+            self._drop_if_idle(engine)
+            self.on_change()
+
+    def _drop_if_idle(self, engine: PooledEngine) -> None:
+        if engine.removed and not engine.client.streams and self.engines.get(engine.address) is engine:
+            del self.engines[engine.address]
+            self.policy.forget(engine.address)
+            asyncio.ensure_future(engine.client.close())
+            log.info("engine %s dropped", engine.address)
+
+    async def _resolve_loop(self, dns: str, interval_s: float) -> None:
+        host, port = dns.rsplit(":", 1)
+        host = host.strip("[]")
+        known: set[str] = set()
+        while True:
+            try:
+                infos = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+                found = {_zmq_address(info[4][0], port) for info in infos}
+            except OSError as e:  # keep what we have: a DNS hiccup must not drop healthy engines
+                log.warning("could not resolve %s: %s; keeping %d engines", dns, e, len(known))
+            else:
+                for address in sorted(found - known):
+                    await self.add(address)
+                for address in sorted(known - found):
+                    self.remove(address)
+                known = found
+            await asyncio.sleep(interval_s)
+
+    async def _bye_loop(self) -> None:
+        """A draining engine waits for its frontends to leave: once nothing of ours runs there, leave."""
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            for engine in list(self.engines.values()):
+                client = engine.client
+                if client.draining and not client.streams and not engine.said_bye and client.connected.is_set():
+                    engine.said_bye = True
+                    log.info("engine %s is draining and runs nothing of ours: saying bye", engine.address)
+                    await client.say_bye()
+                    self.on_change()
+
+    def _on_state(self, address: str, connected: bool) -> None:
+        engine = self.engines.get(address)
+        if engine is None:
+            return
+        engine.said_bye = False
+        self.policy.forget(address)  # lost or restarted: its prefix cache is gone
+        if connected:
+            engine.ever_connected = True
+            engine.refused = self._disagreement(engine.client.welcome)
+            if engine.refused:
+                log.error("refused engine %s: %s", address, engine.refused)
+            else:
+                self.on_welcome(engine.client.welcome)
+        else:
+            engine.breaker.record_failure(time.monotonic())
+        self.on_change()
+
+    def _disagreement(self, welcome: ipc.Welcome) -> str:
+        if self.welcome is None:
+            self.welcome = welcome
+            return ""
+        for name in _AGREED_FACTS:
+            ours, theirs = getattr(self.welcome, name), getattr(welcome, name)
+            if ours != theirs:
+                return (f"its {name} is {_show(theirs)} but the pool's is {_show(ours)} "
+                        f"(every engine behind one frontend must serve the same model the same way)")
+        return ""
+
+    # -- routing -------------------------------------------------------------------
+
+    @property
+    def num_ready(self) -> int:
+        return sum(1 for e in self.engines.values() if e.state is EngineState.READY)
+
+    def serving(self) -> list[PooledEngine]:
+        """Engines that agree with the pool and answer (ready or draining)."""
+        return [e for e in self.engines.values() if e.state in (EngineState.READY, EngineState.DRAINING)]
+
+    def route(self, prompt: list[int], exclude: set[str] = frozenset()) -> PooledEngine | None:
+        """The engine for this request, or None if none may take it. Engines whose breaker is
+        open are skipped while another can take it: with no other, trying one beats refusing."""
+        now = time.monotonic()
+        ready = [e for e in self.engines.values() if e.state is EngineState.READY and e.address not in exclude]
+        candidates = [e for e in ready if e.breaker.available(now)] or ready
+        if not candidates:
+            return None
+        hashes = (prompt_block_hashes(prompt, self.welcome.block_size)
+                  if self.policy.needs_block_hashes and self.welcome is not None else [])
+        route = self.policy.choose([e.view() for e in candidates], hashes)
+        engine = self.engines[route.address]
+        engine.breaker.on_routed(now)
+        engine.num_routed += 1
+        if route.num_matched_blocks:
+            engine.num_prefix_hits += 1
+            engine.num_prefix_hit_tokens += route.num_matched_blocks * self.welcome.block_size
+        return engine
+
+    def record_success(self, engine: PooledEngine) -> None:
+        engine.breaker.record_success()
+
+    def record_overload(self, engine: PooledEngine) -> None:
+        """It refused a request as overloaded (a loss counts once, when the link goes)."""
+        engine.breaker.record_failure(time.monotonic())
+
+    def record_retry(self, engine: PooledEngine, reason: str) -> None:
+        """A request left this engine for another, because it was `lost` or `overloaded`."""
+        engine.num_retries[reason] = engine.num_retries.get(reason, 0) + 1
+
+    def release(self, engine: PooledEngine) -> None:
+        """A request of ours ended on this engine."""
+        self._drop_if_idle(engine)
+
+
+def _zmq_address(ip: str, port: str) -> str:
+    return f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}"
+
+
+def _show(value) -> str:
+    return repr(list(value)) if not isinstance(value, (str, int)) else repr(value)
