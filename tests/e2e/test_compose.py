@@ -1,5 +1,6 @@
-"""The container set-up, checked without Docker: `docker-compose config` on both variants, and
-the two healthcheck commands against tiny stand-in servers (no model)."""
+"""The container set-up, checked without Docker: `docker-compose config` on both variants (and
+that the engine service can be scaled), and the two healthcheck commands against tiny stand-in
+servers (no model)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ ENGINE_COMMAND_GPU = ["engine", "--address", "tcp://0.0.0.0:5570", "--device", "
                       "--metrics-port", "9401", *OPERATIONS]
 ENGINE_COMMAND_CPU = ["engine", "--address", "tcp://0.0.0.0:5570", "--device", "cpu", "--dtype", "float32",
                       "--metrics-port", "9401", *OPERATIONS]
-FRONTEND_COMMAND = ["frontend", "--engine-address", "tcp://engine:5570", "--host", "0.0.0.0",
+FRONTEND_COMMAND = ["frontend", "--engine-dns", "engine:5570", "--host", "0.0.0.0",
                     "--grpc-port", "50051", "--http-port", "8000", "--metrics-port", "9400", *OPERATIONS]
 ENGINE_HEALTHCHECK = ["CMD", "pagedserve", "ping-engine", "--address", "tcp://127.0.0.1:5570"]
 FRONTEND_HEALTHCHECK = ["CMD-SHELL", f"pagedserve health --address 127.0.0.1:50051 --service {GENERATION} && "
@@ -41,11 +42,12 @@ GPU_DEVICE = {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
 
 # -- docker-compose config ------------------------------------------------------------
 
-def compose_config(*files: str) -> dict:
+def compose_config(*files: str, **environment: str) -> dict:
     """`docker-compose [-f FILE]... config`, parsed; no -f means what plain `up` reads."""
     if shutil.which("docker-compose") is None:
         pytest.skip("the docker-compose binary is absent (Debian: apt-get install docker-compose)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "PAGEDSERVE_"))}
+    env.update(environment)
     args = [arg for f in files for arg in ("-f", f)]
     done = subprocess.run(["docker-compose", *args, "config"], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=120)
@@ -57,15 +59,15 @@ def device_reservations(service: dict) -> list:
     return (((service.get("deploy") or {}).get("resources") or {}).get("reservations") or {}).get("devices") or []
 
 
-def published_ports(service: dict) -> set[tuple[int, int]]:
-    """(host, container) pairs, from the short or the long syntax."""
+def published_ports(service: dict) -> set[tuple[int | None, int]]:
+    """(host, container) pairs, from the short or the long syntax; host None: Docker picks one."""
     pairs = set()
     for port in service.get("ports", []):
         if isinstance(port, dict):
-            pairs.add((int(port["published"]), int(port["target"])))
+            pairs.add((int(port["published"]) if port.get("published") else None, int(port["target"])))
         else:
             host, container = str(port).split("/")[0].rsplit(":", 2)[-2:]  # [ip:]host:container[/proto]
-            pairs.add((int(host), int(container)))
+            pairs.add((int(host) if host else None, int(container)))
     return pairs
 
 
@@ -75,7 +77,7 @@ def assert_common(config: dict) -> None:
     engine, frontend = services["engine"], services["frontend"]
     assert frontend["command"] == FRONTEND_COMMAND
     assert published_ports(frontend) == {(50051, 50051), (8000, 8000), (9400, 9400)}
-    assert published_ports(engine) == {(9401, 9401)}  # metrics only: 5570 stays on the network
+    assert published_ports(engine) == {(None, 9401)}  # metrics only (5570 stays on the network), any host port
     for service in (engine, frontend):
         args = build_parser().parse_args(service["command"])  # every flag exists
         # compose waits this long after SIGTERM before SIGKILL: the drain must fit in it
@@ -120,6 +122,27 @@ def test_cpu_variant_has_no_gpu():
     assert engine["build"]["args"]["TORCH_INDEX"] == "https://download.pytorch.org/whl/cpu"
     assert engine["build"]["args"]["EXTRAS"] == ""
     assert engine["image"] != compose_config()["services"]["engine"]["image"]
+
+
+def test_engine_scales_behind_the_frontend():
+    """`docker compose up --scale engine=2`: nothing fixes the engine to one container (a host
+    port, a container name), and the frontend resolves the service's name, which Compose's DNS
+    answers with every replica."""
+    for files in ((), ("compose.yaml", "compose.cpu.yaml")):
+        services = compose_config(*files)["services"]
+        engine, frontend = services["engine"], services["frontend"]
+        assert all(host is None for host, _ in published_ports(engine))
+        assert "container_name" not in engine
+        args = build_parser().parse_args(frontend["command"])
+        host, port = args.engine_dns.rsplit(":", 1)
+        assert host == "engine" and not args.engine_address
+        assert build_parser().parse_args(engine["command"]).address == f"tcp://0.0.0.0:{port}"
+
+
+def test_engine_metrics_port_can_be_fixed():
+    engine = compose_config(PAGEDSERVE_ENGINE_METRICS_PORT="19401")["services"]["engine"]
+    assert published_ports(engine) == {(19401, 9401)}
+    assert engine["ports"][0].startswith("127.0.0.1:")  # loopback only
 
 
 def test_dockerfile():
