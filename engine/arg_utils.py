@@ -30,7 +30,12 @@ HELP = {
                     "run as stored, float checkpoints dense)",
     "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda and "
                    "--attention-backend cupy, else off)",
-    "num_threads": "CPU threads for torch (default: all cores)",
+    "num_threads": "CPU threads for torch, split evenly over the tensor-parallel ranks, at least "
+                   "1 each (default: all cores)",
+    "tensor_parallel_size": "shard the model over N processes joined by torch.distributed (gloo on "
+                            "CPU, NCCL on CUDA): this one is rank 0 and starts N-1 workers; the "
+                            "model's attention heads must divide by N (the bundled SmolLM2: 1 or 3); "
+                            "no --speculative-method draft, no CUDA graphs above 1",
     "speculative_method": "speculative decoding: ngram (prompt lookup: propose what followed the "
                           "context's last n-gram earlier on) or draft (a small model, "
                           "--speculative-model); verified losslessly by the model (unset: off)",

@@ -6,6 +6,7 @@ flags); it is split into the component configs the engine parts take.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
@@ -13,6 +14,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cupy")
 QUANTIZATIONS = (None, "none", "int4", "int8")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
+log = logging.getLogger("pagedserve.engine")
 
 
 @dataclass
@@ -35,7 +37,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: cpu kernels on CPU where they build, else torch
     quantization: str | None = None  # int4 | int8: quantize float weights at load; none: dequantize GGUF
     cuda_graphs: bool | None = None  # decode in CUDA graphs; None: on for device cuda + backend cupy
-    num_threads: int | None = None  # CPU: torch intra-op threads (default: all cores)
+    num_threads: int | None = None  # CPU: torch intra-op threads (default: all cores), split over TP ranks
+    # Tensor parallel: shard the model over this many processes (this one is rank 0); the model's
+    # attention heads must divide by it (checked once the model is read).
+    tensor_parallel_size: int = 1
     # Speculative decoding: propose tokens (n-gram prompt lookup, or a small draft model) and
     # verify them all in one target step. None: off.
     speculative_method: str | None = None
@@ -75,8 +80,13 @@ class EngineConfig:
             raise ValueError("attention_backend: 'cupy' runs CUDA kernels; it needs device 'cuda'")
         if self.attention_backend == "cpu" and on_cuda:
             raise ValueError("attention_backend: 'cpu' runs CPU kernels; it needs device 'cpu'")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.cuda_graphs and self.tensor_parallel_size > 1:
+            log.warning("cuda_graphs: off with tensor_parallel_size %d (graphs hold no collectives here)",
+                        self.tensor_parallel_size)
+            self.cuda_graphs = False
         if self.cuda_graphs is None:  # resolved here, so the rest of the engine sees a bool
-            self.cuda_graphs = on_cuda and self.attention_backend == "cupy"
+            self.cuda_graphs = on_cuda and self.attention_backend == "cupy" and self.tensor_parallel_size == 1
         elif self.cuda_graphs and not (on_cuda and self.attention_backend == "cupy"):
             raise ValueError("cuda_graphs: needs device 'cuda' and attention_backend 'cupy', got "
                              f"device {self.device!r} and attention_backend {self.attention_backend!r}")
@@ -93,6 +103,9 @@ class EngineConfig:
         if self.speculative_method == "draft" and self.speculative_model is None:
             raise ValueError("speculative_method 'draft' needs speculative_model: a small model with the "
                              "target's tokenizer")
+        if self.speculative_method == "draft" and self.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_method 'draft' does not run with tensor_parallel_size "
+                             f"{self.tensor_parallel_size}: use 'ngram', or tensor_parallel_size 1")
         if self.speculative_method == "ngram" and self.speculative_model is not None:
             raise ValueError("speculative_model: only for speculative_method 'draft', not 'ngram'")
         _positive("num_speculative_tokens", self.num_speculative_tokens)

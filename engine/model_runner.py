@@ -3,12 +3,18 @@
 It is the only part of the engine that builds tensors: it turns a
 `SchedulerOutput` (request objects and block ids) into flat input ids,
 positions, slot mappings and block tables, runs the model, and samples.
+
+Under tensor parallelism each rank has a ModelRunner of its model shard. Rank 0's
+`execute` reduces a step to a `StepPlan` (plain ints), broadcasts it, and every rank
+runs it (`run_plan`) through the same collectives; only rank 0 gets logits and samples.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,12 +22,15 @@ import torch
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.config import EngineConfig
 from engine.cpu_tuning import bucket, tune_cpu
+from engine.distributed.state import SINGLE, TPShard, all_reduce_min, broadcast_object
+from engine.layers.parallel import check_shardable, local_sizes
 from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, load_model, read_arch_config
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request
 from engine.sampler import NOT_EMITTED, Sampler, SamplingRow, prompt_logprobs
 
+log = logging.getLogger("pagedserve.engine")
 MAX_DEFAULT_MODEL_LEN = 8192
 PROMPT_LOGPROBS_ROWS = 512  # prompt positions scored per LM-head call
 
@@ -34,6 +43,24 @@ class ForwardRow:
     start: int  # position of the first
     block_ids: list[int]  # its block table
     num_logits: int  # trailing rows whose logits are needed: 0, 1, or 1 + drafts
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step as every tensor-parallel rank runs it (rank 0 broadcasts it): the rows to
+    compute, from which each rank builds the same input ids, positions, slot mappings and
+    block tables, and the LM-head calls to make, in order (each one is a collective)."""
+
+    blocks_to_copy: list[tuple[int, int]]  # copy-on-write pairs, before the forward
+    rows: list[ForwardRow]
+    logits_slices: list[tuple[int, int]] = field(default_factory=list)  # hidden rows [a, b) scored for prompt logprobs
+    sample: bool = False  # then the LM head on the rows that sample
+
+
+@dataclass(slots=True)
+class _PromptJob:
+    request: Request
+    first_position: int  # the row at position p scores prompt token p + 1
 
 
 def forward_row(s: ScheduledRequest) -> ForwardRow:
@@ -59,25 +86,44 @@ def _as_decodes(f: ForwardRow) -> list[ForwardRow]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path, eos_token_ids: tuple[int, ...],
+                 shard: TPShard | None = None) -> None:
+        """`shard`: a worker's rank (it has joined the group already); None on rank 0, which
+        starts the workers itself when `config.tensor_parallel_size` > 1."""
         self.config = config
         self.device = torch.device(config.device)
-        self.pad_shapes = self.device.type == "cpu"  # few shapes for oneDNN: see cpu_tuning
-        if self.pad_shapes:
-            tune_cpu(config.num_threads)
         self.arch = read_arch_config(model_path)
+        check_shardable(self.arch, config.tensor_parallel_size)
+        self.pad_shapes = self.device.type == "cpu"  # few shapes for oneDNN: see cpu_tuning
+        if self.pad_shapes:  # ranks share the cores
+            tune_cpu(max(1, (config.num_threads or os.cpu_count() or 1) // config.tensor_parallel_size))
+        self.workers = None
+        if shard is None and config.tensor_parallel_size > 1:
+            from engine.distributed.workers import WorkerGroup
+            self.workers = WorkerGroup(config, model_path)
+            shard = self.workers.shard
+        self.shard = shard or SINGLE
         self.max_model_len = self._max_model_len()
         self.model = load_model(model_path, self.arch, config.dtype, config.device, self.max_model_len,
-                                config.quantization)
-        self.backend = get_attention_backend(config.attention_backend, self.arch.num_heads,
-                                             self.arch.num_kv_heads, self.arch.head_dim, config.device)
+                                config.quantization, self.shard)
+        local = local_sizes(self.arch, self.shard)
+        self.num_kv_heads = local["num_kv_heads"]
+        self.backend = get_attention_backend(config.attention_backend, local["num_heads"],
+                                             self.num_kv_heads, self.arch.head_dim, config.device)
         self.block_size = config.block_size
-        self.num_kv_blocks = config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_memory_gb)
+        # Every rank must hold the same blocks: the smallest pool any rank can afford.
+        self.num_kv_blocks = all_reduce_min(
+            config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_memory_gb), self.shard)
         shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=DTYPES[config.dtype], device=self.device)
                           for _ in range(self.arch.num_layers)]
         self.sampler = Sampler(eos_token_ids)
         self.graphs = self._capture_graphs() if config.cuda_graphs else None
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do on one rank)."""
+        if self.workers is not None:
+            self.workers.stop()
 
     def _capture_graphs(self):
         from engine.cuda_graphs import DecodeGraphs
@@ -99,22 +145,28 @@ class ModelRunner:
     def _blocks_for_budget(self, memory_gb: float) -> int:
         a = self.arch
         itemsize = torch.empty((), dtype=DTYPES[self.config.dtype]).element_size()
-        bytes_per_block = 2 * a.num_layers * a.num_kv_heads * a.head_dim * self.block_size * itemsize
+        bytes_per_block = 2 * a.num_layers * self.num_kv_heads * a.head_dim * self.block_size * itemsize
         return max(1, int(memory_gb * 2**30) // bytes_per_block)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        self.backend.copy_blocks(self.kv_caches, sched.blocks_to_copy)
         # Single-token rows and draft verifications run the batched decode path; put them first.
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1 and not s.spec_token_ids)
-        hidden, last_rows = self.forward([forward_row(s) for s in order])
-        prompt_lps = self._prompt_logprobs(order, hidden)
         sampling = [s for s in order if s.num_samples]
+        jobs, slices = self._prompt_jobs(order)
+        plan = StepPlan(list(sched.blocks_to_copy), [forward_row(s) for s in order], slices, bool(sampling))
+        prompt_logits, logits = self.run_plan(plan)
+        prompt_lps: dict[str, list[dict[int, float]]] = {}
+        for job, (a, b), scores in zip(jobs, slices, prompt_logits):
+            r = job.request
+            targets = r.prompt_token_ids[job.first_position + 1:job.first_position + 1 + b - a]
+            prompt_lps.setdefault(r.request_id, []).extend(
+                prompt_logprobs(scores, targets, r.sampling_params.prompt_logprobs))
         if not sampling:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start)
         rows, row_owner, logits_index = self._sampling_rows(sampling)
-        logits = self.model.compute_logits(hidden[last_rows])[:logits_index[-1] + 1]
+        logits = logits[:logits_index[-1] + 1]
         model_end = time.perf_counter()
         if logits_index != list(range(len(logits))):  # forking prompts sample n tokens from one row
             logits = logits[torch.tensor(logits_index, device=logits.device)]
@@ -140,12 +192,22 @@ class ModelRunner:
         input_ids, positions, meta, last_rows = self._prepare(rows)
         return self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches)), last_rows
 
-    def _prompt_logprobs(self, order: list[ScheduledRequest], hidden: torch.Tensor
-                         ) -> dict[str, list[dict[int, float]]]:
-        """Score the prompt tokens this step's chunks reach, for requests that asked
-        (prompt_logprobs): LM-head logits on their chunk's rows, not only the last one. Row
-        offsets are the same in `_prepare`'s packing and the decode graph's (one token each)."""
-        out: dict[str, list[dict[int, float]]] = {}
+    def run_plan(self, plan: StepPlan) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+        """Run one step on this rank (rank 0 first broadcasts it): (the prompt-logprob slices'
+        logits, the sampling rows' logits). Logits are None except on rank 0."""
+        if self.workers is not None:
+            broadcast_object(plan, self.shard)
+        self.backend.copy_blocks(self.kv_caches, plan.blocks_to_copy)
+        hidden, last_rows = self.forward(plan.rows)
+        prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in plan.logits_slices]
+        logits = self.model.compute_logits(hidden[last_rows]) if plan.sample else None
+        return prompt_logits, logits
+
+    def _prompt_jobs(self, order: list[ScheduledRequest]) -> tuple[list[_PromptJob], list[tuple[int, int]]]:
+        """The hidden rows to score for requests that asked for prompt_logprobs: their
+        chunk's rows, not only the last one, in slices that bound the [rows, vocab] logits.
+        Row offsets are the same in `_prepare`'s packing and the decode graph's (one token each)."""
+        jobs, slices = [], []
         row = 0
         for s in order:
             r = s.request
@@ -153,20 +215,11 @@ class ModelRunner:
                 # The row at position p scores prompt token p+1; the last prompt row samples.
                 start = r.num_computed_tokens
                 num_rows = min(start + s.num_new_tokens, r.num_prompt_tokens - 1) - start
-                if num_rows > 0:
-                    out[r.request_id] = self._score_prompt(hidden[row:row + num_rows], r, start)
+                for first in range(0, max(num_rows, 0), PROMPT_LOGPROBS_ROWS):
+                    jobs.append(_PromptJob(r, start + first))
+                    slices.append((row + first, row + min(num_rows, first + PROMPT_LOGPROBS_ROWS)))
             row += s.num_new_tokens
-        return out
-
-    def _score_prompt(self, hidden: torch.Tensor, request: Request, start: int) -> list[dict[int, float]]:
-        entries: list[dict[int, float]] = []
-        num_top = request.sampling_params.prompt_logprobs
-        # Slices bound the [rows, vocab] logits of a long chunk.
-        for first in range(0, hidden.shape[0], PROMPT_LOGPROBS_ROWS):
-            rows = hidden[first:first + PROMPT_LOGPROBS_ROWS]
-            targets = request.prompt_token_ids[start + first + 1:start + first + 1 + rows.shape[0]]
-            entries += prompt_logprobs(self.model.compute_logits(rows), targets, num_top)
-        return entries
+        return jobs, slices
 
     def _prepare(self, order: list[ForwardRow]):
         bs = self.block_size

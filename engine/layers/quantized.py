@@ -18,6 +18,7 @@ the kernels cannot run.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from torch import nn
 from cpu_kernels import ops
 from engine.layers import Layer
 
+log = logging.getLogger("pagedserve.engine")
 BLOCK = 32
 FORMATS = ("int4", "int8")
 
@@ -220,6 +222,9 @@ def quantize_modules(model: nn.Module, formats: dict[str, str], tie_embeddings: 
         parent = model.get_submodule(parent_name) if parent_name else model
         dense = getattr(parent, attr)
         if dense.in_features % BLOCK:
+            # Under tensor parallelism, a row-parallel layer's share of the columns may fall
+            # off the blocks: its slice is dequantized at load.
+            log.info("%s runs dense: %d input columns are not a multiple of %d", name, dense.in_features, BLOCK)
             del formats[name]
             continue
         setattr(parent, attr, QuantLinear(dense.in_features, dense.out_features, fmt, dense.bias is not None))

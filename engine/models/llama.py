@@ -18,6 +18,8 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.layers import Layer
 from engine.layers.activation import SiluAndMul
+from engine.layers.parallel import (SINGLE, TPShard, local_sizes, parallel_logits, row_parallel,
+                                    shard_checkpoint_tensor, vocab_parallel_embed)
 from engine.layers.norm import RMSNorm
 from engine.layers.quantized import QuantEmbedding, QuantizedTensor, QuantLinear
 from engine.layers.rotary import Rope, RotaryEmbedding
@@ -40,12 +42,15 @@ class ForwardContext:
 
 
 class Attention(Layer):
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int) -> None:
+    """This rank's heads (all of them at tensor-parallel size 1); see layers/parallel.py."""
+
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.layer_idx, self.shard = layer_idx, shard
+        local = local_sizes(cfg, shard)
+        self.num_heads, self.num_kv_heads, self.head_dim = local["num_heads"], local["num_kv_heads"], cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
@@ -63,26 +68,27 @@ class Attention(Layer):
         # q and k rotate together: one pass instead of two.
         q, k = rope.rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return row_parallel(self.o_proj, out.reshape(-1, self.q_size), self.shard)
 
 
 class MLP(Layer):
-    def __init__(self, cfg: ModelArchConfig) -> None:
+    def __init__(self, cfg: ModelArchConfig, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.shard = shard
+        self.intermediate_size = local_sizes(cfg, shard)["intermediate_size"]
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return row_parallel(self.down_proj, self.act(self.gate_up_proj(x)), self.shard)
 
 
 class DecoderLayer(Layer):
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.self_attn = Attention(cfg, layer_idx, shard)
+        self.mlp = MLP(cfg, shard)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -100,15 +106,16 @@ class DecoderLayer(Layer):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelArchConfig, max_positions: int, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.shard, self.vocab_size = shard, cfg.vocab_size
+        self.embed_tokens = nn.Embedding(local_sizes(cfg, shard)["vocab_rows"], cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = vocab_parallel_embed(self.embed_tokens, input_ids, self.shard, self.vocab_size)
         rope = self.rotary(positions, x.dtype)
         residual = None
         for layer in self.layers:
@@ -117,11 +124,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, max_positions: int) -> None:
+    def __init__(self, cfg: ModelArchConfig, max_positions: int, shard: TPShard = SINGLE) -> None:
+        """`shard`: the tensor-parallel rank this copy is for (layers of its local width)."""
         super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.shard = cfg, shard
+        self.model = LlamaModel(cfg, max_positions, shard)
+        self.lm_head = nn.Linear(cfg.hidden_size, local_sizes(cfg, shard)["vocab_rows"], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -149,13 +157,16 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[T, vocab_size] logits; under tensor parallelism every rank must call it, and
+        only rank 0 gets them (None elsewhere)."""
+        return parallel_logits(self.lm_head, hidden, self.shard, self.config.vocab_size)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]]) -> None:
         """Copy checkpoint tensors (HF names) into our parameters and quantized layers,
-        stacking fused ones. Raises if anything is left unloaded."""
+        stacking fused ones; under tensor parallelism each rank keeps its slice. Raises if
+        anything is left unloaded."""
         params = dict(self.named_parameters())
         quantized = {f"{n}.weight": m for n, m in self.named_modules()
                      if isinstance(m, QuantLinear) and not n.endswith(".table")}
@@ -168,6 +179,7 @@ class LlamaForCausalLM(nn.Module):
             if self.config.tie_word_embeddings and name == "lm_head.weight":
                 continue  # same tensor as embed_tokens
             name, shard = _fused_name(name)
+            tensor = shard_checkpoint_tensor(name, shard, tensor, self.config, self.shard)
             sizes = self._shard_sizes(name)
             if name in quantized:
                 quantized[name].load_rows(tensor, 0 if shard is None else sum(sizes[:shard]))
@@ -181,10 +193,10 @@ class LlamaForCausalLM(nn.Module):
         self._check_all_loaded([*params, *quantized], loaded)
 
     def _shard_sizes(self, name: str) -> list[int]:
-        c = self.config
+        local, d = local_sizes(self.config, self.shard), self.config.head_dim
         if "qkv_proj" in name:
-            return [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+            return [local["num_heads"] * d, local["num_kv_heads"] * d, local["num_kv_heads"] * d]
+        return [local["intermediate_size"], local["intermediate_size"]]
 
     def _check_all_loaded(self, names: list[str], loaded: set[str]) -> None:
         missing = []

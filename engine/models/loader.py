@@ -20,6 +20,7 @@ from tqdm import tqdm
 import cpu_kernels
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
+from engine.layers.parallel import SINGLE, TPShard
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.quantized import QuantizedTensor, dequantize_modules, pack_modules, quantize_modules
 from engine.models.config import ModelArchConfig
@@ -81,16 +82,17 @@ def iter_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = False
 
 
 def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_positions: int,
-               quantization: str | None = None) -> LlamaForCausalLM:
+               quantization: str | None = None, shard: TPShard = SINGLE) -> LlamaForCausalLM:
     """Build the model directly on `device` in `dtype`, then copy the weights in. Layers
     whose weights are quantized (GGUF blocks, or `quantization` int4/int8 of float weights)
-    stay quantized where the CPU kernels run; elsewhere they are dequantized."""
+    stay quantized where the CPU kernels run; elsewhere they are dequantized. `shard`: the
+    tensor-parallel rank to build and keep weights for."""
     formats = linear_formats(path, cfg, quantization)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[dtype])
     try:
         with torch.device("meta"):  # no time spent on random init of weights we overwrite
-            model = LlamaForCausalLM(cfg, max_positions)
+            model = LlamaForCausalLM(cfg, max_positions, shard)
             quantize_modules(model, formats, cfg.tie_word_embeddings)
         model = model.to_empty(device=device)
         model.init_non_persistent(device)

@@ -1,0 +1,104 @@
+"""The tensor-parallel process group and the few collectives the model and runner use.
+
+One group per process (torch.distributed's default group): gloo on CPU, NCCL on CUDA,
+joined over tcp://127.0.0.1:<port>. Every helper is a no-op at size 1, so single-rank
+code calls them unconditionally.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# Workers wait in a broadcast for rank 0's next step for as long as the engine is idle, so
+# the collective timeout must outlast any idle spell. Liveness comes from elsewhere: a dead
+# peer closes its sockets (the blocked collective fails at once) and process watchers.
+COLLECTIVE_TIMEOUT = timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Which share of the model a rank holds: rank `rank` of `size`."""
+
+    rank: int = 0
+    size: int = 1
+
+    def split(self, n: int) -> tuple[int, int]:
+        """(start, count) of this rank's equal part of `n` (n divisible by size)."""
+        count = n // self.size
+        return self.rank * count, count
+
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first, count) of this rank's kv heads: an equal part, or one head replicated on
+        size / num_kv_heads ranks when there are fewer kv heads than ranks."""
+        if self.size <= num_kv_heads:
+            return self.split(num_kv_heads)
+        return self.rank // (self.size // num_kv_heads), 1
+
+    def vocab(self, vocab_size: int) -> tuple[int, int]:
+        """(first token id, rows) of this rank's vocabulary part: the vocabulary is padded
+        to a multiple of size; rows past `vocab_size` are zero padding."""
+        rows = -(-vocab_size // self.size)
+        return self.rank * rows, rows
+
+
+SINGLE = TPShard()
+_comm_device = torch.device("cpu")  # where the runner's small collectives' tensors live (NCCL: the GPU)
+
+
+def init_group(shard: TPShard, port: int, device: str) -> None:
+    global _comm_device
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    _comm_device = torch.device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=shard.rank,
+                            world_size=shard.size, timeout=COLLECTIVE_TIMEOUT)
+
+
+def destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(x: torch.Tensor, shard: TPShard) -> torch.Tensor:
+    """Sum of `x` over the ranks (in place)."""
+    if shard.size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_reduce_min(value: int, shard: TPShard) -> int:
+    if shard.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=_comm_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def gather_vocab(x: torch.Tensor, shard: TPShard, vocab_size: int) -> torch.Tensor | None:
+    """Each rank's [T, rows] logits -> rank 0's [T, vocab_size] (padding trimmed); None
+    on the other ranks."""
+    if shard.size == 1:
+        return x[..., :vocab_size] if x.shape[-1] != vocab_size else x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(shard.size)] if shard.rank == 0 else None
+    dist.gather(x, parts, dst=0)
+    return None if parts is None else torch.cat(parts, dim=-1)[..., :vocab_size]
+
+
+def broadcast_object(obj: object, shard: TPShard) -> object:
+    """Rank 0's `obj` on every rank: one broadcast of its length, one of its pickle."""
+    if shard.rank == 0:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(_comm_device)
+        size = torch.tensor([payload.numel()], dtype=torch.long, device=_comm_device)
+    else:
+        size = torch.empty(1, dtype=torch.long, device=_comm_device)
+    dist.broadcast(size, src=0)
+    if shard.rank != 0:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=_comm_device)
+    dist.broadcast(payload, src=0)
+    return obj if shard.rank == 0 else pickle.loads(payload.cpu().numpy().tobytes())
