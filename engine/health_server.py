@@ -49,7 +49,10 @@ class EngineHealth:
         self.servicer = health.HealthServicer()
         self.servicer.set("", _SERVING)
         self.servicer.set(ENGINE_SERVICE, _NOT_SERVING)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="engine-health"))
+        # A Watch holds a worker for as long as it streams: past 4 RPCs, refuse (RESOURCE_EXHAUSTED)
+        # rather than queue the kubelet's Checks behind them.
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="engine-health"),
+                                  maximum_concurrent_rpcs=4)
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         self.server.start()

@@ -80,3 +80,16 @@ def test_stop_closes_the_port():
         with pytest.raises(grpc.RpcError) as err:
             health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
     assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def test_watch_streams_the_drain(health):
+    proc = fake_proc()
+    with grpc.insecure_channel(f"127.0.0.1:{health.port}") as channel:
+        stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=ENGINE_SERVICE),
+                                                           timeout=10)
+        assert next(stream).status == NOT_SERVING  # loading
+        health.attach(proc)
+        assert next(stream).status == SERVING
+        proc.drain_deadline = time.monotonic() + 30  # SIGTERM
+        assert next(stream).status == NOT_SERVING
+        stream.cancel()
