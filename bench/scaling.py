@@ -156,14 +156,15 @@ def _cluster(config: EngineConfig, n: int, policy: str) -> Iterator[tuple[Cluste
 
 
 def _wait_all_routed(address: str, n: int, deadline: float) -> None:
-    """Until the frontend's Info lists all N engines (it is SERVING from the first one on)."""
+    """Until the frontend has the handshake of all N engines (it is SERVING from the first one on)."""
     import grpc
 
     from pagedserve.v1 import info_pb2, info_pb2_grpc
     with grpc.insecure_channel(address) as channel:
         stub = info_pb2_grpc.InfoStub(channel)
         while time.monotonic() < deadline:
-            if len(stub.GetServerInfo(info_pb2.GetServerInfoRequest(), timeout=10).engines) >= n:
+            engines = stub.GetServerInfo(info_pb2.GetServerInfoRequest(), timeout=10).engines
+            if sum(bool(e.id) for e in engines) >= n:  # an engine's id is known once it has answered
                 return
             time.sleep(0.2)
     raise RuntimeError(f"the frontend at {address} never listed {n} engines")
