@@ -75,8 +75,6 @@ def test_engine_health_through_drain(procs):
         engine.send_signal(signal.SIGTERM)
         wait_status(health, ENGINE, NOT_SERVING, engine, procs.log_tail, timeout_s=5)
         assert check(health, "") == SERVING  # draining is not dead: no restart
-        done = subprocess.run(probe, capture_output=True, text=True, timeout=60)
-        assert done.returncode == 1 and "NOT_SERVING" in done.stderr
         assert engine.poll() is None, "the engine stopped with a frontend still connected"
 
         frontend.bye()
