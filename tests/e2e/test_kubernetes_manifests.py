@@ -267,11 +267,9 @@ def test_frontend_finds_the_headless_engine_service(overlay):
 
 
 def test_frontend_args_parse():
-    parser_flags = build_parser()._subparsers._group_actions[0].choices["frontend"]._option_string_actions
-    if "--engine-dns" not in parser_flags:
-        pytest.skip("pagedserve frontend has no --engine-dns yet (issue 17, part 1)")
-    args = parse_args(main_container(render("cpu"), "Deployment"))
-    assert args.host == "0.0.0.0"
+    args = parse_args(main_container(render("cpu"), "Deployment"))  # every flag exists
+    assert args.host == "0.0.0.0" and args.engine_dns == "pagedserve-engine:5570" and not args.engine_address
+    assert args.routing_policy == "cache_aware"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
