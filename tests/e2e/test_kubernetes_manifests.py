@@ -225,6 +225,17 @@ def test_probe_ports_exist_and_resources_are_set(overlay):
         assert "/tmp" in mounts  # the root filesystem is read-only
 
 
+def test_engine_cache_is_writable_and_seeded_from_the_image():
+    statefulset = one(render("cpu"), "StatefulSet")
+    engine, (seed,) = containers(statefulset, init=False)[0], statefulset["spec"]["template"]["spec"]["initContainers"]
+    env = {e["name"]: e["value"] for e in engine["env"]}
+    mounts = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
+    assert env["PAGEDSERVE_CACHE_DIR"] == mounts["cache"]
+    assert {m["name"]: m["mountPath"] for m in seed["volumeMounts"]}["cache"] in seed["command"][-1]
+    home = re.search(r"useradd .*--create-home .*?(\w+)$", (ROOT / "Dockerfile").read_text(), re.MULTILINE).group(1)
+    assert f"/home/{home}/.cache/pagedserve/." in seed["command"][-1]  # where cpu_kernels.warm built them
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_engine_args_match_probes_ports_and_grace(overlay):
     docs = render(overlay)
