@@ -73,18 +73,20 @@ class WorkerGroup:
         os._exit(1)  # the main thread may be blocked in a collective that can never finish
 
     def stop(self) -> None:
-        """Let the workers leave their loop (they are waiting for a plan), then reap them."""
-        if not self.closing:
-            broadcast_object(STOP, self.shard)
-            self.close()
-
-    def close(self) -> None:
+        """Let the workers leave their loop (they wait for a plan), reap them, leave the group."""
         if self.closing:
             return
-        self.closing = True
+        self.closing = True  # before the workers exit: the watcher must not take it for a failure
+        broadcast_object(STOP, self.shard)
         deadline = time.monotonic() + JOIN_TIMEOUT_S
         for proc in self.procs.values():
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.close()
+
+    def close(self) -> None:
+        """End the workers now (at exit they may be blocked in a collective) and leave the group."""
+        atexit.unregister(self.close)
+        self.closing = True
         self._kill()
         destroy_group()
 
