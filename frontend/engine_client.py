@@ -153,6 +153,7 @@ class EngineClient:
     def _on_welcome(self, welcome: ipc.Welcome) -> None:
         if self.welcome is not None and welcome.engine_id != self.welcome.engine_id:
             self._fail_streams("the engine restarted")
+            self.stats, self.num_added_since_stats = ipc.EngineStats(), 0  # the old engine's load
         self.welcome = welcome
         if not self.connected.is_set():
             self.draining = False
@@ -190,8 +191,9 @@ class EngineClient:
                 self._lose("no answer from the engine for %.1fs" % self.timeout_s)
 
     def _lose(self, reason: str) -> None:
-        log.error("engine lost: %s", reason)
+        log.error("engine lost: %s (%s)", reason, self.address)
         self.connected.clear()
+        self.stats, self.num_added_since_stats = ipc.EngineStats(), 0  # none of it is true any more
         self.on_state(False)
         self._fail_streams(reason)
 
