@@ -97,13 +97,13 @@ class ModelRunner:
         self.pad_shapes = self.device.type == "cpu"  # few shapes for oneDNN: see cpu_tuning
         if self.pad_shapes:  # ranks share the cores
             tune_cpu(max(1, (config.num_threads or os.cpu_count() or 1) // config.tensor_parallel_size))
+        self.max_model_len = self._max_model_len()
         self.workers = None
         if shard is None and config.tensor_parallel_size > 1:
             from engine.distributed.workers import WorkerGroup
             self.workers = WorkerGroup(config, model_path)
             shard = self.workers.shard
         self.shard = shard or SINGLE
-        self.max_model_len = self._max_model_len()
         self.model = load_model(model_path, self.arch, config.dtype, config.device, self.max_model_len,
                                 config.quantization, self.shard)
         local = local_sizes(self.arch, self.shard)
