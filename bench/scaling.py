@@ -1,7 +1,7 @@
 """`pagedserve bench scaling`: one engine against several, behind one frontend, at saturation.
 
 For each --engines count N, this starts N `pagedserve engine` processes (each with
---engine-threads threads, its own endpoint and /metrics) and one `pagedserve frontend` over
+--num-threads threads, default 1, its own endpoint and /metrics) and one `pagedserve frontend` over
 all of them, then sends a closed loop of random-token requests: --concurrency-per-engine × N in
 flight, --prompts-per-engine × N in all, so every engine is kept full and every run lasts
 about as long. Every count gets the same kind of prompts (seeded) and a warm-up.
@@ -30,7 +30,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.datasets import prefix_repetition_requests, random_requests
@@ -63,8 +63,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", default="1,2", metavar="N[,N]",
                    help="engine counts to run, each behind one frontend; the first is the baseline of the "
                         "efficiency figure (default: 1,2)")
-    p.add_argument("--engine-threads", type=int, default=1,
-                   help="--num-threads of every engine: one core each, so N engines ask for N cores (default: 1)")
     p.add_argument("--routing-policies", default="cache_aware", metavar="NAME[,NAME]",
                    help="the frontend's --routing-policy: with several, each count above 1 runs once per "
                         "policy (one engine needs no routing) (default: cache_aware)")
@@ -82,12 +80,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: 0)")
     p.add_argument("--output-dir", type=Path, default=None, help="where to write JSON and PNG (default: bench/results)")
     add_engine_args(p, dtype="auto")
+    p.set_defaults(num_threads=1)
+    for action in p._actions:
+        if action.dest == "num_threads":
+            action.help = "threads of every engine: one core each, so N engines ask for N cores (default: 1)"
 
 
 def run(args: argparse.Namespace) -> int:
     from bench.scaling_report import report
     counts = check_args(args)
-    base = replace(engine_config_from_args(args), num_threads=args.engine_threads)
+    base = engine_config_from_args(args)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the servers too
     runs, commands = [], {}
     for n, policy in plan(counts, args.routing_policies.split(",")):
@@ -110,7 +112,7 @@ def check_args(args: argparse.Namespace) -> list[int]:
         counts = []
     if not counts or min(counts) < 1 or len(set(counts)) != len(counts):
         raise SystemExit(f"bench scaling: --engines: a comma list of distinct positive integers, got {args.engines!r}")
-    for flag, value in (("--engine-threads", args.engine_threads), ("--input-len", args.input_len),
+    for flag, value in (("--num-threads", args.num_threads), ("--input-len", args.input_len),
                         ("--output-len", args.output_len), ("--prompts-per-engine", args.prompts_per_engine),
                         ("--concurrency-per-engine", args.concurrency_per_engine),
                         ("--num-prefixes", args.num_prefixes)):
@@ -131,7 +133,7 @@ def _cluster(config: EngineConfig, n: int, policy: str) -> Iterator[tuple[Cluste
                     "--routing-policy", policy, "--max-concurrent-streams", "1024"]
     for a in addresses:
         frontend_cmd += ["--engine-address", a]
-    print(f"\n== {n} engine(s): {' '.join(engine_cmds[0][1:])}", flush=True)
+    print(f"\n== {n} engine(s), {policy}: {' '.join(engine_cmds[0][1:])}", flush=True)
     engines = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for cmd in engine_cmds]
     frontend = ServerProcess("pagedserve frontend", frontend_cmd)
     try:

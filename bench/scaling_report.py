@@ -58,7 +58,7 @@ def report(runs: list[dict], commands: dict, base, args: argparse.Namespace) -> 
     machine = machine_info(base.device)
     payload = {
         "machine": machine, "model": runs[0]["model"], "engine_config": vars(base),
-        "engine_threads": args.engine_threads,
+        "engine_threads": base.num_threads,
         "workload": {"dataset": args.dataset, "input_len": args.input_len, "output_len": args.output_len,
                      **({"prefix_len": args.prefix_len, "num_prefixes": args.num_prefixes}
                         if args.dataset == "prefix" else {}),
@@ -68,7 +68,7 @@ def report(runs: list[dict], commands: dict, base, args: argparse.Namespace) -> 
         "runs": [{k: v for k, v in r.items() if k != "model"} | d for r, d in zip(runs, derived)],
     }
     path = write_result("scaling", payload, args.output_dir)
-    title = (f"{runs[0]['model'].get('model_name', '?')}, {args.engine_threads} thread(s) per engine, "
+    title = (f"{runs[0]['model'].get('model_name', '?')}, {base.num_threads} thread(s) per engine, "
              f"one frontend\n{machine['cpu']}, {machine['num_cpus']} CPUs")
     plot_scaling(runs, derived, title, path.with_suffix(".png"))
     print(f"wrote {path} and {path.with_suffix('.png').name}")
@@ -87,7 +87,7 @@ def plot_scaling(runs: list[dict], derived: list[dict], title: str, path: Path) 
     tput = [r["summary"]["output_tok_s"] for r in runs]
     bars = left.bar(labels, tput, color="tab:blue", label="measured")
     per_engine = tput[0] / runs[0]["engines"]
-    left.plot(labels, [per_engine * r["engines"] for r in runs], "k--", marker="o", label="linear")
+    left.plot(labels, [per_engine * r["engines"] for r in runs], "k_", markersize=40, mew=2, label="linear")
     left.bar_label(bars, labels=[f"{t:.0f} ({d['efficiency']:.2f})" for t, d in zip(tput, derived)], padding=3)
     left.set_xlabel("engines")
     left.set_ylabel("output tokens / s (efficiency)")

@@ -66,6 +66,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "engine's acceptance rate, mean acceptance length and per-position rate (its /metrics "
                     "counters, read around each run), TPOT speed-up over off, and how many replies match "
                     "off's token for token. Writes JSON and a PNG."))
+    from bench.scaling import add_arguments as add_scaling
+    add_scaling(bench_kinds.add_parser(
+        "scaling", help="data parallel: N engines behind one frontend against one, at saturation",
+        description="Scaling benchmark: for each --engines count N, N `pagedserve engine` processes "
+                    "(--num-threads threads each, default 1) behind one `pagedserve frontend`, loaded with N x "
+                    "--concurrency-per-engine requests in flight (random token ids, or prompts sharing "
+                    "prefixes with --dataset prefix; greedy, eos ignored). Reports output tok/s, TTFT "
+                    "p50/p99, TPOT p50, efficiency = throughput(N) / (N x throughput(1)), the CPU ms per "
+                    "output token of the engines, the frontend and the client (from /proc), and each "
+                    "engine's share of the tokens and the prefix-cache hit rate (from the engines' "
+                    "/metrics). Writes JSON and a PNG."))
     from bench.kernels import add_arguments as add_kernels
     add_kernels(bench_kinds.add_parser(
         "kernels", help="paged-attention kernels against the measured HBM bandwidth (needs a GPU)",
@@ -119,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "spec":
         from bench.spec_decode import run
+        return run(args)
+    if args.command == "bench" and args.bench == "scaling":
+        from bench.scaling import run
         return run(args)
     if args.command == "bench" and args.bench == "kernels":
         from bench.kernels import run
