@@ -104,7 +104,7 @@ class EnginePool:
             await self.add(address)
         if dns is not None:
             self._tasks.append(asyncio.create_task(self._resolve_loop(dns, dns_interval_s)))
-        self._tasks.append(asyncio.create_task(self._bye_loop()))
+        self._tasks.append(asyncio.create_task(self._watch_loop()))
 
     async def close(self) -> None:
         for task in self._tasks:
@@ -158,17 +158,22 @@ class EnginePool:
                 known = found
             await asyncio.sleep(interval_s)
 
-    async def _bye_loop(self) -> None:
-        """A draining engine waits for its frontends to leave: once nothing of ours runs there, leave."""
+    async def _watch_loop(self) -> None:
+        """States that heartbeats change (an engine starts draining) reach `on_change`; a draining
+        engine waits for its frontends to leave, so once nothing of ours runs there, we leave."""
+        states: dict[str, EngineState] = {}
         while True:
             await asyncio.sleep(self.heartbeat_s)
+            now = {address: e.state for address, e in self.engines.items()}
+            if now != states:
+                states = now
+                self.on_change()
             for engine in list(self.engines.values()):
                 client = engine.client
                 if client.draining and not client.streams and not engine.said_bye and client.connected.is_set():
                     engine.said_bye = True
                     log.info("engine %s is draining and runs nothing of ours: saying bye", engine.address)
                     await client.say_bye()
-                    self.on_change()
 
     def _on_state(self, address: str, connected: bool) -> None:
         engine = self.engines.get(address)
