@@ -18,6 +18,7 @@ import torch.distributed as dist
 # the collective timeout must outlast any idle spell. Liveness comes from elsewhere: a dead
 # peer closes its sockets (the blocked collective fails at once) and process watchers.
 COLLECTIVE_TIMEOUT = timedelta(days=365)
+BROADCAST_BYTES = 16384  # broadcast_object's first message: a step's plan fits it
 
 
 @dataclass(frozen=True)
@@ -90,15 +91,26 @@ def gather_vocab(x: torch.Tensor, shard: TPShard, vocab_size: int) -> torch.Tens
 
 
 def broadcast_object(obj: object, shard: TPShard) -> object:
-    """Rank 0's `obj` on every rank: one broadcast of its length, one of its pickle."""
+    """Rank 0's `obj` on every rank, pickled. A step's plan (a few hundred bytes to a few KB)
+    fits the fixed-size first broadcast, so it costs one collective: on gloo each costs far
+    more in latency than in bytes. A larger one sends its remainder in a second broadcast."""
+    head = torch.zeros(BROADCAST_BYTES, dtype=torch.uint8)
     if shard.rank == 0:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(_comm_device)
-        size = torch.tensor([payload.numel()], dtype=torch.long, device=_comm_device)
-    else:
-        size = torch.empty(1, dtype=torch.long, device=_comm_device)
-    dist.broadcast(size, src=0)
-    if shard.rank != 0:
-        payload = torch.empty(int(size.item()), dtype=torch.uint8, device=_comm_device)
-    dist.broadcast(payload, src=0)
-    return obj if shard.rank == 0 else pickle.loads(payload.cpu().numpy().tobytes())
+        head[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        first = min(len(data), BROADCAST_BYTES - 8)
+        head[8:8 + first] = torch.frombuffer(bytearray(data[:first]), dtype=torch.uint8)
+    head = head.to(_comm_device)
+    dist.broadcast(head, src=0)
+    if shard.rank == 0:
+        if len(data) > BROADCAST_BYTES - 8:
+            dist.broadcast(torch.frombuffer(bytearray(data[first:]), dtype=torch.uint8).to(_comm_device), src=0)
+        return obj
+    head = head.cpu()
+    size = int(head[:8].view(torch.int64).item())
+    data = head[8:8 + size].numpy().tobytes()
+    if size > BROADCAST_BYTES - 8:
+        rest = torch.empty(size - len(data), dtype=torch.uint8, device=_comm_device)
+        dist.broadcast(rest, src=0)
+        data += rest.cpu().numpy().tobytes()
+    return pickle.loads(data)

@@ -2,7 +2,7 @@
 gloo ranks in spawned processes, float32: column-parallel qkv (per head, GQA and replicated
 kv heads) and gate_up (per half), row-parallel o_proj/down_proj with the all-reduce (bias
 once), the vocab-parallel embedding and LM head over a vocabulary that needs padding; and
-quantized weights sliced in their blocks."""
+quantized weights sliced in their blocks; and the plan broadcast."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from engine.distributed.state import TPShard, destroy_group, init_group
+from engine.distributed.state import TPShard, broadcast_object, destroy_group, init_group
 from engine.layers.parallel import (check_shardable, local_sizes, parallel_logits, row_parallel,
                                     shard_checkpoint_tensor, shard_cols, shard_rows, vocab_parallel_embed)
 from engine.layers.quantized import QuantLinear, quantize
@@ -95,6 +95,8 @@ def run_rank(rank: int, port: int) -> None:
             check_qkv(cfg, shard)
         check_gate_up_and_down(arch(4, 2), shard)
         check_vocab(arch(4, 2), shard)
+        for sent in ({"rows": [1, 2, 3]}, list(range(20_000)), None):  # one broadcast, two, and STOP
+            assert broadcast_object(sent if rank == 0 else "ignored", shard) == sent
     finally:
         destroy_group()
 
