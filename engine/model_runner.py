@@ -192,6 +192,7 @@ class ModelRunner:
         input_ids, positions, meta, last_rows = self._prepare(rows)
         return self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches)), last_rows
 
+    @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
         """Run one step on this rank (rank 0 first broadcasts it): (the prompt-logprob slices'
         logits, the sampling rows' logits). Logits are None except on rank 0."""
