@@ -116,7 +116,7 @@ async def _frontend(config, engines: list[subprocess.Popen], died: list[subproce
         code = engine.wait()
         if stop.is_set():
             return  # we are stopping it
-        log.error("engine (pid %d) exited with code %s; stopping", engine.pid, code)
+        log.error("engine exited with code %s (pid %d); stopping", code, engine.pid)
         died.append(engine)
         try:
             loop.call_soon_threadsafe(stop.set)
