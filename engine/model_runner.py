@@ -11,7 +11,6 @@ runs it (`run_plan`) through the same collectives; only rank 0 gets logits and s
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -30,7 +29,6 @@ from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request
 from engine.sampler import NOT_EMITTED, Sampler, SamplingRow, prompt_logprobs
 
-log = logging.getLogger("pagedserve.engine")
 MAX_DEFAULT_MODEL_LEN = 8192
 PROMPT_LOGPROBS_ROWS = 512  # prompt positions scored per LM-head call
 
@@ -157,12 +155,7 @@ class ModelRunner:
         jobs, slices = self._prompt_jobs(order)
         plan = StepPlan(list(sched.blocks_to_copy), [forward_row(s) for s in order], slices, bool(sampling))
         prompt_logits, logits = self.run_plan(plan)
-        prompt_lps: dict[str, list[dict[int, float]]] = {}
-        for job, (a, b), scores in zip(jobs, slices, prompt_logits):
-            r = job.request
-            targets = r.prompt_token_ids[job.first_position + 1:job.first_position + 1 + b - a]
-            prompt_lps.setdefault(r.request_id, []).extend(
-                prompt_logprobs(scores, targets, r.sampling_params.prompt_logprobs))
+        prompt_lps = self._score_prompts(jobs, prompt_logits)
         if not sampling:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start)
         rows, row_owner, logits_index = self._sampling_rows(sampling)
@@ -203,6 +196,15 @@ class ModelRunner:
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in plan.logits_slices]
         logits = self.model.compute_logits(hidden[last_rows]) if plan.sample else None
         return prompt_logits, logits
+
+    @staticmethod
+    def _score_prompts(jobs: list[_PromptJob], logits: list[torch.Tensor]) -> dict[str, list[dict[int, float]]]:
+        out: dict[str, list[dict[int, float]]] = {}
+        for job, scores in zip(jobs, logits):
+            r, first = job.request, job.first_position
+            targets = r.prompt_token_ids[first + 1:first + 1 + scores.shape[0]]
+            out.setdefault(r.request_id, []).extend(prompt_logprobs(scores, targets, r.sampling_params.prompt_logprobs))
+        return out
 
     def _prompt_jobs(self, order: list[ScheduledRequest]) -> tuple[list[_PromptJob], list[tuple[int, int]]]:
         """The hidden rows to score for requests that asked for prompt_logprobs: their

@@ -15,7 +15,8 @@ from torch import nn
 
 from engine.distributed.state import TPShard, broadcast_object, destroy_group, init_group
 from engine.layers.parallel import (check_shardable, local_sizes, parallel_logits, row_parallel,
-                                    shard_checkpoint_tensor, shard_cols, shard_rows, vocab_parallel_embed)
+                                    pad_rows, shard_checkpoint_tensor, shard_cols, shard_rows,
+                                    vocab_parallel_embed)
 from engine.layers.quantized import QuantLinear, quantize
 from engine.models.config import ModelArchConfig
 
@@ -115,6 +116,8 @@ def test_quantized_slices_are_exact():
         full = q.dequantize()
         torch.testing.assert_close(shard_cols(q, 64, 64).dequantize(), full[:, 64:], rtol=0, atol=0)
         torch.testing.assert_close(shard_rows(q, 4, 4).dequantize(), full[4:], rtol=0, atol=0)
+        padded = pad_rows(shard_rows(q, 4, 4), 6).dequantize()  # a padded vocabulary's last part
+        assert padded.shape == (6, 128) and not padded[4:].any()
         off_blocks = shard_cols(q, 48, 48)  # not on block boundaries: dequantized
         assert isinstance(off_blocks, torch.Tensor)
         torch.testing.assert_close(off_blocks, full[:, 48:96], rtol=0, atol=0)
