@@ -1,7 +1,8 @@
 """Data parallel, end to end: one frontend over two real engine processes on loopback
 (issue 17). Traffic splits; cache_aware routing beats round_robin on the engines' own
 prefix-cache counters; kill -9 of an engine loses no request that had not streamed yet; a
-restarted engine gets traffic again; `pagedserve serve --data-parallel-size 2` serves."""
+restarted engine gets traffic again; an engine's SIGTERM drain reaches the frontends, which leave
+it; `pagedserve serve --data-parallel-size 2` serves."""
 
 from __future__ import annotations
 
@@ -140,6 +141,23 @@ def test_kill_9_loses_no_request_that_had_not_streamed(pool, procs):
     after = metric(scrape(fe.metrics_url), "pagedserve:router_requests_routed_total", engine=addresses[0])
     assert after - before >= 1
     assert _cache_counters(addresses[:1])[addresses[0]][0] > queries_before  # the engine itself saw them
+
+
+def test_sigterm_engine_drains_and_the_frontends_leave_it(pool):
+    """An engine's SIGTERM reaches the frontends in its heartbeat: they send it nothing new and,
+    with nothing of theirs left on it, say Bye, so it stops well before its 30 s drain timeout."""
+    addresses, engines, fes = pool
+    fe = fes["cache_aware"]
+    before = metric(scrape(fe.metrics_url), "pagedserve:router_requests_routed_total", engine=addresses[0])
+    started = time.monotonic()
+    engines[1].send_signal(signal.SIGTERM)
+    assert engines[1].wait(20) == 0
+    assert time.monotonic() - started < 15
+    for i in range(3):
+        assert len(generate(fe, text=f"Name {i} colours:", sampling=greedy(2)).tokens[0]) == 2
+    after = metric(scrape(fe.metrics_url), "pagedserve:router_requests_routed_total", engine=addresses[0])
+    assert after - before == 3
+    fe.wait_serving()
 
 
 def test_serve_data_parallel_size_2(procs):
