@@ -81,15 +81,15 @@ class EngineConfig:
         if self.attention_backend == "cpu" and on_cuda:
             raise ValueError("attention_backend: 'cpu' runs CPU kernels; it needs device 'cpu'")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
-        if self.cuda_graphs and self.tensor_parallel_size > 1:
-            log.warning("cuda_graphs: off with tensor_parallel_size %d (graphs hold no collectives here)",
-                        self.tensor_parallel_size)
-            self.cuda_graphs = False
         if self.cuda_graphs is None:  # resolved here, so the rest of the engine sees a bool
-            self.cuda_graphs = on_cuda and self.attention_backend == "cupy" and self.tensor_parallel_size == 1
+            self.cuda_graphs = on_cuda and self.attention_backend == "cupy"
         elif self.cuda_graphs and not (on_cuda and self.attention_backend == "cupy"):
             raise ValueError("cuda_graphs: needs device 'cuda' and attention_backend 'cupy', got "
                              f"device {self.device!r} and attention_backend {self.attention_backend!r}")
+        if self.cuda_graphs and self.tensor_parallel_size > 1:
+            log.warning("cuda_graphs: off with tensor_parallel_size %d (our graphs hold no collectives)",
+                        self.tensor_parallel_size)
+            self.cuda_graphs = False
 
         self._check_speculative()
 
