@@ -88,11 +88,12 @@ def plot_scaling(runs: list[dict], derived: list[dict], title: str, path: Path) 
     bars = left.bar(labels, tput, color="tab:blue", label="measured")
     per_engine = tput[0] / runs[0]["engines"]
     left.plot(labels, [per_engine * r["engines"] for r in runs], "k_", markersize=40, mew=2, label="linear")
-    left.bar_label(bars, labels=[f"{t:.0f} ({d['efficiency']:.2f})" for t, d in zip(tput, derived)], padding=3)
+    left.bar_label(bars, labels=[f"{t:.0f}\n({d['efficiency']:.2f})" for t, d in zip(tput, derived)],
+                   label_type="center", color="white")
     left.set_xlabel("engines")
     left.set_ylabel("output tokens / s (efficiency)")
     left.legend(loc="upper left")
-    left.margins(y=0.2)
+    left.margins(y=0.25)
     bottom = [0.0] * len(runs)
     for i, role in enumerate(ROLES):
         values = [d["cpu_ms_per_token"][role] for d in derived]
