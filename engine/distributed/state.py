@@ -14,6 +14,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from engine.distributed.shm import ShmComm, ShmHandle
+
 # Workers wait in a broadcast for rank 0's next step for as long as the engine is idle, so
 # the collective timeout must outlast any idle spell. Liveness comes from elsewhere: a dead
 # peer closes its sockets (the blocked collective fails at once) and process watchers.
@@ -49,14 +51,23 @@ class TPShard:
 
 SINGLE = TPShard()
 _comm_device = torch.device("cpu")  # where the runner's small collectives' tensors live (NCCL: the GPU)
+_shm: ShmComm | None = None  # CPU ranks: shared-memory collectives for what fits (engine/distributed/shm.py)
 
 
-def init_group(shard: TPShard, port: int, device: str) -> None:
-    global _comm_device
+def init_group(shard: TPShard, port: int, device: str, shm: ShmHandle | None = None) -> None:
+    """Join the group as `shard.rank`. With `shm` (CPU ranks; rank 0 made it), collectives
+    that fit its slots go through shared memory, the rest through gloo."""
+    global _comm_device, _shm
     _comm_device = torch.device(device)
+    if shm is not None and not device.startswith("cuda"):
+        _shm = ShmComm(shm, shard.rank)  # mapped before the group forms, so rank 0 may unlink it after
     backend, options = ("nccl", None) if device.startswith("cuda") else ("gloo", _gloo_options())
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=shard.rank,
                             world_size=shard.size, timeout=COLLECTIVE_TIMEOUT, pg_options=options)
+    if _shm is not None:
+        dist.barrier()  # every rank has mapped the file
+        if shard.rank == 0:
+            _shm.unlink()
 
 
 def _gloo_options():
@@ -73,13 +84,15 @@ def _gloo_options():
 
 
 def destroy_group() -> None:
+    global _shm
+    _shm = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def all_reduce(x: torch.Tensor, shard: TPShard) -> torch.Tensor:
     """Sum of `x` over the ranks (in place)."""
-    if shard.size > 1:
+    if shard.size > 1 and not (_shm is not None and _shm.all_reduce(x)):
         dist.all_reduce(x)
     return x
 
@@ -98,8 +111,10 @@ def gather_vocab(x: torch.Tensor, shard: TPShard, vocab_size: int) -> torch.Tens
     if shard.size == 1:
         return x[..., :vocab_size] if x.shape[-1] != vocab_size else x
     x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(shard.size)] if shard.rank == 0 else None
-    dist.gather(x, parts, dst=0)
+    parts = _shm.gather(x) if _shm is not None else False
+    if parts is False:
+        parts = [torch.empty_like(x) for _ in range(shard.size)] if shard.rank == 0 else None
+        dist.gather(x, parts, dst=0)
     return None if parts is None else torch.cat(parts, dim=-1)[..., :vocab_size]
 
 
@@ -107,6 +122,8 @@ def broadcast_object(obj: object, shard: TPShard) -> object:
     """Rank 0's `obj` on every rank, pickled. A step's plan (a few hundred bytes to a few KB)
     fits the fixed-size first broadcast, so it costs one collective: on gloo each costs far
     more in latency than in bytes. A larger one sends its remainder in a second broadcast."""
+    if _shm is not None:
+        return _broadcast_shm(obj, shard)
     head = torch.zeros(BROADCAST_BYTES, dtype=torch.uint8)
     if shard.rank == 0:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -127,3 +144,17 @@ def broadcast_object(obj: object, shard: TPShard) -> object:
         dist.broadcast(rest, src=0)
         data += rest.cpu().numpy().tobytes()
     return pickle.loads(data)
+
+
+def _broadcast_shm(obj: object, shard: TPShard) -> object:
+    """broadcast_object through the shared slot; what does not fit follows over gloo."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if shard.rank == 0 else None
+    first, size = _shm.broadcast_bytes(data)
+    if size > len(first):
+        if shard.rank == 0:
+            dist.broadcast(torch.frombuffer(bytearray(data[len(first):]), dtype=torch.uint8), src=0)
+        else:
+            rest = torch.empty(size - len(first), dtype=torch.uint8)
+            dist.broadcast(rest, src=0)
+            first += rest.numpy().tobytes()
+    return obj if shard.rank == 0 else pickle.loads(first)

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.distributed.shm import ShmHandle, create_handle
 from engine.distributed.state import TPShard, broadcast_object, destroy_group, init_group
 
 log = logging.getLogger("pagedserve.engine")
@@ -45,14 +46,15 @@ class WorkerGroup:
         self.closing = False
         port = _free_port()
         ctx = multiprocessing.get_context("spawn")
-        self.procs = {rank: ctx.Process(target=run_worker, args=(rank, size, port, config, model_path),
+        self.shm = None if config.device.startswith("cuda") else create_handle(size, ctx)
+        self.procs = {rank: ctx.Process(target=run_worker, args=(rank, size, port, config, model_path, self.shm),
                                         name=f"tp-worker-{rank}", daemon=True)
                       for rank in range(1, size)}
         for proc in self.procs.values():
             proc.start()
         atexit.register(self.close)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
-        init_group(self.shard, port, config.device)
+        init_group(self.shard, port, config.device, self.shm)
         log.info("tensor parallel: %d ranks over %s (workers %s)", size,
                  "nccl" if config.device.startswith("cuda") else "gloo",
                  ", ".join(str(p.pid) for p in self.procs.values()))
@@ -89,6 +91,8 @@ class WorkerGroup:
         self.closing = True
         self._kill()
         destroy_group()
+        if self.shm is not None:  # unlinked once every rank mapped it; not if start-up failed
+            Path(self.shm.path).unlink(missing_ok=True)
 
     def _kill(self) -> None:
         for proc in self.procs.values():
@@ -97,7 +101,8 @@ class WorkerGroup:
                 proc.join(timeout=5)
 
 
-def run_worker(rank: int, size: int, port: int, config: EngineConfig, model_path: Path) -> None:
+def run_worker(rank: int, size: int, port: int, config: EngineConfig, model_path: Path,
+               shm: ShmHandle | None = None) -> None:
     """A worker process's body: build its shard of the model, then run rank 0's plans."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s")
     _exit_with_parent()
@@ -107,7 +112,7 @@ def run_worker(rank: int, size: int, port: int, config: EngineConfig, model_path
         config = dataclasses.replace(config, device=f"cuda:{base + rank}")
         torch.cuda.set_device(config.device)
     shard = TPShard(rank, size)
-    init_group(shard, port, config.device)
+    init_group(shard, port, config.device, shm)
     from engine.model_runner import ModelRunner
     runner = ModelRunner(config, model_path, eos_token_ids=(), shard=shard)
     try:
