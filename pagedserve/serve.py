@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -34,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ZeroMQ endpoint between the two processes; with --data-parallel-size N, the "
                         f"first of N (tcp: the next N-1 ports; ipc: PATH-0 ... PATH-N-1) (default: {DEFAULT_ADDRESS})")
     p.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
-                   help="engine processes behind the one frontend, each with the same engine flags; "
-                        "with --engine-metrics-port PORT they serve /metrics on PORT, PORT+1, ... (default: 1)")
+                   help="engine processes behind the one frontend, each with the same engine flags (without "
+                        "--num-threads, each gets its share of the cores); with --engine-metrics-port PORT they "
+                        "serve /metrics on PORT, PORT+1, ... (default: 1)")
     add_log_level_arg(p)
     add_drain_arg(p, "on SIGTERM, let running streams finish for at most this long, refusing new "
                      "ones; a second signal stops at once")
@@ -79,6 +81,9 @@ def engine_command(args: argparse.Namespace, argv: list[str], address: str | Non
         passthrough.append(arg)
     metrics_port = args.engine_metrics_port if metrics_port is None else metrics_port
     metrics = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
+    if args.num_threads is None and args.data_parallel_size > 1:
+        # Each engine would take every core (torch's default): N engines would fight over them.
+        passthrough += ["--num-threads", str(max(1, (os.cpu_count() or 1) // args.data_parallel_size))]
     return [sys.executable, "-m", "pagedserve", "engine", "--address", address or args.engine_address,
             "--log-level", args.log_level, *metrics, *passthrough]
 
