@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "output token of the engines, the frontend and the client (from /proc), and each "
                     "engine's share of the tokens and the prefix-cache hit rate (from the engines' "
                     "/metrics). Writes JSON and a PNG."))
+    from bench.tensor_parallel import add_arguments as add_tp
+    add_tp(bench_kinds.add_parser(
+        "tp", help="tensor-parallel sizes against size 1, offline: ms per step, shared memory against gloo",
+        description="Tensor-parallel benchmark: for each --sizes entry (and, above 1, each --collectives "
+                    "entry: shm or gloo alone), the offline LLM in a fresh process times one generate of "
+                    "--num-prompts random prompts (greedy, eos ignored). Reports ms per step, output tok/s, "
+                    "the slowdown against the first size and how many replies equal its tokens. Writes JSON."))
     from bench.kernels import add_arguments as add_kernels
     add_kernels(bench_kinds.add_parser(
         "kernels", help="paged-attention kernels against the measured HBM bandwidth (needs a GPU)",
@@ -133,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "scaling":
         from bench.scaling import run
+        return run(args)
+    if args.command == "bench" and args.bench == "tp":
+        from bench.tensor_parallel import run
         return run(args)
     if args.command == "bench" and args.bench == "kernels":
         from bench.kernels import run

@@ -46,7 +46,9 @@ class WorkerGroup:
         self.closing = False
         port = _free_port()
         ctx = multiprocessing.get_context("spawn")
-        self.shm = None if config.device.startswith("cuda") else create_handle(size, ctx)
+        # CPU ranks: shared-memory collectives, unless PAGEDSERVE_TP_SHM=0 (gloo alone: to measure the difference)
+        use_shm = not config.device.startswith("cuda") and os.environ.get("PAGEDSERVE_TP_SHM", "1") != "0"
+        self.shm = create_handle(size, ctx) if use_shm else None
         self.procs = {rank: ctx.Process(target=run_worker, args=(rank, size, port, config, model_path, self.shm),
                                         name=f"tp-worker-{rank}", daemon=True)
                       for rank in range(1, size)}
