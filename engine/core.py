@@ -148,6 +148,11 @@ class EngineCore:
             self.iteration_stats = self.scheduler.stats = IterationStats()
         return taken
 
+    def close(self) -> None:
+        """Stop the model runner's tensor-parallel workers, if any (they would otherwise be
+        killed at exit)."""
+        self.model_runner.close()
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (e.g. between benchmark runs); False while requests hold blocks."""
         return self.block_manager.reset_prefix_cache()

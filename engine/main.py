@@ -61,4 +61,5 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if health is not None:
             health.stop()
+        core.close()
     return 0

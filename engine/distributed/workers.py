@@ -10,8 +10,10 @@ idle engine costs no CPU. Liveness, both ways:
 - rank 0 has a thread waiting on the workers' process sentinels: a worker that exits while
   the engine runs logs "tensor-parallel worker rank R exited (code C); stopping the engine"
   and ends the engine process with code 1 (its collectives could never complete again);
-- a worker ends when rank 0 does: its blocked collective fails when rank 0's sockets close,
-  and a thread checks once a second that its parent is still its parent.
+- a worker ends when rank 0 does: a blocked gloo collective fails when rank 0's sockets
+  close, and a thread checks once a second that its parent is still its parent (what frees
+  a worker waiting at the shared-memory barrier). Workers ignore SIGINT and SIGTERM: Ctrl-C
+  reaches the whole process group, and rank 0 stops them itself, after its drain.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import socket
 import sys
 import threading
@@ -52,11 +55,15 @@ class WorkerGroup:
         self.procs = {rank: ctx.Process(target=run_worker, args=(rank, size, port, config, model_path, self.shm),
                                         name=f"tp-worker-{rank}", daemon=True)
                       for rank in range(1, size)}
-        for proc in self.procs.values():
-            proc.start()
         atexit.register(self.close)
-        threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
-        init_group(self.shard, port, config.device, self.shm)
+        try:
+            for proc in self.procs.values():
+                proc.start()
+            threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+            init_group(self.shard, port, config.device, self.shm)
+        except BaseException:
+            self.close()  # no worker or mapped file outlives a failed start
+            raise
         log.info("tensor parallel: %d ranks over %s (workers %s)", size,
                  "nccl" if config.device.startswith("cuda") else "gloo",
                  ", ".join(str(p.pid) for p in self.procs.values()))
@@ -71,6 +78,7 @@ class WorkerGroup:
         proc.join(timeout=1)
         log.error("tensor-parallel worker rank %d exited (code %s); stopping the engine", rank, proc.exitcode)
         self._kill()
+        self._unlink_shm()  # os._exit runs no atexit handler
         for handler in logging.getLogger().handlers:
             handler.flush()
         sys.stderr.flush()
@@ -93,7 +101,11 @@ class WorkerGroup:
         self.closing = True
         self._kill()
         destroy_group()
-        if self.shm is not None:  # unlinked once every rank mapped it; not if start-up failed
+        self._unlink_shm()
+
+    def _unlink_shm(self) -> None:
+        """Rank 0 unlinks the file once every rank has mapped it; this covers a start that failed first."""
+        if self.shm is not None:
             Path(self.shm.path).unlink(missing_ok=True)
 
     def _kill(self) -> None:
@@ -107,6 +119,10 @@ def run_worker(rank: int, size: int, port: int, config: EngineConfig, model_path
                shm: ShmHandle | None = None) -> None:
     """A worker process's body: build its shard of the model, then run rank 0's plans."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s")
+    # Rank 0 decides when workers stop: Ctrl-C reaches the whole process group, and a
+    # worker dying of it would turn the engine's drain into a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent()
     if config.device.startswith("cuda"):
         import torch
