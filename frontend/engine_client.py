@@ -43,6 +43,7 @@ class EngineClient:
         self.stats = ipc.EngineStats()
         self.num_added_since_stats = 0  # requests the latest stats cannot count yet
         self.draining = False  # the engine said it is shutting down (Pong.draining)
+        self.said_bye = False  # to this (draining) engine: it forgot us
         self.peers: list = []  # frontends the engine knows, from the last Pong
         self.connected = asyncio.Event()
         self.streams: dict[str, asyncio.Queue] = {}
@@ -63,7 +64,7 @@ class EngineClient:
                        asyncio.create_task(self._monitor_loop(monitor))]
 
     async def close(self) -> None:
-        if self.connected.is_set():  # so the engine forgets us now, not after its timeout
+        if self.connected.is_set() and not self.said_bye:  # so the engine forgets us now, not after its timeout
             try:
                 await self._send(ipc.EngineRequest(bye=ipc.Bye()))
             except EngineLost:
@@ -97,9 +98,12 @@ class EngineClient:
         self.num_added_since_stats += 1
 
     async def say_bye(self) -> None:
-        """Tell a draining engine we have nothing more for it, so it may stop before its timeout."""
-        if self.connected.is_set():
+        """Tell a draining engine we have nothing more for it, so it may stop before its timeout.
+        Then we stay silent (no pings, no silence check: it forgot us) until its connection
+        closes, when Hello resumes for whatever engine comes back."""
+        if self.connected.is_set() and not self.said_bye:
             await self._send(ipc.EngineRequest(bye=ipc.Bye()))
+            self.said_bye = True
 
     async def abort(self, request_ids: list[str], stop_string: bool = False) -> None:
         """`stop_string`: a stop string ended them, so the engine counts them as stopped."""
@@ -172,6 +176,9 @@ class EngineClient:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            if self.said_bye and self.connected.is_set():
+                await asyncio.sleep(self.heartbeat_s)
+                continue
             self._seq += 1
             hello = ipc.Hello(frontend_id=self.frontend_id, address=self.grpc_address)
             msg = (ipc.EngineRequest(ping=ipc.Ping(seq=self._seq)) if self.connected.is_set()
@@ -193,6 +200,7 @@ class EngineClient:
     def _lose(self, reason: str) -> None:
         log.error("engine lost: %s (%s)", reason, self.address)
         self.connected.clear()
+        self.said_bye = False
         self.stats, self.num_added_since_stats = ipc.EngineStats(), 0  # none of it is true any more
         self.on_state(False)
         self._fail_streams(reason)

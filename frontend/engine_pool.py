@@ -53,7 +53,6 @@ class PooledEngine:
     removed: bool = False  # DNS no longer lists it: drain, then drop
     refused: str = ""  # why its handshake disagrees with the pool's; "" when it agrees
     ever_connected: bool = False
-    said_bye: bool = False  # to the engine draining now
     num_routed: int = 0
     num_prefix_hits: int = 0  # requests sent here for a cached prefix
     num_prefix_hit_tokens: int = 0  # the tokens those prefixes cover
@@ -170,8 +169,7 @@ class EnginePool:
                 self.on_change()
             for engine in list(self.engines.values()):
                 client = engine.client
-                if client.draining and not client.streams and not engine.said_bye and client.connected.is_set():
-                    engine.said_bye = True
+                if client.draining and not client.streams and not client.said_bye and client.connected.is_set():
                     log.info("engine %s is draining and runs nothing of ours: saying bye", engine.address)
                     await client.say_bye()
 
@@ -179,7 +177,6 @@ class EnginePool:
         engine = self.engines.get(address)
         if engine is None:
             return
-        engine.said_bye = False
         self.policy.forget(address)  # lost or restarted: its prefix cache is gone
         if connected:
             engine.ever_connected = True
