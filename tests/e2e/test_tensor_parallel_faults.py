@@ -1,6 +1,6 @@
 """A real `pagedserve engine --tensor-parallel-size 2`: kill -9 of its worker, while the engine
 is idle, ends the engine promptly with a non-zero code and a clear log line; kill -9 of the
-engine (rank 0) ends its worker."""
+engine (rank 0) ends its worker; Ctrl-C to the whole group drains it cleanly."""
 
 from __future__ import annotations
 
@@ -70,3 +70,25 @@ def test_killing_the_engine_ends_its_worker(procs, tiny_llama):
     if not gone(worker):
         os.kill(worker, signal.SIGKILL)
         pytest.fail(f"worker {worker} outlived its engine by {PROMPT_S}s")
+
+
+def test_ctrl_c_to_the_process_group_drains_the_engine(procs, tiny_llama):
+    """Ctrl-C reaches every process of the group, workers included: they ignore it, the engine
+    drains (no frontend: at once), stops them itself and exits 0, leaving no shared memory."""
+    engine, worker = start_tp_engine(procs, tiny_llama)
+    try:
+        os.kill(worker, signal.SIGINT)  # as the terminal would, then the engine
+        os.kill(worker, signal.SIGTERM)
+        engine.send_signal(signal.SIGINT)
+        code = engine.wait(PROMPT_S)
+    finally:
+        procs.stop(engine)
+    time.sleep(0.2)
+    log = procs.log_tail(engine, 100)
+    assert code == 0, log
+    assert "drained" in log and "exited (code" not in log
+    deadline = time.monotonic() + PROMPT_S
+    while not gone(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gone(worker)
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"pagedserve-tp-{engine.pid}-")]
