@@ -99,10 +99,10 @@ class AsyncLLM:
         return self.pool.num_ready > 0 and self.input is not None and not self.draining
 
     def on_welcome(self, welcome: ipc.Welcome) -> None:
-        """Each handshake: the model's limits (a restarted engine may have another KV pool);
-        the tokenizer only once."""
-        limits = PromptLimits(welcome.vocab_size, welcome.max_model_len, welcome.kv_blocks_total,
-                              welcome.block_size)
+        """Each handshake: the model's limits (a restarted engine may have another KV pool;
+        with several engines, the smallest pool decides what fits); the tokenizer only once."""
+        limits = PromptLimits(welcome.vocab_size, welcome.max_model_len,
+                              self.pool.min_kv_blocks() or welcome.kv_blocks_total, welcome.block_size)
         if self.input is None:
             self.input = InputProcessor(_load_tokenizer(welcome, self.tokenizer_path), limits)
         self.input.limits = limits

@@ -50,6 +50,7 @@ class PooledEngine:
 
     client: EngineClient
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    static: bool = False  # given by --engine-address: DNS never removes it
     removed: bool = False  # DNS no longer lists it: drain, then drop
     refused: str = ""  # why its handshake disagrees with the pool's; "" when it agrees
     ever_connected: bool = False
@@ -101,6 +102,7 @@ class EnginePool:
         self._started = True
         for address in addresses:
             await self.add(address)
+            self.engines[address].static = True
         if dns is not None:
             self._tasks.append(asyncio.create_task(self._resolve_loop(dns, dns_interval_s)))
         self._tasks.append(asyncio.create_task(self._watch_loop()))
@@ -124,9 +126,10 @@ class EnginePool:
             await client.start()
 
     def remove(self, address: str) -> None:
-        """Route nothing new to it; drop it once nothing of ours runs there."""
+        """Route nothing new to it; drop it once nothing of ours runs there. An engine also
+        given by --engine-address stays."""
         engine = self.engines.get(address)
-        if engine is not None and not engine.removed:
+        if engine is not None and not engine.removed and not engine.static:
             engine.removed = True
             log.info("engine %s removed: draining %d requests", address, len(engine.client.streams))
             self._drop_if_idle(engine)
@@ -201,6 +204,11 @@ class EnginePool:
         return ""
 
     # -- routing -------------------------------------------------------------------
+
+    def min_kv_blocks(self) -> int:
+        """The smallest KV pool among the engines that agree with the pool (0 if none): a prompt
+        must fit every engine it may be routed to."""
+        return min((e.client.welcome.kv_blocks_total for e in self.serving()), default=0)
 
     @property
     def num_ready(self) -> int:

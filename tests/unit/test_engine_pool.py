@@ -46,7 +46,8 @@ def test_states_refusal_and_routing():
         assert pool.route([1, 2, 3]) is None
         handshake(pool, "tcp://127.0.0.1:1", welcome("a"))
         handshake(pool, "tcp://127.0.0.1:2", welcome("b", block_size=32))
-        handshake(pool, "tcp://127.0.0.1:3", welcome("c"))
+        handshake(pool, "tcp://127.0.0.1:3", welcome("c", kv_blocks_total=48))
+        assert pool.min_kv_blocks() == 48  # the refused engine's pool does not count
         engines = pool.engines
         assert engines["tcp://127.0.0.1:2"].state is EngineState.REFUSED
         assert "block_size is 32 but the pool's is 16" in engines["tcp://127.0.0.1:2"].refused
@@ -68,7 +69,8 @@ def test_states_refusal_and_routing():
 def test_removed_engine_drains_then_drops():
     async def run():
         pool = EnginePool(RoundRobin(), "fe")
-        await pool.start(["tcp://127.0.0.1:1"])
+        await pool.start([])
+        await pool.add("tcp://127.0.0.1:1")  # as DNS adds one
         handshake(pool, "tcp://127.0.0.1:1", welcome("a"))
         engine = pool.route([1])
         engine.client.open_stream("r1")  # a request of ours runs there
@@ -82,3 +84,17 @@ def test_removed_engine_drains_then_drops():
         await pool.close()
 
     asyncio.run(run())
+
+
+def test_dns_never_removes_an_engine_given_by_address():
+    async def run():
+        pool = EnginePool(RoundRobin(), "fe")
+        await pool.start(["tcp://127.0.0.1:1"])
+        handshake(pool, "tcp://127.0.0.1:1", welcome("a"))
+        await pool.add("tcp://127.0.0.1:1")  # DNS lists it too, then stops listing it
+        pool.remove("tcp://127.0.0.1:1")
+        state = pool.engines["tcp://127.0.0.1:1"].state
+        await pool.close()
+        return state
+
+    assert asyncio.run(run()) is EngineState.READY
