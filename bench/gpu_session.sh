@@ -6,7 +6,7 @@
 #
 # 1. compiles every kernel instantiation in parallel processes (CuPy's disk cache);
 # 2. tests/kernels: each kernel against its float32 torch reference, the cupy backend
-#    against the torch backend (test_compile.py is skipped: CPU-side, run elsewhere);
+#    against the torch backend (the CPU-side tests run in CI, not here);
 # 3. tests/kernels/test_gpu_e2e.py: our LLM on CUDA with the cupy backend, CUDA graphs on
 #    and off, greedy against HF transformers on the same GPU;
 # 4. `bench kernels` (python -m bench.kernels): copy bandwidth, decode bandwidth grid,
@@ -14,8 +14,9 @@
 # 5. compute-sanitizer memcheck and racecheck over a few kernel tests, in the time left;
 # then prints a short table (summary.txt).
 #
-# It needs only what the GPU image has (torch, cupy, transformers, pytest): no pip
-# install, no gguf; PYTHONPATH=. puts the repository on the path.
+# It needs what the GPU image has (torch, cupy, transformers, pytest), no gguf, plus
+# llguidance for the e2e step (the engine imports it; carry its wheel, docs/kernels.md).
+# PYTHONPATH=. puts the repository on the path.
 # Afterwards: copy $OUT/kernels-*.json and $OUT/kernels-*.png into bench/results/ and
 # commit them with the numbers in README and docs/kernels.md; the logs stay out of git.
 set -uo pipefail
@@ -50,8 +51,9 @@ $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
 PYTEST="$PY -m pytest -q -rfE -p no:cacheprovider --timeout 300"
 
 step warm 120 /tmp/pagedserve-warm.log $PY -m cupy_kernels.warm --jobs 16
-step kernel-tests 240 "$OUT/kernel_tests.log" $PYTEST $XDIST --maxfail 40 tests/kernels \
-  --ignore=tests/kernels/test_gpu_e2e.py --ignore=tests/kernels/test_compile.py
+# The GPU kernel tests only: the CPU kernels' tests (and their C++ builds) run in CI.
+step kernel-tests 240 "$OUT/kernel_tests.log" $PYTEST $XDIST --maxfail 40 \
+  tests/kernels/test_{cache_kernel,decode_kernel,prefill_kernel,cupy_backend,gpu_flags,plan,reference}.py
 step e2e 150 "$OUT/e2e.log" $PYTEST tests/kernels/test_gpu_e2e.py
 step bench 180 "$OUT/bench.log" $PY -m bench.kernels --output-dir "$OUT"
 # One cudaMalloc per tensor, so that an out-of-bounds access lands outside any allocation.

@@ -110,6 +110,7 @@ __device__ __forceinline__ void decode_softmax(DecodeSmem<T, D, BS, GMAX>& sm, i
     const float p = lane < valid ? exp2f(s - base) : 0.f;
     if (lane < S::TILE) sm.p[g][lane] = p;
     const float tile_sum = warp_sum(p);
+    __syncwarp();  // every lane has read m[g] before lane 0 replaces it (shuffles don't order memory)
     if (lane == 0) {
       const float alpha = exp2f(m_old - base);
       sm.alpha[g] = alpha;
