@@ -131,7 +131,9 @@ def decode_case(name: str, batch: int, context: int, props, pool_gb: float, repl
     outs = torch.empty_like(qs)
     heuristic = ops.plan_decode(batch, num_kv_heads, num_q_heads // num_kv_heads, context, props.multi_processor_count)
     plans = {"single": ops.DecodePlan(heuristic.heads_per_cta, heuristic.num_chunks, 1)}
-    if context > ops.PARTITION_TOKENS:
+    if heuristic.split:
+        plans["split"] = heuristic
+    elif context > ops.PARTITION_TOKENS:  # what splitting would have given
         plans["split"] = ops.DecodePlan(heuristic.heads_per_cta, heuristic.num_chunks,
                                         math.ceil(context / ops.PARTITION_TOKENS))
     workspace = torch.empty(max(ops.decode_workspace_numel(batch, num_q_heads, HEAD_SIZE, p) for p in plans.values())
@@ -144,6 +146,8 @@ def decode_case(name: str, batch: int, context: int, props, pool_gb: float, repl
         row[f"{kind}_us"] = us
         row[f"{kind}_pct"] = 100 * moved / us / 1e3 / copy_gbs
     row["heuristic"] = "split" if heuristic.split else "single"
+    if "split" in plans:
+        row["split_partition_tokens"] = plans["split"].partition_tokens
     row["pct"] = row[f"{row['heuristic']}_pct"]
     del cache, qs, outs, workspace
     return row

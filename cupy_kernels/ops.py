@@ -26,7 +26,10 @@ from cupy_kernels import compile as kc
 
 LOG2E = 1.4426950408889634
 THREADS = 128  # every kernel runs 128-thread CTAs
-PARTITION_TOKENS = 512  # split-K partition length
+PARTITION_TOKENS = 512  # split-K partition length when a plan names none
+# Partition lengths plan_decode picks from, longest first: fewer partitions write fewer
+# partials, more of them fill the chip (measured on an H200: bench/results/gqa-sweep-*).
+PARTITION_CHOICES = (1024, 512, 256, 128)
 PREFILL_ROWS = 16  # query rows per prefill CTA (QROWS in prefill.cu)
 MAX_HEADS_PER_CTA = 8  # largest GROUP_TILES entry
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -88,7 +91,8 @@ class DecodePlan:
 
     heads_per_cta: int  # GMAX: query heads of one group handled by a CTA
     num_chunks: int  # CTAs per KV head (group / heads_per_cta, rounded up)
-    num_partitions: int  # 1: single pass; more: split-K, each PARTITION_TOKENS long
+    num_partitions: int  # 1: single pass; more: split-K, each partition_tokens long
+    partition_tokens: int = PARTITION_TOKENS
 
     @property
     def split(self) -> bool:
@@ -96,16 +100,21 @@ class DecodePlan:
 
 
 def plan_decode(batch: int, num_kv_heads: int, group: int, max_context: int, num_sms: int) -> DecodePlan:
-    """Single pass when its CTAs alone keep every SM busy (two per SM) or contexts are
-    short; otherwise split the context into partitions so that small batches with long
-    contexts still spread over the chip. `max_context` is an upper bound: with CUDA
-    graphs it is max_model_len, and partitions past a sequence's end exit at once."""
+    """Single pass when its CTAs alone cover every SM or contexts are short; otherwise
+    split the context into the longest partitions that still give every SM a CTA (the
+    shortest choice if none does), so that small batches with long contexts spread over
+    the chip. `max_context` is an upper bound: with CUDA graphs it is max_model_len, and
+    partitions past a sequence's end exit at once."""
     heads_per_cta = min(MAX_HEADS_PER_CTA, 1 << (group - 1).bit_length())
     num_chunks = -(-group // heads_per_cta)
     ctas = batch * num_kv_heads * num_chunks
-    if max_context <= PARTITION_TOKENS or ctas >= 2 * num_sms:
+    if max_context <= PARTITION_CHOICES[-1] or ctas >= num_sms:
         return DecodePlan(heads_per_cta, num_chunks, 1)
-    return DecodePlan(heads_per_cta, num_chunks, math.ceil(max_context / PARTITION_TOKENS))
+    for tokens in PARTITION_CHOICES:
+        parts = math.ceil(max_context / tokens)
+        if parts > 1 and ctas * parts >= num_sms:
+            break
+    return DecodePlan(heads_per_cta, num_chunks, parts, tokens)
 
 
 def decode_workspace_numel(batch: int, num_q_heads: int, head_size: int, plan: DecodePlan) -> int:
@@ -138,12 +147,12 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
     args = (_ptr(out), part_out, part_max, part_sum, _ptr(q), np.int64(q.stride(0)),
             _ptr(kv_cache), _v_cache_ptr(kv_cache), _ptr(block_tables), np.int32(block_tables.stride(0)),
             _ptr(context_lens), np.int32(kv_cache.shape[2]), np.int32(group), np.int32(plan.num_chunks),
-            np.int32(PARTITION_TOKENS), np.float32(scale * LOG2E))
+            np.int32(plan.partition_tokens), np.float32(scale * LOG2E))
     expr = kc.decode_expr(dtype, head_size, block_size, plan.heads_per_cta, plan.split)
     _launch("decode", expr, q.device, (batch, num_kv_heads * plan.num_chunks, parts), args)
     if plan.split:
         args = (_ptr(out), part_out, part_max, part_sum, _ptr(context_lens), np.int32(parts),
-                np.int32(PARTITION_TOKENS))
+                np.int32(plan.partition_tokens))
         _launch("decode", kc.reduce_expr(dtype, head_size), q.device, (batch, num_q_heads), args)
 
 

@@ -14,7 +14,7 @@ from cupy_kernels import ops, reference
 
 def contexts(block_size: int) -> list[int]:
     """Empty, one token, around block edges, across split-K partition edges, and long."""
-    return [0, 1, block_size - 1, block_size, block_size + 1, 77, ops.PARTITION_TOKENS,
+    return [0, 1, block_size - 1, block_size, block_size + 1, 77, 128, 131, ops.PARTITION_TOKENS,
             ops.PARTITION_TOKENS + 3, 1333]
 
 
@@ -31,7 +31,7 @@ def run_decode(ctx: PagedContexts, q: torch.Tensor, plan: ops.DecodePlan, scale:
 @pytest.mark.parametrize("head_size", [64, 96, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", GQA, ids=[f"{h}q{k}kv" for h, k in GQA])
-@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+@pytest.mark.parametrize("split", [0, ops.PARTITION_TOKENS, 128], ids=["single", "split", "split128"])
 def test_decode(dtype, head_size, block_size, heads, split):
     num_q_heads, num_kv_heads = heads
     lens = contexts(block_size)
@@ -39,7 +39,7 @@ def test_decode(dtype, head_size, block_size, heads, split):
     q, _, _ = strided_qkv(len(lens), num_q_heads, num_kv_heads, head_size, dtype, ctx.gen)
     plan = ops.plan_decode(len(lens), num_kv_heads, num_q_heads // num_kv_heads, 0, 132)
     if split:
-        plan = ops.DecodePlan(plan.heads_per_cta, plan.num_chunks, math.ceil(max(lens) / ops.PARTITION_TOKENS) + 1)
+        plan = ops.DecodePlan(plan.heads_per_cta, plan.num_chunks, math.ceil(max(lens) / split) + 1, split)
     scale = head_size ** -0.5
     out = run_decode(ctx, q, plan, scale)
     ref = reference.paged_decode(q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, scale)
@@ -65,6 +65,6 @@ def test_decode_is_deterministic():
     lens = [1000, 5, 2000]
     ctx = PagedContexts(lens, 2, 128, 16, torch.bfloat16, seed=3)
     q, _, _ = strided_qkv(3, 16, 2, 128, torch.bfloat16, ctx.gen)
-    for plan in (ops.DecodePlan(8, 1, 1), ops.DecodePlan(8, 1, 4)):
+    for plan in (ops.DecodePlan(8, 1, 1), ops.DecodePlan(8, 1, 4), ops.DecodePlan(8, 1, 16, 128)):
         first = run_decode(ctx, q, plan, 0.1)
         assert all(torch.equal(first, run_decode(ctx, q, plan, 0.1)) for _ in range(3)), f"{plan}: a race?"

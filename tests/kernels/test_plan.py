@@ -1,11 +1,11 @@
 """The decode heuristic (CPU): single pass when the CTAs fill the chip or contexts are
-short, split-K otherwise; GQA groups map onto CTAs of at most 8 query heads."""
+short, split-K otherwise, in the longest partitions that fill it; GQA groups map onto CTAs of at most 8 query heads."""
 
 from __future__ import annotations
 
 import pytest
 
-from cupy_kernels.ops import PARTITION_TOKENS, plan_decode
+from cupy_kernels.ops import PARTITION_CHOICES, plan_decode
 
 SMS = 132  # H100 SXM / H200
 
@@ -18,11 +18,18 @@ def test_group_tiling(group, heads_per_cta, num_chunks):
 
 
 def test_split_for_small_batches_with_long_contexts():
+    # 8 CTAs: 1024- and 512-token partitions give 64 and 128, short of 132 SMs; 256 gives 256.
     plan = plan_decode(1, 8, 8, 8192, SMS)
-    assert plan.split and plan.num_partitions == 8192 // PARTITION_TOKENS
+    assert plan.split and (plan.partition_tokens, plan.num_partitions) == (256, 32)
+    plan = plan_decode(16, 4, 8, 4096, SMS)  # 64 CTAs x 4 partitions of 1024
+    assert (plan.partition_tokens, plan.num_partitions) == (1024, 4)
+    plan = plan_decode(1, 4, 8, 1024, SMS)  # no choice fills the chip: the shortest
+    assert (plan.partition_tokens, plan.num_partitions) == (PARTITION_CHOICES[-1], 8)
 
 
 def test_single_pass_when_ctas_fill_the_chip_or_contexts_are_short():
     assert not plan_decode(64, 32, 1, 8192, SMS).split  # 2048 CTAs
-    assert not plan_decode(1, 8, 8, PARTITION_TOKENS, SMS).split
+    assert not plan_decode(64, 4, 8, 8192, SMS).split  # 256 CTAs
+    assert not plan_decode(1, 8, 8, PARTITION_CHOICES[-1], SMS).split
+    assert plan_decode(1, 8, 8, PARTITION_CHOICES[-1] + 1, SMS).num_partitions == 2
     assert plan_decode(4, 8, 8, 8192, SMS).split  # 32 CTAs alone would leave 100 SMs idle
