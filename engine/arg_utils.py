@@ -23,13 +23,14 @@ HELP = {
                             "(unset: no limit)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "scheduling_policy": "fcfs, or priority (lower value first)",
-    "attention_backend": "auto (cpu where its kernels build, else torch), torch (the plain-torch "
+    "attention_backend": "auto (cpu on CPU where its kernels build, cupy on CUDA where cupy runs, else "
+                         "torch), torch (the plain-torch "
                          "reference), cpu (C++ paged attention), or cupy (GPU kernels)",
     "quantization": "int4 or int8: quantize a float checkpoint's linear layers at load, in "
                     "blocks of 32; none: dequantize a GGUF to --dtype (unset: GGUF Q4_0/Q4_1/Q8_0 "
                     "run as stored, float checkpoints dense)",
-    "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda and "
-                   "--attention-backend cupy, else off)",
+    "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda when "
+                   "attention runs on cupy, else off)",
     "num_threads": "CPU threads for torch, split evenly over the tensor-parallel ranks, at least "
                    "1 each (default: all cores)",
     "tensor_parallel_size": "shard the model over N processes joined by torch.distributed (gloo on "

@@ -34,9 +34,9 @@ class EngineConfig:
     max_waiting_requests: int | None = None  # admission: refuse new requests past this many waiting
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
-    attention_backend: str = "auto"  # auto: cpu kernels on CPU where they build, else torch
+    attention_backend: str = "auto"  # auto: cpu kernels on CPU, cupy on CUDA, where they run; else torch
     quantization: str | None = None  # int4 | int8: quantize float weights at load; none: dequantize GGUF
-    cuda_graphs: bool | None = None  # decode in CUDA graphs; None: on for device cuda + backend cupy
+    cuda_graphs: bool | None = None  # decode in CUDA graphs; None: on for device cuda + backend cupy (or auto)
     num_threads: int | None = None  # CPU: torch intra-op threads (default: all cores), split over TP ranks
     # Tensor parallel: shard the model over this many processes (this one is rank 0); the model's
     # attention heads must divide by it (checked once the model is read).
@@ -81,11 +81,16 @@ class EngineConfig:
         if self.attention_backend == "cpu" and on_cuda:
             raise ValueError("attention_backend: 'cpu' runs CPU kernels; it needs device 'cpu'")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        # "auto" on CUDA means cupy where it runs; the model runner turns graphs off if the
+        # model's head size sends it to torch instead.
+        cupy_attention = on_cuda and (self.attention_backend == "cupy"
+                                      or self.attention_backend == "auto" and _cupy_available())
         if self.cuda_graphs is None:  # resolved here, so the rest of the engine sees a bool
-            self.cuda_graphs = on_cuda and self.attention_backend == "cupy"
-        elif self.cuda_graphs and not (on_cuda and self.attention_backend == "cupy"):
-            raise ValueError("cuda_graphs: needs device 'cuda' and attention_backend 'cupy', got "
-                             f"device {self.device!r} and attention_backend {self.attention_backend!r}")
+            self.cuda_graphs = cupy_attention
+        elif self.cuda_graphs and not cupy_attention:
+            raise ValueError("cuda_graphs: needs device 'cuda' and attention_backend 'cupy' (or 'auto' where "
+                             f"cupy runs), got device {self.device!r} and attention_backend "
+                             f"{self.attention_backend!r}")
         if self.cuda_graphs and self.tensor_parallel_size > 1:
             log.warning("cuda_graphs: off with tensor_parallel_size %d (our graphs hold no collectives)",
                         self.tensor_parallel_size)
@@ -161,3 +166,8 @@ def cpu_has_bf16() -> bool:
 def _positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def _cupy_available() -> bool:
+    import cupy_kernels
+    return cupy_kernels.available()

@@ -11,6 +11,8 @@ runs it (`run_plan`) through the same collectives; only rank 0 gets logits and s
 
 from __future__ import annotations
 
+import logging
+
 import os
 import time
 from dataclasses import dataclass, field
@@ -28,6 +30,8 @@ from engine.models.loader import DTYPES, load_model, read_arch_config
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request
 from engine.sampler import NOT_EMITTED, Sampler, SamplingRow, prompt_logprobs
+
+log = logging.getLogger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
 PROMPT_LOGPROBS_ROWS = 512  # prompt positions scored per LM-head call
@@ -116,7 +120,10 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=DTYPES[config.dtype], device=self.device)
                           for _ in range(self.arch.num_layers)]
         self.sampler = Sampler(eos_token_ids)
-        self.graphs = self._capture_graphs() if config.cuda_graphs else None
+        if config.cuda_graphs and self.backend.name != "cupy":
+            log.warning("cuda_graphs: off, since attention runs on the %s backend (graphs need cupy)",
+                        self.backend.name)
+        self.graphs = self._capture_graphs() if config.cuda_graphs and self.backend.name == "cupy" else None
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do on one rank)."""

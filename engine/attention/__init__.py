@@ -71,14 +71,19 @@ class AttentionBackend(Protocol):
 
 def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: str
                           ) -> AttentionBackend:
-    """The backend `name` ("auto": the CPU kernels on a CPU device where they build and fit
-    the head size, else torch) for a model on `device`."""
+    """The backend `name` ("auto": the CPU kernels on a CPU device, the CUDA kernels on a
+    CUDA one, where they are available and fit the head size; else torch) for a model on
+    `device`."""
     on_cpu = torch.device(device).type == "cpu"
-    if name == "auto":
+    if name == "auto" and on_cpu:
         import cpu_kernels
         # available() builds the kernels on first use; a failed build logs one warning.
         fits = head_dim % 8 == 0
-        name = "cpu" if on_cpu and fits and cpu_kernels.available("paged_attention") else "torch"
+        name = "cpu" if fits and cpu_kernels.available("paged_attention") else "torch"
+    elif name == "auto":
+        import cupy_kernels
+        from cupy_kernels.compile import HEAD_SIZES
+        name = "cupy" if head_dim in HEAD_SIZES and cupy_kernels.available() else "torch"
     if name == "cpu":
         import cpu_kernels
         if not on_cpu:

@@ -107,3 +107,15 @@ def count_replays(runner) -> list[int]:
             return run(*args, **kwargs)
         runner.graphs.run = counted
     return count
+
+
+def test_auto_backend_on_cuda_is_cupy_with_graphs(tiny_llama):
+    """With no backend named, a CUDA engine runs the cupy kernels in CUDA graphs."""
+    from engine import LLM, SamplingParams
+    folder, prompts, reference = tiny_llama
+    llm = LLM(str(folder), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512, max_num_seqs=8)
+    runner = llm.engine.model_runner
+    assert runner.backend.name == "cupy" and runner.graphs is not None
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW))
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert_greedy_match(out.outputs[0].token_ids, ref, i)

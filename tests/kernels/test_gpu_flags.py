@@ -7,6 +7,7 @@ import argparse
 
 import pytest
 
+from engine import config
 from engine.arg_utils import add_engine_args, engine_config_from_args
 from engine.config import EngineConfig
 from engine.cuda_graphs import bucket_sizes
@@ -14,9 +15,21 @@ from engine.cuda_graphs import bucket_sizes
 
 def test_cuda_graphs_default_follows_device_and_backend():
     assert EngineConfig().cuda_graphs is False
-    assert EngineConfig(device="cuda").cuda_graphs is False  # torch backend: eager
     assert EngineConfig(device="cuda", attention_backend="cupy").cuda_graphs is True
     assert EngineConfig(device="cuda", attention_backend="cupy", cuda_graphs=False).cuda_graphs is False
+
+
+def test_auto_backend_on_cuda_means_graphs_where_cupy_runs(monkeypatch):
+    """Graphs default on for CUDA when cupy will run attention ("auto" included), else off."""
+    monkeypatch.setattr(config, "_cupy_available", lambda: True)
+    assert EngineConfig(device="cuda").cuda_graphs
+    assert EngineConfig(device="cuda", attention_backend="cupy").cuda_graphs
+    assert not EngineConfig(device="cuda", attention_backend="torch").cuda_graphs
+    assert not EngineConfig(device="cpu").cuda_graphs
+    monkeypatch.setattr(config, "_cupy_available", lambda: False)
+    assert not EngineConfig(device="cuda").cuda_graphs
+    with pytest.raises(ValueError, match="cuda_graphs: needs"):
+        EngineConfig(device="cpu", cuda_graphs=True)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -24,7 +37,8 @@ def test_cuda_graphs_default_follows_device_and_backend():
     (dict(device="cuda", cuda_graphs=True), "attention_backend 'cupy'"),
     (dict(attention_backend="cupy"), "needs device 'cuda'"),
 ])
-def test_invalid_gpu_options_are_refused(kwargs, message):
+def test_invalid_gpu_options_are_refused(kwargs, message, monkeypatch):
+    monkeypatch.setattr(config, "_cupy_available", lambda: False)  # as on a machine without a GPU
     with pytest.raises(ValueError, match=message):
         EngineConfig(**kwargs)
 
