@@ -33,11 +33,23 @@ class ModelArchConfig:
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
     mlp_bias: bool = False
-    sliding_window: int | None = None  # Mistral: we cap max_model_len here instead
+    sliding_window: int | None = None  # tokens a windowed layer attends to (itself included)
+    # Per layer "sliding_attention" or "full_attention" (Gemma 3's 5:1 pattern); None: every
+    # layer is windowed when sliding_window is set (Mistral), else full.
+    layer_types: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Layer `layer`'s attention window in tokens, or None for full attention: a query
+        at position i sees keys j with i - j < window (HF's convention)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, hf_config) -> ModelArchConfig:

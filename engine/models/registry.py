@@ -1,0 +1,28 @@
+"""model_type -> the class that runs it. One entry per architecture family; each family's
+module is imported only when a model of it is loaded."""
+
+from __future__ import annotations
+
+import importlib
+
+from engine.models.config import SUPPORTED
+
+# model_type -> (module, class). Keys must match config.SUPPORTED.
+_CLASSES = {
+    "llama": ("engine.models.llama", "LlamaForCausalLM"),
+    "mistral": ("engine.models.llama", "LlamaForCausalLM"),
+    "qwen2": ("engine.models.llama", "LlamaForCausalLM"),
+    "qwen3": ("engine.models.llama", "LlamaForCausalLM"),
+}
+
+
+def model_class(model_type: str) -> type:
+    """The nn.Module class for `model_type`; a clear error naming what is supported."""
+    if model_type not in _CLASSES or model_type not in SUPPORTED:
+        raise ValueError(f"model type {model_type!r} is not supported (supported: {', '.join(supported())})")
+    module, name = _CLASSES[model_type]
+    return getattr(importlib.import_module(module), name)
+
+
+def supported() -> list[str]:
+    return sorted(set(_CLASSES) & set(SUPPORTED))
