@@ -10,18 +10,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineRequest(_message.Message):
-    __slots__ = ("hello", "add", "abort", "ping", "bye")
+    __slots__ = ("hello", "add", "abort", "ping", "bye", "load_lora", "unload_lora")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     BYE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_LORA_FIELD_NUMBER: _ClassVar[int]
+    UNLOAD_LORA_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     add: AddRequest
     abort: AbortRequests
     ping: Ping
     bye: Bye
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., bye: _Optional[_Union[Bye, _Mapping]] = ...) -> None: ...
+    load_lora: LoadLora
+    unload_lora: UnloadLora
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., bye: _Optional[_Union[Bye, _Mapping]] = ..., load_lora: _Optional[_Union[LoadLora, _Mapping]] = ..., unload_lora: _Optional[_Union[UnloadLora, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("frontend_id", "address")
@@ -32,18 +36,48 @@ class Hello(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "structured_outputs")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "structured_outputs", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
     priority: int
     structured_outputs: StructuredOutputs
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "path", "rank")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    rank: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class LoadLora(_message.Message):
+    __slots__ = ("op_id", "name", "path")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    name: str
+    path: str
+    def __init__(self, op_id: _Optional[str] = ..., name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class UnloadLora(_message.Message):
+    __slots__ = ("op_id", "name")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    name: str
+    def __init__(self, op_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class StructuredOutputs(_message.Message):
     __slots__ = ("json", "json_object", "regex", "choice", "grammar")
@@ -78,19 +112,43 @@ class Bye(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineResponse(_message.Message):
-    __slots__ = ("welcome", "outputs", "pong", "error")
+    __slots__ = ("welcome", "outputs", "pong", "error", "lora_result")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LORA_RESULT_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     outputs: OutputBatch
     pong: Pong
     error: RequestError
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., outputs: _Optional[_Union[OutputBatch, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+    lora_result: LoraResult
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., outputs: _Optional[_Union[OutputBatch, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., lora_result: _Optional[_Union[LoraResult, _Mapping]] = ...) -> None: ...
+
+class LoraResult(_message.Message):
+    __slots__ = ("op_id", "kind", "message", "adapters")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_OK: _ClassVar[LoraResult.Kind]
+        KIND_INVALID: _ClassVar[LoraResult.Kind]
+        KIND_NOT_FOUND: _ClassVar[LoraResult.Kind]
+        KIND_CONFLICT: _ClassVar[LoraResult.Kind]
+    KIND_OK: LoraResult.Kind
+    KIND_INVALID: LoraResult.Kind
+    KIND_NOT_FOUND: LoraResult.Kind
+    KIND_CONFLICT: LoraResult.Kind
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    kind: LoraResult.Kind
+    message: str
+    adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[LoraResult.Kind, str]] = ..., message: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("engine_id", "model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "kv_blocks_total", "dtype", "device", "model_path", "tokenizer_files")
+    __slots__ = ("engine_id", "model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "kv_blocks_total", "dtype", "device", "model_path", "tokenizer_files", "lora_enabled", "max_lora_rank", "max_loras", "lora_adapters")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +168,10 @@ class Welcome(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FILES_FIELD_NUMBER: _ClassVar[int]
+    LORA_ENABLED_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model_name: str
     architecture: str
@@ -122,7 +184,11 @@ class Welcome(_message.Message):
     device: str
     model_path: str
     tokenizer_files: _containers.ScalarMap[str, bytes]
-    def __init__(self, engine_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+    lora_enabled: bool
+    max_lora_rank: int
+    max_loras: int
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, engine_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
@@ -175,18 +241,20 @@ class RequestOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class Pong(_message.Message):
-    __slots__ = ("seq", "stats", "frontends", "engine_id", "draining")
+    __slots__ = ("seq", "stats", "frontends", "engine_id", "draining", "lora_names")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
     seq: int
     stats: EngineStats
     frontends: _containers.RepeatedCompositeFieldContainer[_info_pb2.Peer]
     engine_id: str
     draining: bool
-    def __init__(self, seq: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., frontends: _Optional[_Iterable[_Union[_info_pb2.Peer, _Mapping]]] = ..., engine_id: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    lora_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., frontends: _Optional[_Iterable[_Union[_info_pb2.Peer, _Mapping]]] = ..., engine_id: _Optional[str] = ..., draining: _Optional[bool] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("request_id", "message", "kind")
