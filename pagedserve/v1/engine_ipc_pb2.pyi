@@ -262,8 +262,10 @@ class RequestError(_message.Message):
         __slots__ = ()
         KIND_INVALID: _ClassVar[RequestError.Kind]
         KIND_OVERLOADED: _ClassVar[RequestError.Kind]
+        KIND_NOT_FOUND: _ClassVar[RequestError.Kind]
     KIND_INVALID: RequestError.Kind
     KIND_OVERLOADED: RequestError.Kind
+    KIND_NOT_FOUND: RequestError.Kind
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
