@@ -24,6 +24,14 @@ def tiny_hf_config(model_type: str, **overrides):
         "qwen2": dict(tie_word_embeddings=True),
         "qwen3": dict(tie_word_embeddings=False, head_dim=32),
         "mistral": dict(tie_word_embeddings=False, sliding_window=512),
+        # LongRoPE: short and long factors (head_dim 16 -> 8 each) around a 64-token original length
+        "phi3": dict(tie_word_embeddings=False, original_max_position_embeddings=64, rope_scaling={
+            "rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(8)],
+            "long_factor": [1.5 + 0.5 * i for i in range(8)]}),
+        "mixtral": dict(tie_word_embeddings=False, num_local_experts=4, num_experts_per_tok=2),
+        # one dense layer (mlp_only_layers), 8 experts of width 32, top-2 not renormalised
+        "qwen3_moe": dict(tie_word_embeddings=False, head_dim=32, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, mlp_only_layers=[0], norm_topk_prob=False),
     }[model_type]
     return AutoConfig.for_model(model_type, **{**TINY_COMMON, **extra, **overrides})
 

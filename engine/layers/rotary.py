@@ -2,7 +2,7 @@
 
 The cos/sin table is computed once for every position up to the model's
 length, in fp32, the same way HF computes it on the fly, so results match.
-Supported scalings: default, linear, llama3.
+Supported scalings: default, linear, llama3, longrope (Phi-3; see `longrope_params`).
 
 Each step the model asks the embedding once for a `Rope` (this step's positions), which
 every layer then applies to its q and k heads: in place through cpu_kernels' fused op
@@ -30,7 +30,43 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope scaling {rope_type!r} is not supported (supported: default, linear, llama3)")
+    raise ValueError(f"rope scaling {rope_type!r} is not supported (supported: default, linear, llama3, longrope)")
+
+
+def rope_tables_params(head_dim: int, theta: float, scaling: dict | None, max_positions: int
+                       ) -> tuple[torch.Tensor, float]:
+    """(inv_freq, factor cos and sin are multiplied by) for a table of `max_positions`."""
+    rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    if rope_type == "longrope":
+        return longrope_params(head_dim, theta, scaling, max_positions)
+    return compute_inv_freq(head_dim, theta, scaling), 1.0
+
+
+def longrope_params(head_dim: int, theta: float, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3), as transformers' `_compute_longrope_parameters`: per-frequency
+    divisors `short_factor` or `long_factor`, and cos/sin scaled by `attention_factor`
+    (default sqrt(1 + ln(factor) / ln(original_max_position_embeddings)), factor being
+    max_position_embeddings / original_max_position_embeddings; both regimes get it).
+
+    HF picks the long factors when the sequence is longer than the original length, and
+    then recomputes the whole KV cache with them. A paged cache shared between requests
+    cannot be re-rotated per request, so the choice here is per engine: the long factors
+    when the engine serves more than the original length (max_model_len > original),
+    else the short ones. Every request then gets the same rotation whatever it is batched
+    with, and cached blocks stay valid; HF's output is matched exactly by sequences longer
+    than the original length (long) or by an engine whose max_model_len is at most the
+    original length (short)."""
+    original = s["original_max_position_embeddings"]
+    factors = s["long_factor"] if max_positions > original else s["short_factor"]
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"longrope: {len(factors)} rope factors for head_dim {head_dim} (want {head_dim // 2})")
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponent)
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        factor = s["factor"]
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return inv_freq, float(attention_factor)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -56,12 +92,15 @@ class RotaryEmbedding(nn.Module):
 
     def build(self, device: str | torch.device | None) -> None:
         """(Re)compute the fp32 cos/sin table, e.g. after the model was built on the meta device."""
-        inv_freq = compute_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        inv_freq, scale = rope_tables_params(self.head_dim, self.theta, self.scaling, self.max_positions)
         positions = torch.arange(self.max_positions, dtype=torch.float32, device=device)
-        freqs = positions[:, None] * inv_freq[None, :]
+        freqs = positions[:, None] * inv_freq.to(device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:  # as HF: the scaled fp32 table, then cast to the model's dtype
+            cos, sin = cos * scale, sin * scale
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """This step's rotary inputs, shared by every layer."""

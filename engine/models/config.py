@@ -10,6 +10,9 @@ SUPPORTED = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "phi3": {},  # fused qkv/gate_up in the checkpoint, LongRoPE: engine/models/phi3.py
+    "mixtral": {"moe": True},  # engine/models/moe.py
+    "qwen3_moe": {"qk_norm": True, "moe": True},
 }
 
 
@@ -37,6 +40,12 @@ class ModelArchConfig:
     # Per layer "sliding_attention" or "full_attention" (Gemma 3's 5:1 pattern); None: every
     # layer is windowed when sliding_window is set (Mistral), else full.
     layer_types: tuple[str, ...] | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE): the layers whose MLP is a sparse MoE block.
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # each expert's width (dense layers use intermediate_size)
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -62,8 +71,11 @@ class ModelArchConfig:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         theta, scaling = _rope_from_hf(c)
         window = getattr(c, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(c, "use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3_moe") and not getattr(c, "use_sliding_window", False):
             window = None
+        if getattr(c, "partial_rotary_factor", None) not in (None, 1.0) or \
+                (scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
+            raise ValueError(f"{model_type}: partial_rotary_factor != 1 is not supported")
         return cls(
             model_type=model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers,
@@ -74,7 +86,26 @@ class ModelArchConfig:
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             qkv_bias=flags.get("qkv_bias", False) or bool(getattr(c, "attention_bias", False)),
             qk_norm=flags.get("qk_norm", False), mlp_bias=bool(getattr(c, "mlp_bias", False)),
-            sliding_window=window)
+            sliding_window=window, **_moe_from_hf(c) if flags.get("moe") else {})
+
+
+def _moe_from_hf(c) -> dict:
+    """Mixtral: every layer sparse, experts as wide as `intermediate_size`, top-k always
+    renormalised. Qwen3-MoE: layer i is sparse unless listed in `mlp_only_layers` or
+    (i + 1) is not a multiple of `decoder_sparse_step`; experts `moe_intermediate_size`."""
+    num_experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", 0)
+    if c.model_type == "mixtral":
+        layers = range(c.num_hidden_layers)
+        width, renormalise = c.intermediate_size, True
+    else:
+        skip, step = set(getattr(c, "mlp_only_layers", None) or ()), c.decoder_sparse_step
+        layers = [i for i in range(c.num_hidden_layers)
+                  if i not in skip and num_experts > 0 and (i + 1) % step == 0]
+        width, renormalise = c.moe_intermediate_size, bool(c.norm_topk_prob)
+    if not 0 < c.num_experts_per_tok <= max(num_experts, 1):
+        raise ValueError(f"num_experts_per_tok {c.num_experts_per_tok} must be in 1..{num_experts}")
+    return dict(moe_layers=tuple(layers), num_experts=num_experts, num_experts_per_tok=c.num_experts_per_tok,
+                moe_intermediate_size=width, norm_topk_prob=renormalise)
 
 
 def _rope_from_hf(c) -> tuple[float, dict | None]:
@@ -82,4 +113,11 @@ def _rope_from_hf(c) -> tuple[float, dict | None]:
     theta = params.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     scaling = getattr(c, "rope_scaling", None) or params
     rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    return float(theta), (None if rope_type == "default" else dict(scaling))
+    if rope_type == "default":
+        return float(theta), None
+    scaling = dict(scaling)
+    if rope_type in ("longrope", "su"):  # Phi-3: v4 configs keep these outside rope_scaling
+        scaling["rope_type"] = "longrope"
+        original = scaling.setdefault("original_max_position_embeddings", c.original_max_position_embeddings)
+        scaling.setdefault("factor", c.max_position_embeddings / original)  # as HF's default
+    return float(theta), scaling

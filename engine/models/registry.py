@@ -13,6 +13,9 @@ _CLASSES = {
     "mistral": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen2": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen3": ("engine.models.llama", "LlamaForCausalLM"),
+    "phi3": ("engine.models.phi3", "Phi3ForCausalLM"),
+    "mixtral": ("engine.models.moe", "MoeForCausalLM"),
+    "qwen3_moe": ("engine.models.moe", "MoeForCausalLM"),
 }
 
 

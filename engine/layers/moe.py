@@ -1,0 +1,69 @@
+"""Mixture-of-experts primitives: top-k routing and the batched expert op.
+
+The experts run grouped: the step's (token, expert) pairs are sorted by expert, each
+expert multiplies its contiguous slice of gathered tokens in one matmul (experts that
+received no token are skipped), and the weighted results are scattered back onto their
+tokens with one `index_add_`. The Python loop is over experts, never over tokens, and a
+token's result does not depend on which other tokens share its expert's matmul beyond
+the matmul's own summation order.
+
+    pairs (T=3, k=2)   t0:e2 t0:e0 t1:e2 t1:e1 t2:e0 t2:e2
+    sorted by expert   e0:[t0 t2] e1:[t1] e2:[t0 t1 t2]      -> 3 matmuls, e3 skipped
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, expert ids [T, k]) as Mixtral and Qwen3-MoE route in HF: a
+    float32 softmax over all experts, the top k, optionally renormalised to sum to 1 (for
+    Mixtral, which always renormalises, that equals a softmax over the top-k logits)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, where expert e is
+    down(act(gate_up(x))): x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
+    weights, ids [T, k]. `act` maps [N, 2I] -> [N, I] (SiLU of gate times up). A product in
+    float32 weights is cast to x's dtype after weighting, as HF does."""
+    num_tokens, top_k = ids.shape
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept
+    tokens = order // top_k
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one sync per layer
+    gathered = x.index_select(0, tokens)
+    out = torch.empty_like(gathered)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        out[rows] = F.linear(act(F.linear(gathered[rows], w13[expert])), w2[expert])
+        start += count
+    weighted = (out * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
+    # index_add_ adds each token's pairs in expert order: HF's order of summation.
+    return torch.zeros_like(x).index_add_(0, tokens, weighted)
+
+
+def reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The same sum, one token and one expert at a time: the slow reference for tests."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            y = F.linear(act(F.linear(x[t:t + 1], w13[e])), w2[e])
+            out[t] += (y[0] * weights[t, j]).to(x.dtype)
+    return out

@@ -1,0 +1,143 @@
+"""Mixture-of-experts Llama variants: Mixtral and Qwen3-MoE.
+
+Both are the Llama decoder (Qwen3-MoE with Qwen3's q/k norm) whose MLP, in the layers
+`cfg.moe_layers`, is a sparse block: a router picks each token's top-k experts and the
+experts run grouped by expert (engine/layers/moe.py). The experts' weights are 3-D
+parameters, [E, 2I, H] for gate and up and [E, H, I] for down, filled from the
+checkpoint's per-expert tensors:
+
+    Mixtral     model.layers.L.block_sparse_moe.experts.N.{w1,w3,w2}.weight, .gate.weight
+    Qwen3-MoE   model.layers.L.mlp.experts.N.{gate_proj,up_proj,down_proj}.weight, mlp.gate.weight
+
+(or transformers' fused in-memory form, mlp.experts.gate_up_proj / down_proj). The
+experts and the router stay dense under --quantization int4/int8; the attention layers
+and the LM head are quantized as in Llama. Under tensor parallelism each rank keeps its
+share of every expert's intermediate width, as for the dense MLP, and the block's output
+is all-reduced.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from engine.distributed.state import all_reduce
+from engine.layers import Layer
+from engine.layers.activation import SiluAndMul
+from engine.layers.moe import grouped_experts, route
+from engine.layers.parallel import SINGLE, TPShard
+from engine.layers.quantized import QuantizedTensor
+from engine.models.config import ModelArchConfig
+from engine.models.llama import LlamaForCausalLM
+
+Weight = torch.Tensor | QuantizedTensor
+# checkpoint name of one expert's matrix -> (our parameter, part: 0 gate, 1 up, None down)
+_PARTS = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+          "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
+_PER_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+_FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+class Experts(nn.Module):
+    """The experts' weights (no forward: SparseMoeBlock runs them grouped)."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width), requires_grad=False)
+
+
+class SparseMoeBlock(Layer):
+    def __init__(self, cfg: ModelArchConfig, shard: TPShard = SINGLE) -> None:
+        super().__init__()
+        if cfg.moe_intermediate_size % shard.size:
+            raise ValueError(f"tensor_parallel_size {shard.size}: the experts' width "
+                             f"{cfg.moe_intermediate_size} does not divide by {shard.size}")
+        self.shard, self.top_k, self.renormalize = shard, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // shard.size)
+        self.act = SiluAndMul()
+        # HF: Qwen3-MoE casts the routing weights to the model's dtype, Mixtral keeps float32.
+        self.weights_in_model_dtype = cfg.model_type == "qwen3_moe"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        if self.weights_in_model_dtype:
+            weights = weights.to(x.dtype)
+        out = grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.act)
+        return all_reduce(out, self.shard)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int, shard: TPShard = SINGLE) -> None:
+        super().__init__(cfg, max_positions, shard)
+        for i in cfg.moe_layers:  # on the meta device (see loader) the dense MLPs cost nothing
+            self.model.layers[i].mlp = SparseMoeBlock(cfg, shard)
+
+    @staticmethod
+    def linear_sources(cfg: ModelArchConfig) -> dict[str, list[str]]:
+        """Llama's, less the sparse layers' MLPs: experts and router stay dense."""
+        sparse = {f"model.layers.{i}.mlp." for i in cfg.moe_layers}
+        return {name: sources for name, sources in LlamaForCausalLM.linear_sources(cfg).items()
+                if not any(name.startswith(prefix) for prefix in sparse)}
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
+        self._experts_loaded: set[tuple[str, int, int | None]] = set()
+        super().load_weights(self._take_experts(weights))
+
+    def _take_experts(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+        """Load expert tensors here; pass everything else on to the Llama loader."""
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for the block
+            if isinstance(tensor, QuantizedTensor) and ".mlp.experts." in name:
+                tensor = tensor.dequantize()
+            if m := _PER_EXPERT.match(name):
+                if m.group(3) not in _PARTS:
+                    raise ValueError(f"checkpoint tensor {name!r}: unknown expert matrix {m.group(3)!r}")
+                param, part = _PARTS[m.group(3)]
+                self._load_expert(params, f"{m.group(1)}.{param}", int(m.group(2)), part, tensor)
+            elif m := _FUSED.match(name):
+                self._load_fused(params, name, m.group(2), tensor)
+            else:
+                yield name, tensor
+
+    def _load_fused(self, params: dict, name: str, kind: str, tensor: torch.Tensor) -> None:
+        width = tensor.shape[1] // 2 if kind == "gate_up_proj" else tensor.shape[2]
+        for expert in range(tensor.shape[0]):
+            if kind == "down_proj":
+                self._load_expert(params, name, expert, None, tensor[expert])
+            else:
+                for part in (0, 1):
+                    self._load_expert(params, name, expert, part, tensor[expert, part * width:(part + 1) * width])
+
+    def _load_expert(self, params: dict, name: str, expert: int, part: int | None, tensor: torch.Tensor) -> None:
+        """Copy one expert's gate (part 0), up (1) or down (None) matrix, this rank's slice
+        of the intermediate width: rows of gate and up, columns of down."""
+        if name not in params or expert >= params[name].shape[0]:
+            raise ValueError(f"checkpoint expert {expert} of {name!r} has no place in {self.config.model_type}")
+        start, count = self.shard.split(self.config.moe_intermediate_size)
+        target = params[name].data[expert]
+        source = tensor
+        if part is not None:
+            target = target.narrow(0, part * count, count)
+        if self.shard.size > 1 and source.dim() == 2:
+            source = source.narrow(0 if part is not None else 1, start, count)
+        if source.shape != target.shape:
+            raise ValueError(f"shape mismatch for expert {expert} of {name!r}: checkpoint "
+                             f"{tuple(tensor.shape)} vs parameter {tuple(target.shape)}")
+        target.copy_(source)
+        self._experts_loaded.add((name, expert, part))
+
+    def _check_all_loaded(self, names: list[str], loaded: set[str]) -> None:
+        experts = [n for n in names if ".mlp.experts." in n]
+        missing = [f"{n}[{e}]" for n in experts for e in range(self.config.num_experts)
+                   for part in ((None,) if n.endswith("down_proj") else (0, 1))
+                   if (n, e, part) not in self._experts_loaded]
+        if missing:
+            raise ValueError(f"checkpoint lacks {len(missing)} expert matrices, e.g. {missing[:3]}")
+        super()._check_all_loaded([n for n in names if ".mlp.experts." not in n], loaded)
