@@ -10,9 +10,10 @@ SUPPORTED = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
-    "phi3": {},  # fused qkv/gate_up in the checkpoint, LongRoPE: engine/models/phi3.py
-    "mixtral": {"moe": True},  # engine/models/moe.py
-    "qwen3_moe": {"qk_norm": True, "moe": True},
+    # HF checkpoints only ("gguf": False): engine/models/phi3.py and engine/models/moe.py
+    "phi3": {"gguf": False},
+    "mixtral": {"moe": True, "gguf": False},
+    "qwen3_moe": {"qk_norm": True, "moe": True, "gguf": False},
 }
 
 
@@ -73,9 +74,10 @@ class ModelArchConfig:
         window = getattr(c, "sliding_window", None)
         if model_type in ("qwen2", "qwen3_moe") and not getattr(c, "use_sliding_window", False):
             window = None
-        if getattr(c, "partial_rotary_factor", None) not in (None, 1.0) or \
-                (scaling or {}).get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"{model_type}: partial_rotary_factor != 1 is not supported")
+        partial = ((getattr(c, "rope_parameters", None) or {}).get("partial_rotary_factor")
+                   or getattr(c, "partial_rotary_factor", None) or 1.0)
+        if partial != 1.0:  # e.g. Phi-4-mini: only part of each head rotates
+            raise ValueError(f"{model_type}: partial_rotary_factor {partial} is not supported (only 1.0)")
         return cls(
             model_type=model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers,

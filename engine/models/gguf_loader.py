@@ -47,8 +47,11 @@ def _field(reader, key: str, default=None):
 def read_gguf_config(path: Path) -> ModelArchConfig:
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {sorted(SUPPORTED)})")
+    gguf_archs = sorted(a for a, flags in SUPPORTED.items() if flags.get("gguf", True))
+    if arch not in gguf_archs or _field(reader, f"{arch}.expert_count", 0):  # Mixtral GGUFs say "llama"
+        raise ValueError(f"GGUF architecture {arch!r}{' with experts' if arch in gguf_archs else ''} is "
+                         f"not supported (supported: {', '.join(gguf_archs)}; Phi-3 and mixture-of-experts "
+                         "models load from HF checkpoints)")
     names = {t.name for t in reader.tensors}
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
 

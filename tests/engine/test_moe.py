@@ -143,3 +143,27 @@ def test_tensor_parallel_equals_single(tiny):
         for step_a, step_b in zip(a, b):
             for tok, lp in step_b.items():
                 assert tok not in step_a or abs(step_a[tok] - lp) < 1e-4
+
+
+def test_unknown_architecture_names_the_supported_ones(tmp_path):
+    import gguf
+    from transformers import AutoConfig
+
+    from engine.models.config import ModelArchConfig
+    from engine.models.gguf_loader import read_gguf_config
+    from engine.models.registry import model_class
+    for error in (lambda: ModelArchConfig.from_hf(AutoConfig.for_model("gpt2")), lambda: model_class("gpt2")):
+        with pytest.raises(ValueError, match="gpt2.*not supported.*mixtral.*phi3.*qwen3_moe"):
+            error()
+    for arch, extra in (("qwen3moe", {}), ("llama", {"llama.expert_count": 8})):  # Mixtral GGUFs say llama
+        path = tmp_path / f"{arch}.gguf"
+        writer = gguf.GGUFWriter(str(path), arch)
+        for key, value in extra.items():
+            writer.add_uint32(key, value)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        with pytest.raises(ValueError, match=f"GGUF architecture '{arch}'.*not supported.*llama"):
+            read_gguf_config(path)
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
+        ModelArchConfig.from_hf(AutoConfig.for_model("phi3", partial_rotary_factor=0.5, pad_token_id=0))
