@@ -39,6 +39,8 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     num_tokens, top_k = ids.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _every_expert(x, w13, w2, weights, ids, act)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept
     tokens = order // top_k
@@ -55,6 +57,20 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     weighted = (out * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
     # index_add_ adds each token's pairs in expert order: HF's order of summation.
     return torch.zeros_like(x).index_add_(0, tokens, weighted)
+
+
+def _every_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The same sum with no data-dependent shapes, for CUDA-graph capture (decode batches):
+    every expert runs on every token, unchosen ones weighted by exactly 0 (adding 0 leaves
+    a token's sum, taken in expert order, unchanged)."""
+    combine = torch.zeros(ids.shape[0], w13.shape[0], dtype=weights.dtype, device=x.device)
+    combine.scatter_(1, ids, weights)
+    out = torch.zeros_like(x)
+    for expert in range(w13.shape[0]):
+        y = F.linear(act(F.linear(x, w13[expert])), w2[expert])
+        out += (y * combine[:, expert:expert + 1]).to(x.dtype)
+    return out
 
 
 def reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

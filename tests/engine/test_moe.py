@@ -167,3 +167,12 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
             read_gguf_config(path)
     with pytest.raises(ValueError, match="partial_rotary_factor 0.5"):
         ModelArchConfig.from_hf(AutoConfig.for_model("phi3", partial_rotary_factor=0.5, pad_token_id=0))
+
+
+def test_capture_safe_path_equals_grouped():
+    """The every-expert form CUDA-graph capture uses (no data-dependent shapes) gives the
+    grouped op's result."""
+    from engine.layers.moe import _every_expert
+    x, w13, w2, weights, ids = random_experts(11, seed=2)
+    torch.testing.assert_close(_every_expert(x, w13, w2, weights, ids, silu_and_mul),
+                               grouped_experts(x, w13, w2, weights, ids, silu_and_mul))
