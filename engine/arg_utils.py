@@ -16,7 +16,8 @@ HELP = {
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (default: from --kv-cache-memory-gb)",
     "kv_cache_memory_gb": "KV-cache size in GiB when --num-kv-blocks is not given",
-    "max_model_len": "longest prompt + output, in tokens (default: the model's, at most 8192)",
+    "max_model_len": "longest prompt + output, in tokens (default: the model's, at most 8192); Phi-3 "
+                     "LongRoPE uses its long factors for every request when this exceeds the original length",
     "max_num_batched_tokens": "token budget per engine step; longer prompts are chunked",
     "max_num_seqs": "most sequences running at once",
     "max_waiting_requests": "most requests waiting for a seat; more get RESOURCE_EXHAUSTED "

@@ -8,19 +8,29 @@ quantization apply to Phi-3 unchanged.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
 
-from engine.layers.parallel import shard_rows
+from engine.layers.parallel import SINGLE, TPShard, shard_rows
 from engine.layers.quantized import QuantizedTensor
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 
+log = logging.getLogger("pagedserve.engine")
 Weight = torch.Tensor | QuantizedTensor
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int, shard: TPShard = SINGLE) -> None:
+        super().__init__(cfg, max_positions, shard)
+        scaling = cfg.rope_scaling or {}
+        if scaling.get("rope_type") == "longrope" and shard.rank == 0:
+            original = scaling["original_max_position_embeddings"]
+            log.info("LongRoPE: the %s factors for every request (max_model_len %d, original length %d)",
+                     "long" if max_positions > original else "short", max_positions, original)
+
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         super().load_weights(split_fused(weights, self.config))
 
