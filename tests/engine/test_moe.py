@@ -176,3 +176,14 @@ def test_capture_safe_path_equals_grouped():
     x, w13, w2, weights, ids = random_experts(11, seed=2)
     torch.testing.assert_close(_every_expert(x, w13, w2, weights, ids, silu_and_mul),
                                grouped_experts(x, w13, w2, weights, ids, silu_and_mul))
+
+
+def test_qwen3_moe_sparse_layers_follow_step_and_mlp_only_layers():
+    from helpers import tiny_hf_config
+
+    from engine.models.config import ModelArchConfig
+    cfg = ModelArchConfig.from_hf(tiny_hf_config("qwen3_moe", num_hidden_layers=6, decoder_sparse_step=2,
+                                                 mlp_only_layers=[3]))
+    assert cfg.moe_layers == (1, 5) and cfg.moe_intermediate_size == 32 and not cfg.norm_topk_prob
+    mixtral = ModelArchConfig.from_hf(tiny_hf_config("mixtral"))
+    assert mixtral.moe_layers == (0, 1) and mixtral.moe_intermediate_size == 128 and mixtral.norm_topk_prob
