@@ -20,8 +20,10 @@ CONFIGS = {
     "batched": dict(enable_prefix_caching=False),
     "chunked": dict(max_num_batched_tokens=20, enable_prefix_caching=False),
     "cached": dict(max_num_batched_tokens=64, enable_prefix_caching=True),
-    "preempted": dict(num_kv_blocks=20, max_num_batched_tokens=32, enable_prefix_caching=True),
+    "preempted": dict(max_num_batched_tokens=32, enable_prefix_caching=True),  # + PREEMPT_BLOCKS
 }
+# Mistral releases blocks behind the window: 12 blocks (96 tokens) run 138-token requests.
+PREEMPT_BLOCKS = {"mistral": 12, "qwen2_mixed": 20}
 MODELS = {
     "mistral": dict(sliding_window=WINDOW),
     "qwen2_mixed": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
@@ -49,7 +51,8 @@ def windowed(request, tmp_path_factory, bundled_tokenizer):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_matches_hf(windowed, config):
     name, folder, prompts, reference = windowed
-    llm = LLM(str(folder), dtype="float32", block_size=BLOCK, **CONFIGS[config])
+    extra = dict(num_kv_blocks=PREEMPT_BLOCKS[name]) if config == "preempted" else {}
+    llm = LLM(str(folder), dtype="float32", block_size=BLOCK, **CONFIGS[config], **extra)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
     runs = 2 if llm.config.enable_prefix_caching else 1
     for _ in range(runs):  # with caching, the second run is served from the prefix cache
@@ -57,7 +60,7 @@ def test_matches_hf(windowed, config):
         ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
         assert check_outputs_match(ours, reference) <= 1
     stats = llm.engine.stats()
-    if "num_kv_blocks" in CONFIGS[config]:
+    if extra:
         assert stats.num_preemptions > 0
     if llm.config.enable_prefix_caching:
         assert stats.num_prefix_cache_hits > 0
@@ -76,3 +79,26 @@ def test_window_changes_the_output(windowed):
     hf = AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32).eval()
     full = hf_greedy(hf, prompts[-1:], MAX_NEW)
     assert full[0][0] != reference[-1][0]
+
+
+def test_mistral_releases_blocks_behind_the_window(windowed):
+    """One request longer than the whole pool runs, and holds a bounded number of blocks."""
+    name, folder, prompts, reference = windowed
+    if name != "mistral":
+        pytest.skip("only a model whose every layer is windowed releases blocks")
+    llm = LLM(str(folder), dtype="float32", block_size=BLOCK, num_kv_blocks=10, max_num_batched_tokens=16)
+    assert llm.engine.max_model_len == 512  # neither the window nor the 80-token pool caps it
+    bm, held = llm.engine.block_manager, []
+    append_slots = bm.append_slots
+
+    def recording(*args, **kwargs):
+        ok = append_slots(*args, **kwargs)
+        held.append(bm.num_blocks - bm.num_free_blocks)
+        return ok
+    bm.append_slots = recording
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+    out = llm.generate(prompts[-1:], params)[0].outputs[0]  # 90 + 48 tokens, 18 blocks' worth
+    assert check_outputs_match([(out.token_ids, out.logprobs)], reference[-1:]) == 0
+    assert max(held) <= bm.window_peak_blocks(16 + 4) == 7
+    assert llm.engine.stats().num_preemptions == 0
+    assert_no_leak(llm)
