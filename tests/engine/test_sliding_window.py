@@ -20,9 +20,11 @@ CONFIGS = {
     "batched": dict(enable_prefix_caching=False),
     "chunked": dict(max_num_batched_tokens=20, enable_prefix_caching=False),
     "cached": dict(max_num_batched_tokens=64, enable_prefix_caching=True),
-    "preempted": dict(max_num_batched_tokens=32, enable_prefix_caching=True),  # + PREEMPT_BLOCKS
+    # The others run "auto" (the cpu backend's kernel where it builds); this one the torch backend.
+    "preempted": dict(max_num_batched_tokens=32, enable_prefix_caching=True, attention_backend="torch"),
 }
-# Mistral releases blocks behind the window: 12 blocks (96 tokens) run 138-token requests.
+# num_kv_blocks for "preempted": Mistral releases blocks behind the window, so 12 blocks
+# (96 tokens) run 138-token requests.
 PREEMPT_BLOCKS = {"mistral": 12, "qwen2_mixed": 20}
 MODELS = {
     "mistral": dict(sliding_window=WINDOW),
