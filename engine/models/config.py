@@ -88,7 +88,8 @@ class ModelArchConfig:
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             qkv_bias=flags.get("qkv_bias", False) or bool(getattr(c, "attention_bias", False)),
             qk_norm=flags.get("qk_norm", False), mlp_bias=bool(getattr(c, "mlp_bias", False)),
-            sliding_window=window, **_moe_from_hf(c) if flags.get("moe") else {})
+            sliding_window=window, layer_types=_layer_types(c) if window else None,
+            **_moe_from_hf(c) if flags.get("moe") else {})
 
 
 def _moe_from_hf(c) -> dict:
@@ -108,6 +109,13 @@ def _moe_from_hf(c) -> dict:
         raise ValueError(f"num_experts_per_tok {c.num_experts_per_tok} must be in 1..{num_experts}")
     return dict(moe_layers=tuple(layers), num_experts=num_experts, num_experts_per_tok=c.num_experts_per_tok,
                 moe_intermediate_size=width, norm_topk_prob=renormalise)
+
+
+def _layer_types(c) -> tuple[str, ...] | None:
+    """HF's per-layer attention kinds where the config lists them (Qwen2 windows only the
+    layers from max_window_layers on); None: every layer is windowed."""
+    types = getattr(c, "layer_types", None)
+    return tuple(types) if types else None
 
 
 def _rope_from_hf(c) -> tuple[float, dict | None]:
