@@ -6,9 +6,12 @@ preemption; the prefix cache never lets two adapters share KV; errors are clear.
 from __future__ import annotations
 
 import pytest
+import torch
 
+import cpu_kernels
 from engine import LLM, SamplingParams
 from engine.errors import LoraError
+from engine.layers.quantized import QuantLinear, dequantize_modules
 from helpers import assert_no_leak, check_outputs_match
 from lora_helpers import build_lora_setup, lora_prompts, references
 
@@ -138,4 +141,27 @@ def test_errors(setup):
         llm.generate([prompts[0], prompts[1]], lora_name=["a"])
     with pytest.raises(LoraError, match="cannot read adapter_config.json"):
         llm.load_lora("x", str(folder))  # the base model's folder is no adapter
+    assert_no_leak(llm)
+
+
+@pytest.mark.skipif(not cpu_kernels.available("quant_linear"), reason="CPU quant_linear kernels unavailable")
+def test_quantized_base_layers(setup):
+    """LoRA around QuantLinear (int4, as the bundled Q4_1 GGUF runs) equals LoRA around the
+    dense layers of the same effective weights."""
+    _, _, prompts, _ = setup
+    llm = _llm(setup, quantization="int4", enable_prefix_caching=False)
+    layer = llm.engine.model_runner.model.model.layers[0].self_attn.qkv_proj
+    assert isinstance(layer.base, QuantLinear)
+    jobs = [(p, name) for p in range(3) for name in NAMES]
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+
+    def run():
+        outs = llm.generate([prompts[p] for p, _ in jobs], params, lora_name=[n for _, n in jobs])
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    quantized = run()
+    dequantize_modules(llm.engine.model_runner.model, torch.float32)
+    assert not isinstance(layer.base, QuantLinear)
+    assert check_outputs_match(quantized, run()) <= 1
+    assert len({str(t) for t, _ in quantized[:len(NAMES)]}) == len(NAMES)  # the adapters act
     assert_no_leak(llm)
