@@ -12,18 +12,15 @@ from __future__ import annotations
 import torch
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             widths: list[int], segments: list[tuple[int, int, int]]) -> torch.Tensor:
+def add_lora(y: torch.Tensor, x: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor] | None],
+             segments: list[tuple[int, int, int]]) -> torch.Tensor:
     """y[start:end] += (x[start:end] @ A[slot]^T) @ B[slot]^T for each (slot, start, end)
-    segment, in place. `lora_a` [slots, R, in], `lora_b` [slots, R, out] (B transposed, with
-    the scaling in it); `widths[slot]` rows of R are in use (0: the adapter leaves this layer
-    alone).
-    Segments are contiguous rows: the model runner orders a step's requests by adapter, so
-    there are no gathers or scatters (CPU index_add_ on bf16 costs more than the matmuls)."""
+    segment, in place. `views[slot]`: (A^T [in, w], B^T [w, out], the scaling in B), w the
+    rows in use; None: the adapter leaves this layer alone. Segments are contiguous rows: the
+    model runner orders a step's requests by adapter, so there are no gathers or scatters
+    (CPU index_add_ on bf16 costs more than the matmuls)."""
     for slot, start, end in segments:
-        width = widths[slot]
-        if width:
-            a, b_t = lora_a[slot, :width], lora_b[slot, :width]
-            y[start:end].add_(torch.mm(torch.mm(x[start:end], a.t()), b_t).to(y.dtype))
+        view = views[slot]
+        if view is not None:
+            y[start:end].addmm_(torch.mm(x[start:end], view[0]), view[1])
     return y
-
