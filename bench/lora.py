@@ -102,12 +102,13 @@ def run(args: argparse.Namespace) -> int:
     from engine import LLM
     from engine.models.loader import resolve_model_path
     model_path = resolve_model_path(args.model)
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(100, 20000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     common = dict(dtype=args.dtype, num_threads=args.num_threads, enable_prefix_caching=False,
                   max_num_seqs=max(args.num_prompts, 1))
     results = {}
     llm = LLM(args.model, **common)
+    rng = random.Random(args.seed)
+    top = min(llm.engine.vocab_size, 20000)  # ordinary tokens, away from the specials at the start
+    prompts = [[rng.randrange(top // 100, top) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     results["base, LoRA off"] = _time_run(llm, prompts, [None] * len(prompts), args.output_len)
     del llm
     gc.collect()

@@ -5,6 +5,8 @@ preemption; the prefix cache never lets two adapters share KV; errors are clear.
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
@@ -165,3 +167,24 @@ def test_quantized_base_layers(setup):
     assert check_outputs_match(quantized, run()) <= 1
     assert len({str(t) for t, _ in quantized[:len(NAMES)]}) == len(NAMES)  # the adapters act
     assert_no_leak(llm)
+
+
+def test_bench_lora_runs(setup, tmp_path):
+    """`pagedserve bench lora` end to end on the tiny model: adapters made by peft from the
+    model's shapes alone, every mix run, the JSON written."""
+    import json
+
+    from bench.lora import add_arguments, run
+    folder = setup[0]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(folder), "--num-adapters", "1,3", "--ranks", "4,8",
+                              "--num-prompts", "6", "--input-len", "8", "--output-len", "3",
+                              "--dtype", "float32", "--output-dir", str(tmp_path)])
+    assert run(args) == 0
+    result = json.loads(next(tmp_path.glob("lora-*.json")).read_text())
+    rows = result["results"]
+    assert list(rows) == ["base, LoRA off", "base, LoRA on", "1 adapter", "3 adapters"]
+    assert rows["3 adapters"]["max_adapters_per_step"] == 3 and rows["1 adapter"]["max_adapters_per_step"] == 1
+    assert all(r["output_tok_s"] > 0 for r in rows.values()) and len(result["loadavg_end"]) == 3
+    assert next(tmp_path.glob("lora-*.png")).stat().st_size > 0
