@@ -180,7 +180,7 @@ def test_bench_lora_runs(setup, tmp_path):
     add_arguments(parser)
     args = parser.parse_args(["--model", str(folder), "--num-adapters", "1,3", "--ranks", "4,8",
                               "--num-prompts", "6", "--input-len", "8", "--output-len", "3",
-                              "--dtype", "float32", "--output-dir", str(tmp_path)])
+                              "--dtype", "float32", "--repeats", "1", "--output-dir", str(tmp_path)])
     assert run(args) == 0
     result = json.loads(next(tmp_path.glob("lora-*.json")).read_text())
     rows = result["results"]
