@@ -46,8 +46,10 @@ def references(folder: Path, adapters: dict[str, Path], prompts: list[list[int]]
 
 
 def lora_prompts(vocab_size: int = 512) -> list[list[int]]:
-    """Two sharing a 40-token prefix, and others of 3 to 70 tokens."""
+    """Two sharing a 40-token prefix, others of 3 to 70 tokens, and one repeating a pattern
+    (n-gram speculation finds drafts in it)."""
     rng = random.Random(1)
     prefix = [rng.randrange(3, vocab_size) for _ in range(40)]
     return ([prefix + [rng.randrange(3, vocab_size) for _ in range(n)] for n in (6, 20)]
-            + [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (3, 70)])
+            + [[rng.randrange(3, vocab_size) for _ in range(n)] for n in (3, 70)]
+            + [[11, 12, 13, 14, 15, 16] * 6])

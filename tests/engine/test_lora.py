@@ -24,6 +24,7 @@ CONFIGS = {
     "chunked": dict(max_num_batched_tokens=24, enable_prefix_caching=False),
     "preempted_cached": dict(num_kv_blocks=16, max_num_batched_tokens=48),
     "two_slots": dict(max_loras=2),  # requests for a third adapter wait their turn
+    "ngram": dict(speculative_method="ngram", enable_prefix_caching=False),  # drafts verified per adapter
 }
 
 
@@ -74,6 +75,8 @@ def test_mixed_adapters_match_hf_peft(setup, config):
         assert stats.num_preemptions > 0
     if llm.config.enable_prefix_caching:
         assert stats.num_prefix_cache_hits > 0
+    if llm.config.speculative_method:
+        assert stats.spec_decoding.num_draft_tokens > 0
     assert_no_leak(llm)
 
 
