@@ -45,6 +45,13 @@ HELP = {
                          "the model's tokenizer (setting it implies --speculative-method draft)",
     "prompt_lookup_min": "ngram: shortest suffix n-gram to look up",
     "prompt_lookup_max": "ngram: longest suffix n-gram to look up (the longest match wins)",
+    "enable_lora": "serve LoRA adapters (PEFT format) on the base model, mixed in one batch; "
+                   "see docs/lora.md",
+    "lora_modules": "adapters to load at start, as name=path (PEFT folders: adapter_config.json + "
+                    "adapter_model.safetensors); implies --enable-lora",
+    "max_loras": "distinct LoRA adapters one engine step may mix; requests for others wait",
+    "max_lora_rank": "largest LoRA rank accepted (adapters above it are refused); the device "
+                     "slots are this wide",
 }
 CHOICES = {"dtype": ["float32", "bfloat16", "float16", "auto"], "scheduling_policy": ["fcfs", "priority"],
            "attention_backend": ["auto", "torch", "cpu", "cupy"], "quantization": ["none", "int4", "int8"],
@@ -60,6 +67,9 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None
         if isinstance(f.default, bool) or f.type == "bool | None":  # None: decided by other flags
             group.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
                                help=HELP[f.name])
+            continue
+        if f.name == "lora_modules":
+            group.add_argument(flag, default=default, nargs="+", metavar="NAME=PATH", help=HELP[f.name])
             continue
         kind = {"int": int, "float": float}.get(type(f.default).__name__, str)
         if f.name in ("num_kv_blocks", "max_model_len", "num_threads", "max_waiting_requests"):

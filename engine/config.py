@@ -48,6 +48,11 @@ class EngineConfig:
     speculative_model: str | None = None  # draft: HF folder or .gguf with the target's tokenizer
     prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram looked up
     prompt_lookup_max: int = 5  # ngram: longest
+    # Multi-LoRA (docs/lora.md): PEFT adapters on the base model, mixed in one batch.
+    enable_lora: bool = False
+    lora_modules: dict[str, str] | None = None  # name -> adapter folder, loaded at start (implies enable_lora)
+    max_loras: int = 4  # distinct adapters one step may mix (device slots)
+    max_lora_rank: int = 16  # largest adapter rank accepted; the slots are this wide
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -97,6 +102,25 @@ class EngineConfig:
             self.cuda_graphs = False
 
         self._check_speculative()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        _positive("max_loras", self.max_loras)
+        _positive("max_lora_rank", self.max_lora_rank)
+        self.lora_modules = parse_lora_modules(self.lora_modules)
+        if self.lora_modules:
+            self.enable_lora = True  # adapters to load say LoRA is wanted
+        if not self.enable_lora:
+            return
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"enable_lora: not with tensor_parallel_size {self.tensor_parallel_size} "
+                             "(adapters are not sharded); use tensor_parallel_size 1")
+        if self.speculative_method == "draft":
+            raise ValueError("enable_lora: not with speculative_method 'draft' (the draft model has no "
+                             "adapters); use 'ngram' or no speculation")
+        if self.cuda_graphs:
+            log.warning("cuda_graphs: off with enable_lora (a step's adapter slots change per step)")
+            self.cuda_graphs = False
 
     def _check_speculative(self) -> None:
         if self.speculative_method == "none":
@@ -141,6 +165,7 @@ class SchedulerConfig:
     max_model_len: int
     policy: str = "fcfs"
     num_lookahead_tokens: int = 0  # KV slots past each step's tokens, for a draft model's drafts
+    max_loras: int = 4  # distinct LoRA adapters the running requests may use at once
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -161,6 +186,25 @@ def cpu_has_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def parse_lora_modules(modules: object) -> dict[str, str]:
+    """`--lora-modules name=path ...` (a list of strings) or a dict, as a name -> path dict."""
+    if not modules:
+        return {}
+    if isinstance(modules, dict):
+        return {str(k): str(v) for k, v in modules.items()}
+    if isinstance(modules, str):
+        modules = [modules]
+    out = {}
+    for item in modules:
+        name, sep, path = str(item).partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules: expected name=path, got {item!r}")
+        if name in out:
+            raise ValueError(f"lora_modules: the name {name!r} is given twice")
+        out[name] = path
+    return out
 
 
 def _positive(name: str, value: object) -> None:

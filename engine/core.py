@@ -13,6 +13,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
+from engine.lora.adapter import LoraAdapter
 from engine.config import EngineConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.models.loader import resolve_model_path
@@ -23,7 +24,8 @@ from engine.scheduler import Scheduler
 from engine.structured_output.manager import StructuredOutputManager
 from engine.stats import IterationStats, SpecDecodingStats
 from engine.spec_decode.proposers import build_speculator
-from engine.errors import EngineOverloaded, InvalidRequest
+from engine.errors import EngineOverloaded, InvalidRequest, LoraError
+from engine.lora import block_extra_keys
 from engine.validation import PromptLimits, check_prompt
 
 log = logging.getLogger("pagedserve.engine")
@@ -72,7 +74,10 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, policy=config.scheduling_policy,
-            num_lookahead_tokens=lookahead), self.block_manager, self.iteration_stats)
+            num_lookahead_tokens=lookahead, max_loras=config.max_loras), self.block_manager,
+            self.iteration_stats)
+        for name, path in (config.lora_modules or {}).items():  # a bad one stops the start, named
+            self.load_lora(name, path)
 
     def _fit_max_model_len(self, max_model_len: int) -> int:
         # A sequence longer than the whole pool would preempt itself forever: never admit one.
@@ -83,10 +88,12 @@ class EngineCore:
         return min(max_model_len, capacity)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        """Queue a request; raises ValueError (naming the problem) if it can never run, and
-        EngineOverloaded if `max_waiting_requests` are already waiting."""
+                    priority: int = 0, lora_name: str | None = None) -> None:
+        """Queue a request; raises ValueError (naming the problem) if it can never run,
+        LoraError("not_found") for an adapter not loaded, and EngineOverloaded if
+        `max_waiting_requests` are already waiting. `lora_name`: None or "" is the base model."""
         self._validate(request_id, prompt_token_ids, params)
+        extra_keys = self.lora_block_keys(lora_name)
         limit = self.config.max_waiting_requests
         if limit is not None and self.scheduler.num_waiting >= limit:
             raise EngineOverloaded(f"server busy: {self.scheduler.num_waiting} requests are waiting "
@@ -96,9 +103,52 @@ class EngineCore:
         else:  # sample 0 runs the prompt; the scheduler forks the others after its prefill
             request = Request(sample_request_id(request_id, 0), list(prompt_token_ids), params,
                               self.eos_token_ids, priority, parent_id=request_id)
+        request.lora_name, request.block_extra_keys = lora_name or None, extra_keys
         if params.structured_outputs is not None:
             request.structured = self.structured_output.request(params.structured_outputs)
         self.scheduler.add_request(request)
+
+    # -- LoRA adapters (docs/lora.md) ---------------------------------------------
+
+    def load_lora(self, name: str, path: str) -> list[LoraAdapter]:
+        """Load a PEFT adapter under `name`; returns the adapters loaded after it. Raises
+        LoraError: "invalid" (LoRA off, unreadable, rank too high, does not fit the model),
+        "conflict" (the name is taken)."""
+        self._lora_manager().load(name, path)
+        return self.lora_adapters()
+
+    def unload_lora(self, name: str) -> list[LoraAdapter]:
+        """Forget an adapter; refused (LoraError "conflict") while requests use it, since
+        they would otherwise end part-way or run on the base model."""
+        manager = self._lora_manager()
+        users = [r.request_id for r in self.scheduler.requests.values() if r.lora_name == name]
+        if users and name in manager.adapters:
+            raise LoraError(f"LoRA {name!r} has {len(users)} request(s) in flight; unload it once "
+                            "they finish", kind="conflict")
+        manager.unload(name)
+        return self.lora_adapters()
+
+    def lora_adapters(self) -> list[LoraAdapter]:
+        """The adapters loaded now, in load order (name, path, rank, ...)."""
+        manager = self.model_runner.lora
+        return [] if manager is None else list(manager.adapters.values())
+
+    def _lora_manager(self):
+        if self.model_runner.lora is None:
+            raise LoraError("LoRA adapters are off: start the engine with --enable-lora")
+        return self.model_runner.lora
+
+    def lora_block_keys(self, lora_name: str | None) -> tuple:
+        """The prefix-cache extra keys of a request for this adapter; raises LoraError
+        ("not_found") for one not loaded."""
+        if not lora_name:
+            return ()
+        loaded = {a.name: a for a in self.lora_adapters()}
+        adapter = loaded.get(lora_name)
+        if adapter is None:
+            have = ", ".join(loaded) or ("none: LoRA is off" if self.model_runner.lora is None else "none")
+            raise LoraError(f"LoRA adapter {lora_name!r} is not loaded (loaded: {have})", kind="not_found")
+        return block_extra_keys(lora_name, adapter.path)
 
     def abort_requests(self, request_ids: list[str], stopped: bool = False) -> None:
         """Abort these requests, all samples of a caller's id or one sample by its internal

@@ -26,3 +26,14 @@ class RequestFailed(Exception):
 class Unavailable(Exception):
     """No engine can take the request now: none is connected, it was lost, or the server is
     draining for shutdown (gRPC UNAVAILABLE / HTTP 503). Retry later or on another replica."""
+
+
+class LoraError(InvalidRequest):
+    """A LoRA adapter operation or a request naming an adapter was refused. `kind` says why:
+    "invalid" (unreadable adapter, rank above --max-lora-rank, LoRA off), "not_found" (no
+    adapter of that name: 404 / NOT_FOUND), "conflict" (the name is taken, or requests still
+    use the adapter being unloaded). An InvalidRequest, so offline callers get a ValueError."""
+
+    def __init__(self, message: str, kind: str = "invalid") -> None:
+        super().__init__(message)
+        self.kind = kind

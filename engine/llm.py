@@ -16,6 +16,7 @@ from tqdm import tqdm
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.errors import InvalidRequest
+from engine.lora.adapter import LoraAdapter
 from engine.models.loader import eos_token_ids, load_tokenizer, resolve_model_path
 from engine.sampling_params import SamplingParams
 from frontend.input_processor import InputProcessor
@@ -72,28 +73,46 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_name: str | None | Sequence[str | None] = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion; one RequestOutput per prompt, in order. A bad
-        prompt or parameter raises InvalidRequest (a ValueError) and runs nothing."""
+        prompt or parameter raises InvalidRequest (a ValueError) and runs nothing.
+        `lora_name`: the LoRA adapter for every prompt, or one per prompt (None: the base
+        model); one not loaded raises LoraError (a ValueError)."""
         prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
         params = sampling_params or SamplingParams()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise InvalidRequest(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        loras = [lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
+        if len(loras) != len(prompts):
+            raise InvalidRequest(f"lora_name: got {len(loras)} for {len(prompts)} prompts")
+        for name in set(loras):
+            self.engine.lora_block_keys(name)  # raises for an adapter not loaded
         token_ids = [self.input.tokenize(p, field="prompt") if isinstance(p, str) else list(p) for p in prompts]
         for ids, p in zip(token_ids, params):
             self.input.check(ids, p)
         processor = OutputProcessor(self.tokenizer, self.engine.eos_token_ids)
         results = {}
-        for prompt, ids, p in zip(prompts, token_ids, params):
+        for prompt, ids, p, lora in zip(prompts, token_ids, params, loras):
             request_id = str(next(self._ids))
-            self.engine.add_request(request_id, ids, p)
+            self.engine.add_request(request_id, ids, p, lora_name=lora)
             processor.add_request(request_id, ids, p)
             results[request_id] = RequestOutput(
                 request_id, prompt if isinstance(prompt, str) else None, ids,
                 [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
         self._run(processor, results, use_tqdm)
         return list(results.values())
+
+    def load_lora(self, name: str, path: str) -> list[LoraAdapter]:
+        """Load a PEFT adapter (needs enable_lora); returns the adapters loaded now."""
+        return self.engine.load_lora(name, path)
+
+    def unload_lora(self, name: str) -> list[LoraAdapter]:
+        return self.engine.unload_lora(name)
+
+    def lora_adapters(self) -> list[LoraAdapter]:
+        return self.engine.lora_adapters()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (and nothing done) while requests are running."""

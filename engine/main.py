@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 
 from engine.arg_utils import add_drain_arg, add_engine_args, add_log_level_arg, configure_logging
@@ -32,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from engine.core import EngineCore
+    from engine.errors import LoraError
     from engine.models.loader import eos_token_ids, load_tokenizer, model_name, resolve_model_path
     from engine.models.loader import tokenizer_files
     from engine.proc import EngineProc
@@ -43,7 +45,13 @@ def run(args: argparse.Namespace) -> int:
     path = resolve_model_path(config.model)
     metrics_on = args.metrics_port is not None
     tokenizer = load_tokenizer(path, config.tokenizer)
-    core = EngineCore(config, eos_token_ids(tokenizer), log_stats=metrics_on, tokenizer=tokenizer)
+    try:
+        core = EngineCore(config, eos_token_ids(tokenizer), log_stats=metrics_on, tokenizer=tokenizer)
+    except LoraError as e:  # a --lora-modules adapter that cannot run: one clear line, no traceback
+        logging.getLogger("pagedserve.engine").error("cannot start: %s", e)
+        if health is not None:
+            health.stop()
+        return 2
     metrics = None
     if metrics_on:
         from engine.metrics import EngineMetrics

@@ -45,6 +45,7 @@ class ForwardRow:
     start: int  # position of the first
     block_ids: list[int]  # its block table
     num_logits: int  # trailing rows whose logits are needed: 0, 1, or 1 + drafts
+    lora_slot: int = -1  # the LoRA adapter slot its tokens use; -1: the base model
 
 
 @dataclass(slots=True)
@@ -84,7 +85,7 @@ def _mix(seed: int, position: int) -> int:
 def _as_decodes(f: ForwardRow) -> list[ForwardRow]:
     if not 1 < len(f.token_ids) == f.num_logits:
         return [f]
-    return [ForwardRow([t], f.start + i, f.block_ids, 1) for i, t in enumerate(f.token_ids)]
+    return [ForwardRow([t], f.start + i, f.block_ids, 1, f.lora_slot) for i, t in enumerate(f.token_ids)]
 
 
 class ModelRunner:
@@ -124,6 +125,11 @@ class ModelRunner:
             log.warning("cuda_graphs: off, since attention runs on the %s backend (graphs need cupy)",
                         self.backend.name)
         self.graphs = self._capture_graphs() if config.cuda_graphs and self.backend.name == "cupy" else None
+        self.lora = None  # multi-LoRA: the adapters and their slots (engine/lora)
+        if config.enable_lora:
+            from engine.lora.manager import LoraManager
+            self.lora = LoraManager(self.model, self.arch, config.max_loras, config.max_lora_rank,
+                                    DTYPES[config.dtype], self.device)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do on one rank)."""
@@ -160,7 +166,10 @@ class ModelRunner:
         order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1 and not s.spec_token_ids)
         sampling = [s for s in order if s.num_samples]
         jobs, slices = self._prompt_jobs(order)
-        plan = StepPlan(list(sched.blocks_to_copy), [forward_row(s) for s in order], slices, bool(sampling))
+        rows = [forward_row(s) for s in order]
+        if self.lora is not None:
+            self.lora.assign_slots([s.request.lora_name for s in order], rows)
+        plan = StepPlan(list(sched.blocks_to_copy), rows, slices, bool(sampling))
         prompt_logits, logits = self.run_plan(plan)
         prompt_lps = self._score_prompts(jobs, prompt_logits)
         if not sampling:
@@ -190,6 +199,8 @@ class ModelRunner:
         if self.graphs is not None and self._all_decode(rows):
             return self._run_graph(rows)
         input_ids, positions, meta, last_rows = self._prepare(rows)
+        if self.lora is not None:
+            self.lora.set_tokens(rows, len(input_ids))
         return self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches)), last_rows
 
     @torch.inference_mode()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from engine.core import EngineCore, EngineStats
-from engine.errors import EngineOverloaded, InvalidRequest
+from engine.errors import EngineOverloaded, InvalidRequest, LoraError
 from engine.ipc import output_to_proto, sampling_params_from_proto, structured_from_proto
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineCoreOutput
@@ -66,6 +66,15 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    lora_name: str = ""
+
+
+@dataclass(slots=True)
+class _LoraOp:
+    """LoadLora or UnloadLora, run by the main loop between steps (it owns the core)."""
+
+    frontend_id: str
+    msg: ipc.LoadLora | ipc.UnloadLora
 
 
 class EngineProc:
@@ -80,6 +89,9 @@ class EngineProc:
         self.last_progress_s = time.monotonic()  # the main loop's heartbeat, for liveness probes
         self.engine_id = uuid.uuid4().hex[:12]
         self.welcome = self._welcome(model_name, tokenizer_files or {})
+        # The adapters loaded now, replaced (never mutated) by the main loop; the I/O thread
+        # reads it for Welcome and Pong.
+        self.lora_adapters: tuple[ipc.LoraAdapter, ...] = _adapters_to_proto(core.lora_adapters())
         self.inputs: queue.Queue = queue.Queue()
         self.frontends: dict[str, _Frontend] = {}  # by frontend id; touched by the I/O thread only
         self.stats = _stats_to_proto(core.stats())  # latest, replaced (never mutated) by the main loop
@@ -166,15 +178,36 @@ class EngineProc:
     def _apply(self, item) -> None:
         if isinstance(item, _Add):
             try:
-                self.core.add_request(item.core_id, item.prompt_token_ids, item.params, item.priority)
+                self.core.add_request(item.core_id, item.prompt_token_ids, item.params, item.priority,
+                                      lora_name=item.lora_name)
             except EngineOverloaded as e:
                 self._reject(item.core_id, str(e), ipc.RequestError.KIND_OVERLOADED)
+            except LoraError as e:  # an adapter this engine lacks (a frontend's stale list)
+                kind = ipc.RequestError.KIND_NOT_FOUND if e.kind == "not_found" else ipc.RequestError.KIND_INVALID
+                self._reject(item.core_id, str(e), kind)
             except InvalidRequest as e:  # the frontend validated, so this is rare (e.g. an id clash)
                 self._reject(item.core_id, str(e), ipc.RequestError.KIND_INVALID)
+        elif isinstance(item, _LoraOp):
+            self._lora_op(item)
         elif isinstance(item, _AbortFrontend):
             self.core.abort_requests_with_prefix(f"{item.frontend_id}:")
         else:  # (engine-side ids to abort, whether a stop string ended them)
             self.core.abort_requests(*item)
+
+    def _lora_op(self, op: _LoraOp) -> None:
+        msg = op.msg
+        try:
+            if isinstance(msg, ipc.LoadLora):
+                self.core.load_lora(msg.name, msg.path)
+            else:
+                self.core.unload_lora(msg.name)
+            kind, message = ipc.LoraResult.KIND_OK, ""
+        except LoraError as e:
+            kind, message = _LORA_KINDS[e.kind], str(e)
+        self.lora_adapters = _adapters_to_proto(self.core.lora_adapters())
+        result = ipc.LoraResult(op_id=msg.op_id, kind=kind, message=message, adapters=self.lora_adapters)
+        self.push.send_multipart([op.frontend_id.encode(),
+                                  ipc.EngineResponse(lora_result=result).SerializeToString()])
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
         batches: dict[str, ipc.OutputBatch] = {}
@@ -200,7 +233,9 @@ class EngineProc:
             vocab_size=core.vocab_size, eos_token_ids=core.eos_token_ids, block_size=cfg.block_size,
             kv_blocks_total=core.block_manager.num_blocks, dtype=cfg.dtype, device=cfg.device,
             model_path=str(core.model_path),
-            tokenizer_files={name: zlib.compress(data) for name, data in tokenizer_files.items()})
+            tokenizer_files={name: zlib.compress(data) for name, data in tokenizer_files.items()},
+            lora_enabled=cfg.enable_lora, max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
+            max_loras=cfg.max_loras if cfg.enable_lora else 0)
 
     # -- I/O thread ----------------------------------------------------------------
 
@@ -245,6 +280,7 @@ class EngineProc:
             self._reply(identity, ipc.EngineResponse(pong=ipc.Pong(
                 seq=msg.ping.seq, stats=self.stats, engine_id=self.engine_id,
                 draining=self.drain_deadline is not None,  # frontends stop routing new requests here
+                lora_names=[a.name for a in self.lora_adapters],
                 frontends=[info_pb2.Peer(id=i, address=f.address) for i, f in self.frontends.items()])))
         elif frontend is None:
             log.warning("request from unknown frontend %s ignored (no Hello yet)", frontend_id)
@@ -252,6 +288,8 @@ class EngineProc:
             self._on_add(frontend, frontend_id, msg.add)
         elif kind == "abort":
             self.inputs.put(([f"{frontend_id}:{r}" for r in msg.abort.request_ids], msg.abort.stop_string))
+        elif kind in ("load_lora", "unload_lora"):
+            self.inputs.put(_LoraOp(frontend_id, getattr(msg, kind)))
         elif kind == "bye":
             log.info("frontend %s said bye", frontend_id)
             del self.frontends[frontend_id]
@@ -265,7 +303,10 @@ class EngineProc:
             self.inputs.put(_AbortFrontend(frontend_id))
         self.frontends[frontend_id] = _Frontend(identity, hello.address)
         log.info("frontend %s connected (%s)", frontend_id, hello.address or "no address")
-        self._reply(identity, ipc.EngineResponse(welcome=self.welcome))
+        welcome = ipc.Welcome()
+        welcome.CopyFrom(self.welcome)
+        welcome.lora_adapters.extend(self.lora_adapters)  # the adapters now, not at start
+        self._reply(identity, ipc.EngineResponse(welcome=welcome))
 
     def _on_add(self, frontend: _Frontend, frontend_id: str, add: ipc.AddRequest) -> None:
         # ":" separates the namespace; frontends' ids never contain one.
@@ -278,7 +319,7 @@ class EngineProc:
                 error=ipc.RequestError(request_id=add.request_id, message=str(e),
                                        kind=ipc.RequestError.KIND_INVALID)))
             return
-        self.inputs.put(_Add(core_id, list(add.prompt_token_ids), params, add.priority))
+        self.inputs.put(_Add(core_id, list(add.prompt_token_ids), params, add.priority, add.lora_name))
 
     def _expire_frontends(self) -> None:
         now = time.monotonic()
@@ -291,6 +332,14 @@ class EngineProc:
 
     def _reply(self, identity: bytes, msg: ipc.EngineResponse) -> None:
         self.router.send_multipart([identity, msg.SerializeToString()])
+
+
+_LORA_KINDS = {"invalid": ipc.LoraResult.KIND_INVALID, "not_found": ipc.LoraResult.KIND_NOT_FOUND,
+               "conflict": ipc.LoraResult.KIND_CONFLICT}
+
+
+def _adapters_to_proto(adapters) -> tuple[ipc.LoraAdapter, ...]:
+    return tuple(ipc.LoraAdapter(name=a.name, path=a.path, rank=a.rank) for a in adapters)
 
 
 def _stats_to_proto(s: EngineStats) -> ipc.EngineStats:

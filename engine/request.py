@@ -85,6 +85,10 @@ class Request:
     error: str | None = None  # why it ended FINISHED_INVALID or FINISHED_ERROR
     # Speculative decoding: tokens proposed after its last one, verified in its next step.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Multi-LoRA: the adapter it runs with (None: the base model), and the prefix-cache extra
+    # keys of its blocks (engine.lora.block_extra_keys), so no two adapters share KV.
+    lora_name: str | None = None
+    block_extra_keys: tuple = ()
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

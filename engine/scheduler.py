@@ -123,17 +123,26 @@ class Scheduler:
         return min(end + self.config.num_lookahead_tokens, max(end, self.config.max_model_len))
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        # Requests for an adapter that would make the running set mix more than max_loras
+        # step aside (others may pass them); they go back in the queue afterwards.
+        adapters = {r.lora_name for r in self.running if r.lora_name}
+        skipped = []
         while self.waiting and budget > 0:
             request = self.waiting[0][1]
             seats = sum(r.num_seats for r in self.running)
             if self.running and seats + request.num_seats > self.config.max_num_seqs:
                 break
+            if request.lora_name and request.lora_name not in adapters and len(adapters) >= self.config.max_loras:
+                skipped.append(heapq.heappop(self.waiting))
+                continue
             cached_blocks, num_cached = [], 0
             if not request.needs_prompt_logprobs:  # else every prompt position must run, as in vLLM
-                cached_blocks, num_cached = self.block_manager.get_computed_blocks(request.all_token_ids)
+                cached_blocks, num_cached = self.block_manager.get_computed_blocks(
+                    request.all_token_ids, request.block_extra_keys)
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(request.request_id, request.all_token_ids,
-                                               self._slots(num_cached + num_new), cached_blocks):
+                                               self._slots(num_cached + num_new), cached_blocks,
+                                               request.block_extra_keys):
                 break  # the head waits for blocks; nobody overtakes it
             heapq.heappop(self.waiting)
             if request.status == RequestStatus.WAITING:
@@ -144,6 +153,10 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            if request.lora_name:
+                adapters.add(request.lora_name)
+        for entry in skipped:
+            heapq.heappush(self.waiting, entry)
 
     def _take_compiled(self) -> None:
         if not self.waiting_for_grammar:
@@ -257,7 +270,8 @@ class Scheduler:
                 arrival_time=parent.arrival_time, arrival_seq=parent.arrival_seq,
                 parent_id=parent.parent_id, sample_index=index, status=RequestStatus.RUNNING,
                 num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens,
-                scheduled_time=parent.scheduled_time,
+                scheduled_time=parent.scheduled_time, lora_name=parent.lora_name,
+                block_extra_keys=parent.block_extra_keys,
                 structured=None if parent.structured is None else parent.structured.fork())
             self.block_manager.fork(parent.request_id, child.request_id)
             self.requests[child.request_id] = child
