@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.errors import Unavailable
+from engine.lora import block_extra_keys
 from frontend.engine_client import EngineClient
 from frontend.router import CircuitBreaker, EngineView, RoutingPolicy, prompt_block_hashes
 from pagedserve.v1 import engine_ipc_pb2 as ipc
@@ -257,7 +258,7 @@ class EnginePool:
         candidates = [e for e in ready if e.breaker.available(now)] or ready
         if not candidates:
             return None
-        hashes = (prompt_block_hashes(prompt, self.welcome.block_size, lora_name)
+        hashes = (prompt_block_hashes(prompt, self.welcome.block_size, _extra_keys(candidates, lora_name))
                   if self.policy.needs_block_hashes and self.welcome is not None else [])
         route = self.policy.choose([e.view() for e in candidates], hashes)
         engine = self.engines[route.address]
@@ -282,6 +283,17 @@ class EnginePool:
     def release(self, engine: PooledEngine) -> None:
         """A request of ours ended on this engine."""
         self._drop_if_idle(engine)
+
+
+def _extra_keys(engines: list[PooledEngine], lora_name: str) -> tuple:
+    """The engines' prefix-cache keys for the adapter: its name and their path to it (which a
+    Pong does not carry: an adapter learnt only from Pongs hashes with no path, and its
+    prefixes route as if uncached; correct, only less sticky)."""
+    if not lora_name:
+        return ()
+    path = next((e.client.lora_adapters[lora_name].path for e in engines
+                 if e.client.lora_adapters[lora_name].path), "")
+    return block_extra_keys(lora_name, path)
 
 
 async def _send_quietly(engine: PooledEngine, request: ipc.EngineRequest) -> None:

@@ -9,6 +9,7 @@ The engines' answers become one outcome, mapped like every other error:
     any INVALID (unreadable, rank too large)    InvalidRequest (400); engines that loaded it unload it
     every engine: already loaded                InvalidRequest (400)
     every engine: unknown (unload)              NotFound (404)
+    an engine: requests still use it (unload)   InvalidRequest (400): retry when they are done
     LoRA not enabled on the engines             InvalidRequest (400)
     an engine silent for `timeout_s`, or lost   Unavailable (503)
 """
@@ -65,7 +66,7 @@ async def unload_lora(pool: EnginePool, name: str, timeout_s: float = LORA_OP_TI
     results = await _fan_out(engines, lambda op: ipc.EngineRequest(
         unload_lora=ipc.UnloadLora(op_id=op, name=name)), timeout_s)
     pool.runtime_loras.pop(name, None)  # whatever happened, no engine should get it back
-    invalid = next((r for _, r in results if r.kind == Kind.KIND_INVALID), None)
+    invalid = next((r for _, r in results if r.kind in (Kind.KIND_INVALID, Kind.KIND_CONFLICT)), None)
     if invalid is not None:
         raise _error(invalid, f"lora_name: could not unload the LoRA adapter `{name}`")
     if all(r.kind == Kind.KIND_NOT_FOUND for _, r in results):

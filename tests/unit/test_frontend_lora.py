@@ -116,10 +116,37 @@ def test_routing_only_to_engines_with_the_adapter_and_hashes_keyed_by_it():
         await pool.close()
 
     asyncio.run(run())
-    prompt = list(range(9))
-    base, sql = prompt_block_hashes(prompt, 4), prompt_block_hashes(prompt, 4, "sql")
-    assert len(base) == len(sql) == 2 and not set(base) & set(sql)
-    assert prompt_block_hashes(prompt, 4, "") == base
+
+
+
+def test_router_hashes_blocks_as_the_engine_keys_them():
+    """The cache-aware router predicts the engine's prefix cache: same tokens and adapter, same
+    block hashes as the engine's own (engine.core keys a request's blocks by its adapter)."""
+    from engine.block_manager import hash_block
+    from engine.lora import block_extra_keys
+
+    async def run():
+        pool, a, _ = await two_engines(welcome("a", ["sql"]), welcome("b", ["sql"]))
+        routed = []
+
+        class Recorder(RoundRobin):
+            needs_block_hashes = True
+
+            def choose(self, views, hashes):
+                routed.append(hashes)
+                return super().choose(views, hashes)
+
+        pool.policy = Recorder()
+        pool.route(list(range(9)), lora_name="sql")
+        pool.route(list(range(9)))
+        await pool.close()
+        return routed
+
+    pool_sql, pool_base = asyncio.run(run())
+    keys = block_extra_keys("sql", "/a/sql")
+    first = hash_block(None, [0, 1, 2, 3], keys)
+    assert pool_sql == [first, hash_block(first, [4, 5, 6, 7], keys)]
+    assert pool_base == prompt_block_hashes(list(range(9)), 4) and not set(pool_base) & set(pool_sql)
 
 
 def test_pool_refuses_an_engine_without_lora_beside_one_with_it():
@@ -172,6 +199,18 @@ def test_load_outcomes(kinds_a, kinds_b, error, message):
     a, b = asyncio.run(run())
     if kinds_a == [Kind.KIND_INVALID]:  # the engine that did load it unloads it again
         assert b.ops("unload_lora") == ["sql"] and "sql" not in b.adapters and a.ops("unload_lora") == []
+
+
+def test_unload_in_use_is_refused():
+    async def run():
+        pool, a, b = await two_engines(welcome("a", ["sql"]), welcome("b", ["sql"]), a={"kinds": [Kind.KIND_CONFLICT]})
+        with pytest.raises(InvalidRequest, match="engine says 3"):
+            await unload_lora(pool, "sql")
+        assert "sql" in a.client.lora_adapters and "sql" not in b.client.lora_adapters
+        assert {pool.route([1], lora_name="sql").address for _ in range(3)} == {A}  # only where it still is
+        await pool.close()
+
+    asyncio.run(run())
 
 
 def test_unload_unknown_is_not_found_and_bad_requests_say_why():
