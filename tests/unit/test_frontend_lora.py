@@ -247,3 +247,19 @@ def test_not_enabled_and_silent_engines():
         await pool.close()
 
     asyncio.run(run())
+
+
+def test_serve_passes_the_engine_lora_flags_and_keeps_the_admin_flag():
+    import argparse
+
+    from pagedserve.serve import add_arguments, engine_command
+    argv = ["--lora-modules", "a=/ad/a", "b=/ad/b", "--allow-runtime-lora", "--max-lora-rank", "8",
+            "--max-loras", "2", "--api-key", "k"]
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(argv)
+    assert args.allow_runtime_lora and args.lora_modules == ["a=/ad/a", "b=/ad/b"]
+    cmd = engine_command(args, argv)
+    assert cmd[cmd.index("--lora-modules"):][:3] == ["--lora-modules", "a=/ad/a", "b=/ad/b"]
+    assert "--max-lora-rank" in cmd and "--max-loras" in cmd
+    assert "--allow-runtime-lora" not in cmd and "--api-key" not in cmd  # the frontend's own
