@@ -1,11 +1,13 @@
-"""Multi-LoRA through both APIs, end to end: one `pagedserve serve` (engine and frontend
-processes) on a tiny random Llama with tiny peft adapters made here. The openai SDK names an
+"""Multi-LoRA through both APIs, end to end: one `pagedserve serve` (a frontend over two
+engine processes: data parallel) on a tiny random Llama with tiny peft adapters made here. The openai SDK names an
 adapter in `model` and gets what the offline `LLM` gives with that adapter (greedy); an
 unknown name is the SDK's NotFoundError; /v1/models lists the adapters; an adapter loaded at
-run time through the admin route (API key required) serves, one above --max-lora-rank is a
-400, and one unloaded is a 404 again. gRPC names it in `lora_name`; unknown is NOT_FOUND."""
+run time through the admin route (API key required) is loaded on both engines and serves, one
+above --max-lora-rank is a 400, and one unloaded is gone from both and a 404 again. gRPC names it in `lora_name`; unknown is NOT_FOUND."""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 import httpx
@@ -16,6 +18,7 @@ import torch
 from bench.lora_adapters import save_random_adapter
 from grpc_client import generate, greedy
 from helpers import build_tiny_model
+from pagedserve.health import ping_engine
 from pagedserve.v1 import info_pb2
 
 KEY = "lora-test-key"
@@ -63,13 +66,18 @@ def offline(setup):
 @pytest.fixture(scope="module")
 def server(setup, procs):
     folder, adapters = setup
-    proc = procs.pagedserve("serve", "--engine-address", f"tcp://127.0.0.1:{procs.free_port()}", "--grpc-port", "0",
-                            "--http-port", "0", "--model", str(folder), *ENGINE, "--served-model-name", "base",
-                            "--api-key", KEY, "--lora-modules", f"a={adapters['a']}", "--max-lora-rank", "8",
-                            "--max-loras", "2")
+    port = procs.free_port()
+    proc = procs.pagedserve("serve", "--engine-address", f"tcp://127.0.0.1:{port}", "--data-parallel-size", "2",
+                            "--grpc-port", "0", "--http-port", "0", "--model", str(folder), *ENGINE,
+                            "--served-model-name", "base", "--api-key", KEY, "--lora-modules", f"a={adapters['a']}",
+                            "--max-lora-rank", "8", "--max-loras", "2")
     fe = procs.Frontend(proc, *procs.read_addresses(proc))
+    fe.engines = [f"tcp://127.0.0.1:{port + i}" for i in range(2)]
     try:
         fe.wait_serving(timeout_s=180)
+        deadline = time.monotonic() + 120
+        while not all(e.id for e in fe.server_info().engines) and time.monotonic() < deadline:
+            time.sleep(0.2)  # both engines' handshakes, so a load reaches both at once
         yield fe
     finally:
         fe.close()
@@ -113,6 +121,7 @@ def test_admin_load_use_and_unload(server, offline, setup):
     assert admin(server, "load_lora_adapter", load_b, key=None).status_code == 401
     loaded = admin(server, "load_lora_adapter", load_b)
     assert loaded.status_code == 200, loaded.text
+    assert [sorted(ping_engine(e, timeout_s=10).lora_names) for e in server.engines] == [["a", "b"]] * 2
     assert complete(server, "b") == offline["b"]["text"]
     again = admin(server, "load_lora_adapter", load_b)
     assert again.status_code == 400 and "already" in again.json()["error"]["message"]
@@ -120,6 +129,7 @@ def test_admin_load_use_and_unload(server, offline, setup):
     assert big.status_code == 400 and "exceeds --max-lora-rank 8" in big.json()["error"]["message"], big.text
     assert "big" not in {m.id for m in client(server).models.list().data}
     assert admin(server, "unload_lora_adapter", {"lora_name": "b"}).status_code == 200
+    assert [list(ping_engine(e, timeout_s=10).lora_names) for e in server.engines] == [["a"]] * 2
     with pytest.raises(openai.NotFoundError):
         complete(server, "b")
     gone = admin(server, "unload_lora_adapter", {"lora_name": "b"})
