@@ -1,9 +1,10 @@
 """Multi-LoRA through both APIs, end to end: one `pagedserve serve` (a frontend over two
-engine processes: data parallel) on a tiny random Llama with tiny peft adapters made here. The openai SDK names an
-adapter in `model` and gets what the offline `LLM` gives with that adapter (greedy); an
-unknown name is the SDK's NotFoundError; /v1/models lists the adapters; an adapter loaded at
-run time through the admin route (API key required) is loaded on both engines and serves, one
-above --max-lora-rank is a 400, and one unloaded is gone from both and a 404 again. gRPC names it in `lora_name`; unknown is NOT_FOUND."""
+engine processes: data parallel) on a tiny random Llama with tiny peft adapters made here.
+The openai SDK names an adapter in `model` and gets what the offline `LLM` gives with that
+adapter (greedy); an unknown name is the SDK's NotFoundError; /v1/models lists the adapters;
+an adapter loaded at run time through the admin route (API key required) is loaded on both
+engines and serves, one above --max-lora-rank is a 400, and one unloaded is gone from both
+and a 404 again. gRPC names it in `lora_name`; an unknown one is NOT_FOUND."""
 
 from __future__ import annotations
 
