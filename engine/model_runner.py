@@ -163,7 +163,9 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         # Single-token rows and draft verifications run the batched decode path; put them first.
-        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1 and not s.spec_token_ids)
+        # Then by LoRA adapter, so that each adapter's tokens are contiguous (engine/lora/ops.py).
+        order = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens != 1 and not s.spec_token_ids,
+                                                       s.request.lora_name or ""))
         sampling = [s for s in order if s.num_samples]
         jobs, slices = self._prompt_jobs(order)
         rows = [forward_row(s) for s in order]
@@ -200,7 +202,7 @@ class ModelRunner:
             return self._run_graph(rows)
         input_ids, positions, meta, last_rows = self._prepare(rows)
         if self.lora is not None:
-            self.lora.set_tokens(rows, len(input_ids))
+            self.lora.set_tokens(rows)
         return self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches)), last_rows
 
     @torch.inference_mode()

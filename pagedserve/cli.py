@@ -100,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "GGUF's own blocks run as stored. For each: perplexity on a fixed text of our own, "
                     "time per output token of one stream, output tok/s of a batch, and prefill tok/s "
                     "of a long prompt, with ratios to float32 from the same run. Writes JSON and a PNG."))
+    from bench.lora import add_arguments as add_lora
+    add_lora(bench_kinds.add_parser(
+        "lora", help="multi-LoRA throughput: 1, 4, 16 adapters in the mix against the base model",
+        description="Multi-LoRA benchmark (as vLLM's --enable-lora throughput benchmark): random peft "
+                    "adapters made in a temporary folder, requests picking one uniformly at random, "
+                    "output tok/s with each --num-adapters count against the base model with LoRA off "
+                    "and on. Writes JSON and a PNG."))
     from bench.soak import add_arguments as add_soak
     add_soak(bench_kinds.add_parser(
         "soak", help="minutes of mixed load with cancels; checks for KV, RSS and request leaks",
@@ -149,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "formats":
         from bench.formats import run
+        return run(args)
+    if args.command == "bench" and args.bench == "lora":
+        from bench.lora import run
         return run(args)
     if args.command == "bench" and args.bench == "soak":
         from bench.soak import run

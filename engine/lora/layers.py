@@ -4,10 +4,12 @@ LoRA term of whichever adapters the step's tokens use.
 Every adapter slot has the same stacked buffers, zero-padded to the largest rank:
 
     lora_a [max_loras, n * max_rank, in]     n = output slices (qkv_proj: 3, gate_up_proj: 2, else 1)
-    lora_b [max_loras, out, n * max_rank]    block-diagonal: slice j's rows read only slice j's A
+    lora_b [max_loras, n * max_rank, out]    B transposed, block-diagonal: slice j's outputs read
+                                             only slice j's A columns
 
 so a fused layer's q, k and v LoRAs (PEFT trains them separately) run as one matmul pair.
-An adapter of rank r fills the first n * r columns; the rest is never read.
+An adapter of rank r fills the first n * r rows of each; the rest is never read. B is kept
+transposed so that both slices a step reads are contiguous (oneDNN copies strided operands).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from engine.lora.ops import add_lora
 
 @dataclass
 class LoraBatch:
-    """The current step's token groups, shared by every LoraLinear of the model; the model
-    runner sets it before each forward. Empty: no token uses an adapter."""
+    """The current step's (slot, start row, end row) segments, shared by every LoraLinear of
+    the model; the model runner sets them before each forward. Empty: no token uses an adapter."""
 
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class LoraLinear(nn.Module):
@@ -37,14 +39,16 @@ class LoraLinear(nn.Module):
         n = len(slices)
         self.register_buffer("lora_a", torch.zeros(max_loras, n * max_rank, self.in_features,
                                                    dtype=dtype, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, sum(slices), n * max_rank,
+        self.register_buffer("lora_b", torch.zeros(max_loras, n * max_rank, sum(slices),
                                                    dtype=dtype, device=device), persistent=False)
-        self.widths = [0] * max_loras  # columns in use per slot
+        # Per slot: (A^T [in, w], B^T [w, out]) views of the rows in use, made once per load
+        # (slicing per step costs more than it seems at ~100 layer calls); None: no LoRA here.
+        self.views: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * max_loras
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        if self.batch.groups:
-            add_lora(y, x, self.lora_a, self.lora_b, self.widths, self.batch.groups)
+        if self.batch.segments:
+            add_lora(y, x, self.views, self.batch.segments)
         return y
 
     def check_fits(self, part: int, a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -56,7 +60,7 @@ class LoraLinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         if all(p is None for p in parts):
-            self.widths[slot] = 0
+            self.views[slot] = None
             return
         row = 0
         for j, part in enumerate(parts):
@@ -64,9 +68,10 @@ class LoraLinear(nn.Module):
                 a, b = part
                 cols = slice(j * rank, (j + 1) * rank)
                 self.lora_a[slot, cols] = a.to(self.lora_a.dtype)
-                self.lora_b[slot, row:row + self.slices[j], cols] = b.to(self.lora_b.dtype)
+                self.lora_b[slot, cols, row:row + self.slices[j]] = b.t().to(self.lora_b.dtype)
             row += self.slices[j]
-        self.widths[slot] = len(parts) * rank
+        width = len(parts) * rank
+        self.views[slot] = (self.lora_a[slot, :width].t(), self.lora_b[slot, :width])
 
     def clear_slot(self, slot: int) -> None:
-        self.widths[slot] = 0
+        self.views[slot] = None

@@ -102,18 +102,20 @@ class LoraManager:
         for name, row in zip(names, rows):
             row.lora_slot = slot_of[name] if name else BASE_SLOT
 
-    def set_tokens(self, rows: Sequence, num_tokens: int) -> None:
-        """Group the step's `num_tokens` rows (padding included, as base) by slot."""
-        by_slot: dict[int, list[int]] = {}
+    def set_tokens(self, rows: Sequence) -> None:
+        """The step's rows (in forward order) as contiguous (slot, start, end) segments;
+        padding rows after them run as the base model."""
+        segments: list[tuple[int, int, int]] = []
         position = 0
         for row in rows:
-            count = len(row.token_ids)
+            end = position + len(row.token_ids)
             if row.lora_slot != BASE_SLOT:
-                by_slot.setdefault(row.lora_slot, []).extend(range(position, position + count))
-            position += count
-        self.batch.groups = [
-            (slot, None if len(rows_) == num_tokens else torch.tensor(rows_, dtype=torch.long, device=self.device))
-            for slot, rows_ in sorted(by_slot.items())]
+                if segments and segments[-1][0] == row.lora_slot and segments[-1][2] == position:
+                    segments[-1] = (row.lora_slot, segments[-1][1], end)
+                else:
+                    segments.append((row.lora_slot, position, end))
+            position = end
+        self.batch.segments = segments
 
 
 def _wrap_layers(model: nn.Module, arch, batch: LoraBatch, max_loras: int, max_rank: int,

@@ -1,9 +1,9 @@
 """The batched LoRA term, grouped by adapter (Punica's SGMV, in plain torch).
 
-A step's tokens belong to several adapters (and the base model, slot -1). For each adapter
-present, its tokens are gathered, multiplied by its A then B, and added back: one matmul
-pair per adapter in the step, whatever the number of tokens or requests, and no pass at all
-for base-model tokens. Token order inside a group is the step's, so a token's result never
+A step's tokens belong to several adapters (and the base model, slot -1). The model runner
+orders a step's requests by adapter (decodes first, then prefills), so each adapter's tokens
+form at most two contiguous segments: one matmul pair (x A^T, then B^T) per segment, whatever
+the number of tokens or requests, and no pass at all for base-model tokens. Token order inside a group is the step's, so a token's result never
 depends on what it is batched with beyond summation order inside the matmuls.
 """
 
@@ -12,25 +12,15 @@ from __future__ import annotations
 import torch
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             widths: list[int], groups: list[tuple[int, torch.Tensor | None]]) -> torch.Tensor:
-    """y[rows] += (x[rows] @ A[slot]^T) @ B[slot]^T for each (slot, rows) group, in place.
-    `lora_a` [slots, R, in], `lora_b` [slots, out, R] (B holds the scaling already);
-    `widths[slot]` columns of R are in use (0: the adapter leaves this layer alone);
-    rows None means every row of x."""
-    for slot, rows in groups:
-        width = widths[slot]
-        if width == 0:
-            continue
-        a, b = lora_a[slot, :width], lora_b[slot, :, :width]
-        if rows is None:
-            y.add_(torch.mm(torch.mm(x, a.t()), b.t()).to(y.dtype))
-        else:
-            xs = x.index_select(0, rows)
-            y.index_add_(0, rows, torch.mm(torch.mm(xs, a.t()), b.t()).to(y.dtype))
+def add_lora(y: torch.Tensor, x: torch.Tensor, views: list[tuple[torch.Tensor, torch.Tensor] | None],
+             segments: list[tuple[int, int, int]]) -> torch.Tensor:
+    """y[start:end] += (x[start:end] @ A[slot]^T) @ B[slot]^T for each (slot, start, end)
+    segment, in place. `views[slot]`: (A^T [in, w], B^T [w, out], the scaling in B), w the
+    rows in use; None: the adapter leaves this layer alone. Segments are contiguous rows: the
+    model runner orders a step's requests by adapter, so there are no gathers or scatters
+    (CPU index_add_ on bf16 costs more than the matmuls)."""
+    for slot, start, end in segments:
+        view = views[slot]
+        if view is not None:
+            y[start:end].addmm_(torch.mm(x[start:end], view[0]), view[1])
     return y
-
-
-def reference_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One token set, one adapter: the unbatched term, for tests."""
-    return (x @ a.t()) @ b.t()
