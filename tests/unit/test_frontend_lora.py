@@ -37,12 +37,17 @@ class FakeEngine:
         self.client = pool.engines[address].client
         self.adapters = {a.name: a for a in w.lora_adapters}
         self.kinds, self.silent, self.sent = list(kinds), silent, []
+        self.lacks = set()  # adapters it refuses AddRequests for, though the frontend thinks it has them
         self.client._send = self._send
         self.client._on_welcome(w)
 
     async def _send(self, msg: ipc.EngineRequest) -> None:
         self.sent.append(msg)
         kind = msg.WhichOneof("kind")
+        if kind == "add" and msg.add.lora_name in self.lacks:
+            error = ipc.RequestError(request_id=msg.add.request_id, kind=ipc.RequestError.KIND_NOT_FOUND,
+                                     message=f"LoRA adapter '{msg.add.lora_name}' is not loaded")
+            asyncio.get_running_loop().call_soon(self.client._dispatch, ipc.EngineResponse(error=error))
         if kind not in ("load_lora", "unload_lora") or self.silent:
             return
         op = getattr(msg, kind)
@@ -147,6 +152,31 @@ def test_router_hashes_blocks_as_the_engine_keys_them():
     first = hash_block(None, [0, 1, 2, 3], keys)
     assert pool_sql == [first, hash_block(first, [4, 5, 6, 7], keys)]
     assert pool_base == prompt_block_hashes(list(range(9)), 4) and not set(pool_base) & set(pool_sql)
+
+
+def test_an_engine_lacking_the_adapter_passes_the_request_on_then_not_found():
+    """The frontend's list can be a heartbeat old: an engine's KIND_NOT_FOUND moves the request
+    to another engine with the adapter; when none has it, the caller gets NotFound (404)."""
+    from engine.sampling_params import SamplingParams
+    from frontend.async_llm import AsyncLLM
+
+    async def run():
+        pool, a, b = await two_engines(welcome("a", ["sql"]), welcome("b", ["sql"]))
+        llm = AsyncLLM(pool, 8)
+        llm.input = InputProcessor(None, PromptLimits(100, 1024, 64, 4), lambda: pool.lora_adapters().keys())
+        a.lacks = b.lacks = {"sql"}
+        gen = llm.admit([5, 6, 7], SamplingParams(max_tokens=2), lora_name="sql")
+        with pytest.raises(NotFound, match="'sql' is not loaded"):
+            async for _ in llm.generate(gen):
+                pass
+        adds = [m.add.lora_name for e in (a, b) for m in e.sent if m.WhichOneof("kind") == "add"]
+        retries = [e.num_retries for e in pool.engines.values()]
+        await pool.close()
+        return adds, retries
+
+    adds, retries = asyncio.run(run())
+    assert adds == ["sql", "sql"]  # each engine tried once
+    assert sum(r.get("not_found", 0) for r in retries) == 1
 
 
 def test_pool_refuses_an_engine_without_lora_beside_one_with_it():
