@@ -30,7 +30,7 @@ from engine.sampling_params import SamplingParams
 from engine.validation import PromptLimits
 from frontend.engine_client import EngineLost
 from frontend.engine_pool import EnginePool, PooledEngine
-from frontend.input_processor import InputProcessor
+from frontend.input_processor import InputProcessor, NotFound
 from frontend.output_processor import ABORT, TIME_LIMIT, RequestState, SampleDelta
 from frontend.tokenizer import Tokenizer
 from pagedserve.v1 import engine_ipc_pb2 as ipc
@@ -38,7 +38,8 @@ from pagedserve.v1 import engine_ipc_pb2 as ipc
 log = logging.getLogger("pagedserve.frontend")
 _ABORTED = object()  # queued by abort(): the caller asked to stop it
 _TIME_LIMIT = object()  # the request's time limit ran out
-_ERRORS = (EngineLost, EngineOverloaded, InvalidRequest)  # queued by the engine client
+_ERRORS = (EngineLost, EngineOverloaded, InvalidRequest)  # queued by the engine client (NotFound is one)
+_RETRIED = (EngineLost, EngineOverloaded, NotFound)  # another engine may take it
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Generation:
     request_id: str
     state: RequestState
     priority: int = 0
+    lora_name: str = ""  # its LoRA adapter; "" for the base model
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None  # time.monotonic() of the first token
     queue: asyncio.Queue | None = None
@@ -104,7 +106,8 @@ class AsyncLLM:
         limits = PromptLimits(welcome.vocab_size, welcome.max_model_len,
                               self.pool.min_kv_blocks() or welcome.kv_blocks_total, welcome.block_size)
         if self.input is None:
-            self.input = InputProcessor(_load_tokenizer(welcome, self.tokenizer_path), limits)
+            self.input = InputProcessor(_load_tokenizer(welcome, self.tokenizer_path), limits,
+                                        lambda: self.pool.lora_adapters().keys())
         self.input.limits = limits
 
     def require_engine(self) -> InputProcessor:
@@ -123,9 +126,10 @@ class AsyncLLM:
         return processor
 
     def admit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-              priority: int = 0, prompt_field: str = "prompt") -> Generation:
+              priority: int = 0, prompt_field: str = "prompt", lora_name: str = "") -> Generation:
         """Check everything that can be checked before a response starts."""
         processor = self.require_ready()
+        processor.check_lora(lora_name)
         processor.check(prompt, params, prompt_field)
         if not -2**31 <= priority < 2**31:  # the engine's wire type (gRPC's is int32 already; JSON's is not)
             raise InvalidRequest(f"priority: must be in [{-2**31}, {2**31 - 1}], got {priority}")
@@ -138,7 +142,7 @@ class AsyncLLM:
                                    f"(--max-concurrent-streams {self.max_concurrent_streams}); retry later")
         state = RequestState(uuid.uuid4().hex, prompt, params, processor.tokenizer,
                              self.welcome.eos_token_ids)
-        gen = Generation(request_id, state, priority)
+        gen = Generation(request_id, state, priority, lora_name)
         self.admitted[gen.engine_id] = gen
         return gen
 
@@ -153,9 +157,9 @@ class AsyncLLM:
         failed: tuple[PooledEngine, Exception] | None = None  # the last attempt's engine and error
         try:
             while True:
-                engine = self.pool.route(gen.state.prompt, tried)
+                engine = self.pool.route(gen.state.prompt, tried, gen.lora_name)
                 if engine is None:  # the last engine's error says most (RESOURCE_EXHAUSTED or UNAVAILABLE)
-                    raise failed[1] if failed else Unavailable("no engine available; retry shortly")
+                    raise failed[1] if failed else self._no_engine(gen)
                 if failed:
                     self.pool.record_retry(failed[0], _reason(failed[1]))
                     log.info("request %s: engine %s %s; retrying on %s", gen.request_id, failed[0].address,
@@ -164,7 +168,7 @@ class AsyncLLM:
                     async for deltas in self._run_on(engine, gen, deadline):
                         yield deltas
                     return
-                except (EngineLost, EngineOverloaded) as e:
+                except _RETRIED as e:
                     if isinstance(e, EngineOverloaded):
                         self.pool.record_overload(engine)
                     if gen.received:
@@ -182,7 +186,8 @@ class AsyncLLM:
             params = gen.state.params
             await client.add(ipc.AddRequest(
                 request_id=engine_id, prompt_token_ids=gen.state.prompt, sampling=sampling_params_to_proto(params),
-                priority=gen.priority, structured_outputs=structured_to_proto(params.structured_outputs)))
+                priority=gen.priority, structured_outputs=structured_to_proto(params.structured_outputs),
+                lora_name=gen.lora_name))
             while not gen.done:
                 items = [await _next(gen.queue, deadline)]
                 while not gen.queue.empty():
@@ -196,6 +201,11 @@ class AsyncLLM:
             if not gen.done:  # cancelled, disconnected or failed: free its blocks
                 self._abort_later(engine, [engine_id])
             self.pool.release(engine)
+
+    def _no_engine(self, gen: Generation) -> Exception:
+        if gen.lora_name and gen.lora_name not in self.pool.lora_adapters():  # unloaded since admit()
+            return NotFound(f"the LoRA adapter `{gen.lora_name}` does not exist (any more)")
+        return Unavailable("no engine available; retry shortly")
 
     def abort(self, request_ids: list[str]) -> list[bool]:
         """Stop running requests by the caller's id; their streams end with reason "abort".
@@ -252,6 +262,8 @@ class AsyncLLM:
 
 
 def _reason(error: Exception) -> str:
+    if isinstance(error, NotFound):
+        return "not_found"  # its adapter is gone there (unloaded, or a restarted engine)
     return "overloaded" if isinstance(error, EngineOverloaded) else "lost"
 
 

@@ -7,6 +7,9 @@ when it is silent longer than `timeout_s` (a hung engine or a cut network): ever
 stream gets `EngineLost`, `connected` clears, and Hello resumes until an engine (the same or
 a restarted one) answers. Outputs are routed to per-request queues. One client links to one
 engine; the engine pool (frontend/engine_pool.py) holds one per engine.
+
+It also knows the engine's LoRA adapters: the handshake's list, then each LoraResult's and
+each Pong's (so a load that another frontend asked for is learnt within a heartbeat).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
+from frontend.input_processor import NotFound
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 
 log = logging.getLogger("pagedserve.frontend")
@@ -45,6 +49,8 @@ class EngineClient:
         self.draining = False  # the engine said it is shutting down (Pong.draining)
         self.said_bye = False  # to this (draining) engine: it forgot us
         self.peers: list = []  # frontends the engine knows, from the last Pong
+        self.lora_adapters: dict[str, ipc.LoraAdapter] = {}  # the engine's adapters, by name
+        self._lora_ops: dict[str, asyncio.Future] = {}  # LoadLora/UnloadLora waiting, by op_id
         self.connected = asyncio.Event()
         self.streams: dict[str, asyncio.Queue] = {}
         self._last_heard = 0.0
@@ -97,6 +103,19 @@ class EngineClient:
         await self._send(ipc.EngineRequest(add=add))
         self.num_added_since_stats += 1
 
+    async def lora_op(self, request: ipc.EngineRequest) -> asyncio.Future:
+        """Send a LoadLora or UnloadLora; the future gets its LoraResult (or EngineLost)."""
+        op = getattr(request, request.WhichOneof("kind"))
+        future = asyncio.get_running_loop().create_future()
+        self._lora_ops[op.op_id] = future
+        try:
+            await self._send(request)
+        except EngineLost:
+            del self._lora_ops[op.op_id]
+            raise
+        future.add_done_callback(lambda _: self._lora_ops.pop(op.op_id, None))
+        return future
+
     async def say_bye(self) -> None:
         """Tell a draining engine we have nothing more for it, so it may stop before its timeout.
         Then we stay silent (no pings, no silence check: it forgot us) until its connection
@@ -141,6 +160,7 @@ class EngineClient:
                 self._lose("a new engine answers at this address")  # it never saw our Hello
                 return
             self.stats, self.peers = msg.pong.stats, list(msg.pong.frontends)
+            self._learn_lora_names(msg.pong.lora_names)
             self.num_added_since_stats, self.draining = 0, msg.pong.draining
         elif kind == "outputs":
             self.stats, self.num_added_since_stats = msg.outputs.stats, 0
@@ -151,14 +171,24 @@ class EngineClient:
         elif kind == "error":
             queue = self.streams.get(msg.error.request_id)
             if queue is not None:
-                overloaded = msg.error.kind == ipc.RequestError.KIND_OVERLOADED
-                queue.put_nowait((EngineOverloaded if overloaded else InvalidRequest)(msg.error.message))
+                queue.put_nowait(_ERROR_CLASSES.get(msg.error.kind, InvalidRequest)(msg.error.message))
+        elif kind == "lora_result":
+            self.lora_adapters = {a.name: a for a in msg.lora_result.adapters}
+            future = self._lora_ops.get(msg.lora_result.op_id)
+            if future is not None and not future.done():
+                future.set_result(msg.lora_result)
+
+    def _learn_lora_names(self, names) -> None:
+        """A Pong's list is the truth; it carries names only, so paths stay from what we know."""
+        if set(names) != set(self.lora_adapters):
+            self.lora_adapters = {n: self.lora_adapters.get(n) or ipc.LoraAdapter(name=n) for n in names}
 
     def _on_welcome(self, welcome: ipc.Welcome) -> None:
         if self.welcome is not None and welcome.engine_id != self.welcome.engine_id:
             self._fail_streams("the engine restarted")
             self.stats, self.num_added_since_stats = ipc.EngineStats(), 0  # the old engine's load
         self.welcome = welcome
+        self.lora_adapters = {a.name: a for a in welcome.lora_adapters}
         if not self.connected.is_set():
             self.draining = False
             log.info("connected to engine %s at %s (%s)", welcome.engine_id, self.address, welcome.model_name)
@@ -208,3 +238,9 @@ class EngineClient:
     def _fail_streams(self, reason: str) -> None:
         for queue in self.streams.values():
             queue.put_nowait(EngineLost(reason))
+        for future in list(self._lora_ops.values()):
+            if not future.done():
+                future.set_exception(EngineLost(reason))
+
+
+_ERROR_CLASSES = {ipc.RequestError.KIND_OVERLOADED: EngineOverloaded, ipc.RequestError.KIND_NOT_FOUND: NotFound}

@@ -16,6 +16,11 @@ Requests go only to ready engines whose circuit breaker lets them through; the r
 length, block size, vocabulary, eos ids) that every other engine must share: one that
 disagrees is refused, with a log line that says why. An engine DNS no longer lists is
 drained (no new requests; running ones finish) and then dropped.
+
+LoRA: a request for an adapter goes only to engines that list it (their handshake, Pongs and
+LoraResults keep each client's list). An adapter loaded at run time through this frontend is
+loaded on every engine (frontend/lora.py), and again on an engine that joins or restarts
+without it.
 """
 
 from __future__ import annotations
@@ -25,15 +30,20 @@ import enum
 import logging
 import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from engine.errors import Unavailable
+from engine.lora import block_extra_keys
 from frontend.engine_client import EngineClient
 from frontend.router import CircuitBreaker, EngineView, RoutingPolicy, prompt_block_hashes
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 
 log = logging.getLogger("pagedserve.frontend")
-_AGREED_FACTS = ("model_name", "max_model_len", "block_size", "vocab_size", "eos_token_ids")
+_AGREED_FACTS = ("model_name", "max_model_len", "block_size", "vocab_size", "eos_token_ids", "lora_enabled",
+                 "max_lora_rank")
+RESTORE_TIMEOUT_S = 120.0  # loading an adapter reads its weights from disk
 
 
 class EngineState(enum.Enum):
@@ -93,6 +103,7 @@ class EnginePool:
         self.on_welcome = on_welcome or (lambda welcome: None)  # each accepted handshake
         self.engines: dict[str, PooledEngine] = {}  # by address, in the order they came
         self.welcome: ipc.Welcome | None = None  # the first accepted handshake: the pool's facts
+        self.runtime_loras: dict[str, str] = {}  # adapters loaded at run time through us: name -> path
         self._tasks: list[asyncio.Task] = []
         self._started = False
 
@@ -188,6 +199,7 @@ class EnginePool:
                 log.error("refused engine %s: %s", address, engine.refused)
             else:
                 self.on_welcome(engine.client.welcome)
+                self._restore_loras(engine)
         else:
             engine.breaker.record_failure(time.monotonic())
         self.on_change()
@@ -203,7 +215,25 @@ class EnginePool:
                         f"(every engine behind one frontend must serve the same model the same way)")
         return ""
 
+    def _restore_loras(self, engine: PooledEngine) -> None:
+        """An engine that joined or restarted lacks what was loaded at run time: load it there
+        too (its LoraResult updates the client's list; until then nothing of it routes there)."""
+        for name, path in self.runtime_loras.items():
+            if name not in engine.client.lora_adapters:
+                log.info("loading LoRA adapter %s on engine %s, which joined without it", name, engine.address)
+                load = ipc.LoadLora(op_id=uuid.uuid4().hex, name=name, path=path)
+                asyncio.ensure_future(_send_quietly(engine, ipc.EngineRequest(load_lora=load)))
+
     # -- routing -------------------------------------------------------------------
+
+    def lora_adapters(self) -> dict[str, ipc.LoraAdapter]:
+        """Every adapter some answering engine has, by name."""
+        adapters: dict[str, ipc.LoraAdapter] = {}
+        for engine in self.serving():
+            for name, adapter in engine.client.lora_adapters.items():
+                if adapter.path or name not in adapters:  # a Pong-learnt entry has no path
+                    adapters[name] = adapter
+        return adapters
 
     def min_kv_blocks(self) -> int:
         """The smallest KV pool among the engines that agree with the pool (0 if none): a prompt
@@ -218,15 +248,17 @@ class EnginePool:
         """Engines that agree with the pool and answer (ready or draining)."""
         return [e for e in self.engines.values() if e.state in (EngineState.READY, EngineState.DRAINING)]
 
-    def route(self, prompt: list[int], exclude: set[str] = frozenset()) -> PooledEngine | None:
+    def route(self, prompt: list[int], exclude: set[str] = frozenset(), lora_name: str = "") -> PooledEngine | None:
         """The engine for this request, or None if none may take it. Engines whose breaker is
-        open are skipped while another can take it: with no other, trying one beats refusing."""
+        open are skipped while another can take it: with no other, trying one beats refusing.
+        A request for an adapter goes only to engines that have it."""
         now = time.monotonic()
-        ready = [e for e in self.engines.values() if e.state is EngineState.READY and e.address not in exclude]
+        ready = [e for e in self.engines.values() if e.state is EngineState.READY and e.address not in exclude
+                 and (not lora_name or lora_name in e.client.lora_adapters)]
         candidates = [e for e in ready if e.breaker.available(now)] or ready
         if not candidates:
             return None
-        hashes = (prompt_block_hashes(prompt, self.welcome.block_size)
+        hashes = (prompt_block_hashes(prompt, self.welcome.block_size, _extra_keys(candidates, lora_name))
                   if self.policy.needs_block_hashes and self.welcome is not None else [])
         route = self.policy.choose([e.view() for e in candidates], hashes)
         engine = self.engines[route.address]
@@ -251,6 +283,27 @@ class EnginePool:
     def release(self, engine: PooledEngine) -> None:
         """A request of ours ended on this engine."""
         self._drop_if_idle(engine)
+
+
+def _extra_keys(engines: list[PooledEngine], lora_name: str) -> tuple:
+    """The engines' prefix-cache keys for the adapter: its name and their path to it (which a
+    Pong does not carry: an adapter learnt only from Pongs hashes with no path, and its
+    prefixes route as if uncached; correct, only less sticky)."""
+    if not lora_name:
+        return ()
+    path = next((e.client.lora_adapters[lora_name].path for e in engines
+                 if e.client.lora_adapters[lora_name].path), "")
+    return block_extra_keys(lora_name, path)
+
+
+async def _send_quietly(engine: PooledEngine, request: ipc.EngineRequest) -> None:
+    try:
+        result = await asyncio.wait_for(await engine.client.lora_op(request), RESTORE_TIMEOUT_S)
+    except (Unavailable, asyncio.TimeoutError) as e:
+        log.warning("could not restore a LoRA adapter on engine %s: %s", engine.address, e)
+        return
+    if result.kind not in (ipc.LoraResult.KIND_OK, ipc.LoraResult.KIND_CONFLICT):
+        log.warning("engine %s refused a LoRA adapter it lacked: %s", engine.address, result.message)
 
 
 def _zmq_address(ip: str, port: str) -> str:

@@ -5,9 +5,16 @@ Every method raises `InvalidRequest` with a message a person can act on; each AP
 to its own status once. Each API's own parameters become `SamplingParams` in that API's
 module (`engine/ipc.py` for the proto, `frontend/http/params.py` for OpenAI and Anthropic);
 `SamplingParams` validates them.
+
+A request names its LoRA adapter once, here: HTTP's `model` (`resolve_model`: a served name of
+the base model, or an adapter's name, as in vLLM) and gRPC's / the offline API's `lora_name`
+(`check_lora`: "" or an adapter's name). An unknown one raises `NotFound` (HTTP 404, gRPC
+NOT_FOUND).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Collection
 
 from engine.errors import InvalidRequest
 from engine.sampling_params import SamplingParams
@@ -21,12 +28,39 @@ MAX_REMEMBERED_CONSTRAINTS = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
+class NotFound(InvalidRequest):
+    """The request names a model or LoRA adapter the server does not have (HTTP 404, gRPC
+    NOT_FOUND). An InvalidRequest, so code that knows only that still refuses it as bad."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param  # the field that named it
+
+
 class InputProcessor:
-    def __init__(self, tokenizer, limits: PromptLimits) -> None:
+    def __init__(self, tokenizer, limits: PromptLimits,
+                 lora_names: Callable[[], Collection[str]] = tuple) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        self.lora_names = lora_names  # the adapters loaded now (they change at run time)
         self.grammar_backend = get_backend_class("llguidance")
         self._valid_constraints: dict[str, None] = {}  # validated keys, oldest first
+
+    def resolve_model(self, model: str | None, base_names: Collection[str]) -> str:
+        """HTTP's `model`: the LoRA adapter it names, "" for the base model (any of its served
+        names, or none given)."""
+        if model is None or model in base_names:
+            return ""
+        if model in self.lora_names():
+            return model
+        raise NotFound(f"The model `{model}` does not exist; GET /v1/models lists the models served here", "model")
+
+    def check_lora(self, name: str, field: str = "lora_name") -> str:
+        """gRPC's and the offline API's adapter name: "" (the base model) or a loaded adapter."""
+        if name and name not in self.lora_names():
+            raise NotFound(f"{field}: the LoRA adapter `{name}` does not exist; Info.GetModelInfo "
+                           "lists the adapters loaded here", field)
+        return name
 
     def tokenize(self, text: str, add_special_tokens: bool = True, field: str = "text") -> list[int]:
         if not isinstance(text, str) or not text:

@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) 
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY") or None,
                    help="require this key on the HTTP API's /v1 routes (Authorization: Bearer KEY); "
                         "default: $PAGEDSERVE_API_KEY, else none")
+    p.add_argument("--allow-runtime-lora", action="store_true",
+                   help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter without --api-key "
+                        "(only on a trusted network: they make the engines read adapter folders by path); "
+                        "with --api-key they need the key and this flag is not needed (default: off)")
     p.add_argument("--max-concurrent-streams", type=int, default=256,
                    help="generations in flight at once, gRPC and HTTP together; more get "
                         "RESOURCE_EXHAUSTED / 429 (default: 256)")
@@ -65,7 +69,8 @@ def config_from_args(args: argparse.Namespace, engine_addresses: list[str], engi
                           engine_timeout_s=args.engine_timeout_s, drain_timeout_s=args.drain_timeout_s,
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                           log_prompts=args.log_prompts, http_port=args.http_port,
-                          served_model_names=args.served_model_name or [], api_key=args.api_key)
+                          served_model_names=args.served_model_name or [], api_key=args.api_key,
+                          allow_runtime_lora=args.allow_runtime_lora)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -17,7 +17,8 @@ Per engine (label `engine`: its address), for data parallel:
     pagedserve:router_prefix_hits                    counter: of those, sent for a cached prefix (cache_aware)
     pagedserve:router_prefix_hit_tokens              counter: the tokens those prefixes cover
     pagedserve:router_retries{engine, reason}        counter: requests moved off it before their first
-                                                     output, because it was lost or overloaded
+                                                     output, because it was lost or overloaded, or
+                                                     lacked its LoRA adapter (not_found)
 
 The engine process exports the scheduler, cache and latency metrics (engine/metrics.py); the
 engine figures here come from the stats that come with every engine step and heartbeat, so
@@ -96,7 +97,7 @@ class _EnginePoolCollector:
                                 ("router_requests_routed", e.num_routed), ("router_prefix_hits", e.num_prefix_hits),
                                 ("router_prefix_hit_tokens", e.num_prefix_hit_tokens)):
                 counters[name].add_metric([address], value)
-            for reason in ("lost", "overloaded"):
+            for reason in ("lost", "overloaded", "not_found"):
                 retries.add_metric([address, reason], e.num_retries.get(reason, 0))
         yield state
         yield from gauges.values()

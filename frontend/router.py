@@ -28,12 +28,13 @@ from engine.block_manager import ROOT_HASH, hash_block
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
 
-def prompt_block_hashes(prompt: Sequence[int], block_size: int) -> list[int]:
+def prompt_block_hashes(prompt: Sequence[int], block_size: int, extra_keys: tuple = ()) -> list[int]:
     """The chained hashes of the prompt's blocks that an engine's prefix cache can serve: the
-    full ones, never the one holding the last token (BlockManager.get_computed_blocks)."""
+    full ones, never the one holding the last token (BlockManager.get_computed_blocks).
+    `extra_keys`: the engine's for the request's LoRA adapter (engine.lora.block_extra_keys)."""
     hashes, parent = [], ROOT_HASH
     for i in range((len(prompt) - 1) // block_size):
-        parent = hash_block(parent, prompt[i * block_size:(i + 1) * block_size], ())
+        parent = hash_block(parent, prompt[i * block_size:(i + 1) * block_size], extra_keys)
         hashes.append(parent)
     return hashes
 

@@ -55,6 +55,7 @@ class FrontendConfig:
     http_port: int | None = 8000  # None: no HTTP API
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
     api_key: str | None = None  # guards the HTTP API's /v1 routes
+    allow_runtime_lora: bool = False  # the admin LoRA routes without an API key
 
 
 async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> None:
@@ -83,7 +84,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     if config.http_port is not None:
         from frontend.http.app import start_http
         from frontend.http.context import HttpContext
-        ctx = HttpContext(llm, metrics, config.served_model_names, config.api_key)
+        ctx = HttpContext(llm, metrics, config.served_model_names, config.api_key, config.allow_runtime_lora)
         http = await start_http(ctx, config.host, config.http_port)
         llm.http_address = http[2]
         print(f"http listening on {http[2]}", flush=True)

@@ -1,5 +1,6 @@
 """The gRPC services: Generation, Tokenization, Info. They translate, and map errors to status
-codes here, once: InvalidRequest -> INVALID_ARGUMENT, EngineOverloaded -> RESOURCE_EXHAUSTED,
+codes here, once: NotFound (an unknown LoRA adapter) -> NOT_FOUND, InvalidRequest ->
+INVALID_ARGUMENT, EngineOverloaded -> RESOURCE_EXHAUSTED,
 Unavailable (no engine, engine lost, draining) -> UNAVAILABLE, RequestFailed (the engine ended
 it part-way, saying why) -> INTERNAL with that message. Anything else is a bug: the call ends
 INTERNAL with a generic message, never a stack trace."""
@@ -17,7 +18,7 @@ from engine.errors import EngineOverloaded, InvalidRequest, RequestFailed, Unava
 from engine.ipc import sampling_params_from_proto
 from engine.structured_output.params import StructuredOutputsParams
 from frontend.async_llm import AsyncLLM, Generation
-from frontend.input_processor import InputProcessor
+from frontend.input_processor import InputProcessor, NotFound
 from frontend.metrics import FrontendMetrics, outcome_code
 from frontend.output_processor import PositionLogprobs, SampleDelta
 from frontend.request_log import RequestLog
@@ -52,6 +53,8 @@ async def status_codes(context):
     """The one mapping of the frontend's typed errors to gRPC status codes."""
     try:
         yield
+    except NotFound as e:
+        await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
     except InvalidRequest as e:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
     except EngineOverloaded as e:
@@ -137,7 +140,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         prompt = prompt_from_request(processor, request, add_special)
         field = "token_ids" if request.WhichOneof("input") == "token_ids" else "prompt"
-        return llm.admit(prompt, params, request.request_id or None, request.priority, field)
+        return llm.admit(prompt, params, request.request_id or None, request.priority, field, request.lora_name)
 
     def _responses(self, generation: Generation, deltas: list[SampleDelta]) -> list[gen.GenerateResponse]:
         state = generation.state
@@ -223,9 +226,12 @@ class InfoService(info_pb2_grpc.InfoServicer):
         async with status_codes(context):
             self.ctx.llm.require_engine()
             w = self.ctx.llm.welcome
+            adapters = [info_pb2.LoraAdapterInfo(name=a.name, path=a.path, rank=a.rank)
+                        for _, a in sorted(self.ctx.llm.pool.lora_adapters().items())]
             return info_pb2.ModelInfo(model_name=w.model_name, architecture=w.architecture,
                                       max_model_len=w.max_model_len, vocab_size=w.vocab_size,
-                                      eos_token_ids=w.eos_token_ids, dtype=w.dtype)
+                                      eos_token_ids=w.eos_token_ids, dtype=w.dtype, lora_enabled=w.lora_enabled,
+                                      max_lora_rank=w.max_lora_rank, lora_adapters=adapters)
 
     async def GetServerInfo(self, request, context):  # noqa: N802
         """KV blocks and requests of every answering engine together; every engine of the pool,

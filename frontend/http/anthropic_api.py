@@ -62,7 +62,7 @@ def _chat_messages(m: AnthropicMessage) -> list[dict]:
 
 async def create_message(ctx: HttpContext, request: Request):
     body = await parse_body(request, MessagesRequest)
-    ctx.check_model(body.model)
+    lora_name = ctx.resolve_model(body.model)
     processor = ctx.llm.require_ready()
     tools = anthropic_tool_use(body)
     params = messages_params(body, tools, processor)
@@ -73,7 +73,7 @@ async def create_message(ctx: HttpContext, request: Request):
     messages, template_tools = chat_with_tools(processor.tokenizer.chat_template, messages, tools)
     prompt = processor.tokenize_chat(messages, add_generation_prompt=not continue_final,
                                      continue_final_message=continue_final, tools=template_tools)
-    generation = ctx.llm.admit(prompt, params)
+    generation = ctx.llm.admit(prompt, params, lora_name=lora_name)
     message_id = f"msg_{uuid.uuid4().hex}"
     parses = tools is not None and tools.parses
     if body.stream:

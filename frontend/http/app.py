@@ -3,8 +3,10 @@ served by uvicorn on the frontend's own event loop beside grpc.aio.
 
     POST /v1/completions  /v1/chat/completions  /v1/messages (Anthropic)
     GET  /v1/models  /health  /version  /metrics      POST /tokenize  /detokenize
+    POST /v1/load_lora_adapter  /v1/unload_lora_adapter   (frontend/http/lora_admin.py)
 
-`--api-key` guards /v1/* (Bearer, or Anthropic's x-api-key), as vLLM does.
+`--api-key` guards /v1/* (Bearer, or Anthropic's x-api-key), as vLLM does. A body's `model`
+is a served name of the base model or a LoRA adapter's name; /v1/models lists both.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
 from frontend.http.anthropic_api import create_message
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import HTTPError, from_exception, not_found
+from frontend.http.lora_admin import add_lora_admin_routes
 from frontend.http.openai_api import create_chat_completion, create_completion
 from frontend.http.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
 
@@ -67,6 +70,7 @@ def build_app(ctx: HttpContext) -> FastAPI:
 
     app.add_middleware(AuthAndLog, api_key=ctx.api_key)
     _add_openai_routes(app, ctx)
+    add_lora_admin_routes(app, ctx)
     _add_server_routes(app, ctx)
     return app
 
@@ -138,9 +142,13 @@ def _add_openai_routes(app: FastAPI, ctx: HttpContext) -> None:
     async def models():
         ctx.llm.require_engine()
         welcome = ctx.llm.welcome
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": welcome.model_name,
-             "max_model_len": welcome.max_model_len} for name in ctx.model_names()]}
+        base = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": welcome.model_name,
+                 "parent": None, "max_model_len": welcome.max_model_len} for name in ctx.model_names()]
+        # vLLM's shape for an adapter: its root is its path, its parent the base model.
+        adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": a.path,
+                     "parent": ctx.served_name, "max_model_len": welcome.max_model_len}
+                    for name, a in sorted(ctx.llm.pool.lora_adapters().items())]
+        return {"object": "list", "data": base + adapters}
 
 
 def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
@@ -162,7 +170,7 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = await parse_body(request, TokenizeRequest)
-        ctx.check_model(body.model)
+        ctx.resolve_model(body.model)  # an adapter's name is fine: it shares the base model's tokenizer
         processor = ctx.llm.require_engine()
         if (body.prompt is None) == (body.messages is None):
             raise HTTPError(400, "give one of prompt or messages", "invalid_request_error", "prompt")
@@ -177,7 +185,7 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await parse_body(request, DetokenizeRequest)
-        ctx.check_model(body.model)
+        ctx.resolve_model(body.model)
         processor = ctx.llm.require_engine()
         ids = processor.check_token_ids(body.tokens, "tokens")
         return {"prompt": processor.tokenizer.decode(ids)}

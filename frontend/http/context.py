@@ -13,7 +13,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from frontend.async_llm import AsyncLLM
-from frontend.http.errors import bad_request, not_found
+from frontend.http.errors import bad_request
 from frontend.metrics import FrontendMetrics
 
 log = logging.getLogger("pagedserve.http")
@@ -26,6 +26,7 @@ class HttpContext:
     metrics: FrontendMetrics
     served_names: list[str] = field(default_factory=list)  # empty: the engine's model name
     api_key: str | None = None
+    allow_runtime_lora: bool = False  # admin LoRA routes without --api-key (a trusted network)
 
     def __post_init__(self) -> None:
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
@@ -36,11 +37,10 @@ class HttpContext:
         welcome = self.llm.welcome
         return [welcome.model_name] if welcome is not None else []
 
-    def check_model(self, model: str | None) -> None:
-        names = self.model_names()  # none before the first engine: its 503 says more than a 404
-        if model is not None and names and model not in names:
-            raise not_found(f"The model `{model}` does not exist; GET /v1/models lists the models served here",
-                            "model")
+    def resolve_model(self, model: str | None) -> str:
+        """The LoRA adapter a body's `model` names, "" for the base model; NotFound (404) if
+        neither. Before the first engine there is nothing to check against: 503."""
+        return self.llm.require_engine().resolve_model(model, self.model_names())
 
     def _token_text(self, token_id: int) -> str:
         """A token's own text, as OpenAI's logprobs show it (a byte-level piece of a character

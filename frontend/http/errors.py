@@ -2,7 +2,8 @@
 
     InvalidRequest, a bad body      400  invalid_request_error
     missing or wrong API key        401  authentication_error
-    unknown model or route          404  not_found_error
+    unknown model, adapter or route 404  not_found_error (NotFound)
+    admin route not allowed         403  permission_error
     EngineOverloaded                429  rate_limit_error (+ Retry-After)
     Unavailable (no engine, drain)  503  service_unavailable_error
     RequestFailed                   500  internal_error, with its message (e.g. a grammar failure)
@@ -23,6 +24,7 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from engine.errors import EngineOverloaded, InvalidRequest, RequestFailed, Unavailable
+from frontend.input_processor import NotFound
 
 log = logging.getLogger("pagedserve.http")
 RETRY_AFTER_S = 1
@@ -57,6 +59,8 @@ def from_exception(e: BaseException) -> HTTPError:
     """The HTTPError an exception means; unknown ones are logged with their trace."""
     if isinstance(e, HTTPError):
         return e
+    if isinstance(e, NotFound):
+        return not_found(str(e), e.param)
     if isinstance(e, InvalidRequest):
         return bad_request(str(e))
     if isinstance(e, ValidationError):

@@ -45,11 +45,11 @@ def stop_reason(reason: str | None, value: str | int | None) -> str | int | None
 
 async def create_completion(ctx: HttpContext, request: Request):
     body = await parse_body(request, CompletionRequest)
-    ctx.check_model(body.model)
+    lora_name = ctx.resolve_model(body.model)
     processor = ctx.llm.require_ready()
     params = completion_params(body, processor)
     prompts = _completion_prompts(processor, body)
-    generations = [ctx.llm.admit(p, params, priority=body.priority) for p in prompts]
+    generations = [ctx.llm.admit(p, params, priority=body.priority, lora_name=lora_name) for p in prompts]
     response = _Response(ctx, "cmpl", "text_completion", body.model, generations, body.stream_options)
     if body.stream:
         return StreamingResponse(ctx.counted(response.stream(_completion_chunk(body, ctx))),
@@ -64,7 +64,7 @@ async def create_completion(ctx: HttpContext, request: Request):
 
 async def create_chat_completion(ctx: HttpContext, request: Request):
     body = await parse_body(request, ChatCompletionRequest)
-    ctx.check_model(body.model)
+    lora_name = ctx.resolve_model(body.model)
     processor = ctx.llm.require_ready()
     tools = openai_tool_use(body)
     params = chat_params(body, tools, processor)
@@ -74,7 +74,7 @@ async def create_chat_completion(ctx: HttpContext, request: Request):
         messages, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
         continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs,
         tools=template_tools)
-    generation = ctx.llm.admit(prompt, params, priority=body.priority)
+    generation = ctx.llm.admit(prompt, params, priority=body.priority, lora_name=lora_name)
     response = _Response(ctx, "chatcmpl", "chat.completion", body.model, [generation], body.stream_options)
     parses = tools is not None and tools.parses
     if body.stream:

@@ -182,3 +182,16 @@ class TokenizeRequest(_Request):
 class DetokenizeRequest(_Request):
     model: str | None = None
     tokens: list[StrictInt] = Field(default_factory=list)
+
+
+class LoadLoraAdapterRequest(_Request):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """vLLM's POST /v1/unload_lora_adapter (its lora_int_id is accepted and ignored)."""
+
+    lora_name: str
