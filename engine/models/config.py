@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # model_type -> how it differs from plain Llama
@@ -10,6 +11,7 @@ SUPPORTED = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "gemma3_text": {"qk_norm": True},  # the rest of Gemma 3 lives in engine/models/gemma3.py
 }
 
 
@@ -37,6 +39,8 @@ class ModelArchConfig:
     # Per layer "sliding_attention" or "full_attention" (Gemma 3's 5:1 pattern); None: every
     # layer is windowed when sliding_window is set (Mistral), else full.
     layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # Gemma 3: the windowed layers' rotary base
+    query_pre_attn_scalar: float | None = None  # Gemma 3: scores scale by its **-0.5, not head_dim's
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -64,7 +68,7 @@ class ModelArchConfig:
         window = getattr(c, "sliding_window", None)
         if model_type == "qwen2" and not getattr(c, "use_sliding_window", False):
             window = None
-        return cls(
+        cfg = cls(
             model_type=model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers,
             num_heads=c.num_attention_heads,
@@ -75,6 +79,10 @@ class ModelArchConfig:
             qkv_bias=flags.get("qkv_bias", False) or bool(getattr(c, "attention_bias", False)),
             qk_norm=flags.get("qk_norm", False), mlp_bias=bool(getattr(c, "mlp_bias", False)),
             sliding_window=window)
+        if model_type == "gemma3_text":
+            from engine.models.gemma3 import gemma3_fields
+            cfg = dataclasses.replace(cfg, **gemma3_fields(c))
+        return cfg
 
 
 def _rope_from_hf(c) -> tuple[float, dict | None]:

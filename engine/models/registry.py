@@ -13,6 +13,7 @@ _CLASSES = {
     "mistral": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen2": ("engine.models.llama", "LlamaForCausalLM"),
     "qwen3": ("engine.models.llama", "LlamaForCausalLM"),
+    "gemma3_text": ("engine.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 
