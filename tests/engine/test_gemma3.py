@@ -1,0 +1,128 @@
+"""Gemma 3 against HF transformers, greedy, in float32: the bundled 270M Q4_K_M GGUF (the
+same file on both sides), and a tiny random-weight Gemma 3 under batching, chunking,
+prefix caching and preemption."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from helpers import assert_no_leak, check_outputs_match, hf_greedy
+from test_tiny_hf_equivalence import CONFIGS, tiny_prompts
+
+MAX_NEW = 16
+TINY_MAX_NEW = 24
+TINY_WINDOW = 512  # shorter than the prompts once the backends mask by window
+
+
+def tiny_gemma3_config(**overrides):
+    """3 layers (local, local, global), query_pre_attn_scalar != head_dim, linear rope
+    scaling on the global layer only, tied embeddings: every Gemma quirk at tiny size."""
+    from transformers import AutoConfig
+    return AutoConfig.for_model(
+        "gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, vocab_size=512,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        query_pre_attn_scalar=24, sliding_window=TINY_WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
+        **overrides)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, bundled_tokenizer):
+    from transformers import AutoModelForCausalLM
+    folder = tmp_path_factory.mktemp("gemma3")
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(tiny_gemma3_config(), dtype=torch.float32).eval()
+    with torch.no_grad():  # HF initialises norm weights at 0; make them matter
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0, 0.3)
+    hf.save_pretrained(str(folder), safe_serialization=True)
+    bundled_tokenizer.save_pretrained(str(folder))
+    prompts = [p for p in tiny_prompts() if len(p) + TINY_MAX_NEW <= TINY_WINDOW]
+    return folder, prompts, hf_greedy(hf, prompts, TINY_MAX_NEW)
+
+
+def test_tiny_config_reads_every_quirk(tiny):
+    from engine.models.loader import read_arch_config
+    cfg = read_arch_config(tiny[0])
+    assert cfg.model_type == "gemma3_text" and cfg.qk_norm and cfg.tie_word_embeddings
+    assert cfg.layer_types == ("sliding_attention", "sliding_attention", "full_attention")
+    assert [cfg.layer_window(i) for i in range(3)] == [TINY_WINDOW, TINY_WINDOW, None]
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.query_pre_attn_scalar) == (1e6, 1e4, 24.0)
+    assert cfg.rope_scaling["rope_type"] == "linear"
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_tiny_matches_hf(tiny, config):
+    folder, prompts, reference = tiny
+    llm = LLM(str(folder), dtype="float32", **CONFIGS[config])
+    params = SamplingParams(temperature=0, max_tokens=TINY_MAX_NEW, min_tokens=TINY_MAX_NEW, logprobs=5)
+    runs = 2 if llm.config.enable_prefix_caching else 1
+    for _ in range(runs):
+        outs = llm.generate(prompts, params)
+        ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+        assert check_outputs_match(ours, reference) <= 1
+    stats = llm.engine.stats()
+    if "num_kv_blocks" in CONFIGS[config]:
+        assert stats.num_preemptions > 0
+    if llm.config.enable_prefix_caching:
+        assert stats.num_prefix_cache_hits > 0
+    assert_no_leak(llm)
+
+
+def test_softcapping_is_refused(tmp_path):
+    from engine.models.config import ModelArchConfig
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        ModelArchConfig.from_hf(tiny_gemma3_config(final_logit_softcapping=30.0))
+
+
+@pytest.fixture(scope="module")
+def gemma_gguf():
+    from engine.models.loader import gemma3_model_path
+    return gemma3_model_path()
+
+
+def test_gguf_config(gemma_gguf):
+    from engine.models.loader import linear_formats, read_arch_config
+    cfg = read_arch_config(gemma_gguf)
+    assert (cfg.model_type, cfg.vocab_size, cfg.num_layers, cfg.head_dim) == ("gemma3_text", 262144, 18, 256)
+    assert [cfg.layer_window(i) for i in range(6)] == [512] * 5 + [None]
+    assert (cfg.rope_theta, cfg.rope_local_theta) == (1e6, 1e4)
+    formats = linear_formats(gemma_gguf, cfg, None)
+    # Q5_0/Q8_0 run through the int8 kernels (the tied head: Q8_0); Q4_K/Q6_K run dense.
+    assert formats["lm_head"] == "int8" and formats["model.layers.0.mlp.gate_up_proj"] == "int8"
+    assert "model.layers.0.self_attn.o_proj" not in formats
+
+
+def test_q5_0_reblocking_is_exact(gemma_gguf):
+    from gguf.quants import dequantize
+
+    from engine.models.gguf_loader import _blocks, _reader
+    tensor = next(t for t in _reader(gemma_gguf).tensors if t.tensor_type.name == "Q5_0")
+    ours = _blocks(tensor.data, "Q5_0").dequantize()
+    assert torch.equal(ours, torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()))
+
+
+def test_gguf_matches_hf(gemma_gguf):
+    """The real model, both sides reading the same Q4_K_M file, 16 greedy tokens."""
+    from transformers import AutoModelForCausalLM
+    llm = LLM(str(gemma_gguf), dtype="float32", enable_prefix_caching=True)
+    tok = llm.tokenizer
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
+                                       "Gemma is a family of")]
+    prompts.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi."}],
+                                                      tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False))
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+    assert_no_leak(llm)
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name,
+                                              dtype=torch.float32).eval()
+    assert check_outputs_match(ours, hf_greedy(hf, prompts, MAX_NEW)) == 0
