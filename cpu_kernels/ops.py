@@ -91,9 +91,11 @@ ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
     """out [B, Hq, D] (q's dtype): q [B, Hq, D] attends to its sequence's context_lens[b]
-    cached tokens, found through block_tables [B, W] int64 in kv_cache [2, Hkv, N, bs, D].
+    cached tokens, found through block_tables [B, W] int64 in kv_cache [2, Hkv, N, bs, D];
+    with a sliding `window`, to the last `window` of them only (earlier table entries are
+    never read).
     q's rows may be strided (a view of the fused qkv); its heads must be D apart."""
     _ensure("paged_attention")
     if q.dim() != 3 or q.dtype not in ATTENTION_DTYPES or q.device.type != "cpu":
@@ -116,7 +118,10 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     if context_lens.dtype != torch.int64 or tuple(context_lens.shape) != (batch,) or not context_lens.is_contiguous():
         raise ValueError(f"context_lens: want contiguous int64 [{batch}], got {context_lens.dtype} "
                          f"{tuple(context_lens.shape)}")
-    return torch.ops.pagedserve_cpu.paged_decode(q, kv_cache, block_tables, context_lens, float(scale))
+    if window is not None and window < 1:
+        raise ValueError(f"window: want a positive number of tokens or None, got {window}")
+    return torch.ops.pagedserve_cpu.paged_decode(q, kv_cache, block_tables, context_lens, float(scale),
+                                                 window or 0)
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

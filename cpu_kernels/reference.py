@@ -6,8 +6,9 @@ import torch
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """float32 [B, Hq, D]: row b attends to positions 0..context_lens[b]-1, each looked up
+                 context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+    """float32 [B, Hq, D]: row b attends to positions 0..context_lens[b]-1 (the last
+    `window` of them with a sliding window), each looked up
     through its block table, position by position (block = table[pos // bs], offset = pos % bs)."""
     batch, num_heads, dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[1], kv_cache.shape[3]
@@ -15,7 +16,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     out = torch.zeros(batch, num_heads, dim)
     for b in range(batch):
         table = block_tables[b].tolist()
-        positions = range(int(context_lens[b]))
+        length = int(context_lens[b])
+        positions = range(max(0, length - window) if window else 0, length)
         blocks = torch.tensor([table[pos // block_size] for pos in positions], dtype=torch.long)
         offsets = torch.tensor([pos % block_size for pos in positions], dtype=torch.long)
         for h in range(num_heads):

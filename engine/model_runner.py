@@ -110,8 +110,12 @@ class ModelRunner:
                                 config.quantization, self.shard)
         local = local_sizes(self.arch, self.shard)
         self.num_kv_heads = local["num_kv_heads"]
-        self.backend = get_attention_backend(config.attention_backend, local["num_heads"],
-                                             self.num_kv_heads, self.arch.head_dim, config.device)
+        windows = [self.arch.layer_window(i) for i in range(self.arch.num_layers)]
+        # Every layer windowed (Mistral): blocks older than the widest window can be released.
+        self.kv_window = max(windows) if None not in windows else None
+        self.backend = get_attention_backend(config.attention_backend, local["num_heads"], self.num_kv_heads,
+                                             self.arch.head_dim, config.device,
+                                             any(w is not None for w in windows))
         self.block_size = config.block_size
         # Every rank must hold the same blocks: the smallest pool any rank can afford.
         self.num_kv_blocks = all_reduce_min(
@@ -139,8 +143,6 @@ class ModelRunner:
 
     def _max_model_len(self) -> int:
         limit = min(self.arch.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)
-        if self.arch.sliding_window:  # we attend to the whole context; stay where that is exact
-            limit = min(limit, self.arch.sliding_window)
         wanted = self.config.max_model_len or limit
         if wanted > self.arch.max_position_embeddings:
             raise ValueError(f"max_model_len: {wanted} exceeds the model's "

@@ -3,6 +3,11 @@
 //   kv_cache      [2, Hkv, num_blocks, block_size, D]  0 = K, 1 = V; contiguous
 //   q             [B, Hq, D]  rows may be strided (a view of the fused qkv); heads D apart
 //   block_tables  [B, W] int64, context_lens [B] int64 (>= 1)
+//   window        0, or a sliding window: row b sees positions [len - window, len) only
+//
+// A windowed row's key loop starts at its window's first position (mid-block if need
+// be): blocks before it are neither read nor checked, so the block manager may have
+// released them (their table entries are placeholders), and a step costs O(window).
 //
 // One work item is (sequence, kv head, partition): all G = Hq / Hkv query heads of a kv
 // head are done together, so each K/V row comes from memory once per group. A block at a
@@ -239,10 +244,11 @@ struct Shape {
 };
 
 // Attention of one kv head's G query heads (sc.q) over the context blocks
-// [first_block, end_block) of a sequence of length len; leaves acc, m, l in `sc`.
+// [first_block, end_block) of a sequence of length len, from position `start` on;
+// leaves acc, m, l in `sc`.
 template <typename T>
 void attend_range(const Shape& sh, const T* cache, const int64_t* table, int64_t head, int64_t len,
-                  int64_t first_block, int64_t end_block, Scratch& sc) {
+                  int64_t start, int64_t first_block, int64_t end_block, Scratch& sc) {
   const int64_t bs = sh.block_size, block_numel = bs * sh.D, pad = (bs + 7) / 8 * 8;
   const T* k_head = cache + head * sh.num_blocks * block_numel;
   const T* v_head = cache + (sh.Hkv + head) * sh.num_blocks * block_numel;
@@ -250,8 +256,9 @@ void attend_range(const Shape& sh, const T* cache, const int64_t* table, int64_t
   std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(sc.l.begin(), sc.l.end(), 0.f);
   for (int64_t i = first_block; i < end_block; ++i) {
-    const int64_t n = std::min(bs, len - i * bs);
-    const int64_t offset = table[i] * block_numel;
+    const int64_t skip = std::max<int64_t>(0, start - i * bs);  // rows before the window
+    const int64_t n = std::min(bs, len - i * bs) - skip;
+    const int64_t offset = table[i] * block_numel + skip * sh.D;
     const int64_t next = i + 1 < end_block ? table[i + 1] * block_numel : -1;
     attend_block(sc, k_head + offset, v_head + offset, n, sh.G, sh.D, pad,
                  next < 0 ? nullptr : k_head + next, next < 0 ? nullptr : v_head + next);
@@ -260,7 +267,7 @@ void attend_range(const Shape& sh, const T* cache, const int64_t* table, int64_t
 
 template <typename T>
 void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                 const at::Tensor& context_lens, double scale, at::Tensor& out) {
+                 const at::Tensor& context_lens, double scale, int64_t window, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   Shape sh{Hq / kv_cache.size(1), D, kv_cache.size(1), kv_cache.size(2), kv_cache.size(3),
            block_tables.size(1), 0};
@@ -273,24 +280,26 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
   // at `slot`, as [G, D] weighted sums, then [G] maxima, then [G] sums.
   struct Item { int64_t b, head, part, slot; };
   std::vector<Item> items;
-  std::vector<int64_t> num_parts(B), part_base(B);
+  std::vector<int64_t> num_parts(B), part_base(B), starts(B);
   int64_t num_partials = 0, total = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t len = lens[b], nblk = (len + bs - 1) / bs;
     TORCH_CHECK(len >= 1 && nblk <= sh.width, "paged_decode: context_lens[", b, "] = ", len,
                 " must lie in [1, ", sh.width * bs, "] (block table width x block size)");
-    for (int64_t i = 0; i < nblk; ++i) {
+    starts[b] = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t first_block = starts[b] / bs;
+    for (int64_t i = first_block; i < nblk; ++i) {
       const int64_t blk = tables[b * sh.width + i];
       TORCH_CHECK(blk >= 0 && blk < sh.num_blocks, "paged_decode: block_tables[", b, ", ", i, "] = ", blk,
                   " is out of range [0, ", sh.num_blocks, ")");
     }
-    num_parts[b] = (nblk + sh.part_blocks - 1) / sh.part_blocks;
+    num_parts[b] = (nblk - first_block + sh.part_blocks - 1) / sh.part_blocks;
     part_base[b] = num_partials;
     if (num_parts[b] > 1) num_partials += num_parts[b] * sh.Hkv;
     for (int64_t h = 0; h < sh.Hkv; ++h)
       for (int64_t p = 0; p < num_parts[b]; ++p)
         items.push_back({b, h, p, num_parts[b] > 1 ? part_base[b] + h * num_parts[b] + p : -1});
-    total += len;
+    total += len - starts[b];
   }
   const int64_t partial_size = G * (D + 2);
   std::vector<float> partials(num_partials * partial_size);
@@ -315,8 +324,9 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
       const T* qh = qp + it.b * q.stride(0) + it.head * G * D;
       for (int64_t j = 0; j < G * D; ++j) sc.q[j] = to_float(qh[j]) * static_cast<float>(scale);
       const int64_t nblk = (lens[it.b] + bs - 1) / bs;
-      const int64_t first = it.part * sh.part_blocks, end = std::min(nblk, first + sh.part_blocks);
-      attend_range(sh, cache, tables + it.b * sh.width, it.head, lens[it.b], first, end, sc);
+      const int64_t first = starts[it.b] / bs + it.part * sh.part_blocks;
+      const int64_t end = std::min(nblk, first + sh.part_blocks);
+      attend_range(sh, cache, tables + it.b * sh.width, it.head, lens[it.b], starts[it.b], first, end, sc);
       if (it.slot < 0) {  // the whole context in one item: finish here
         T* o = op + (it.b * sh.Hkv + it.head) * G * D;
         for (int64_t g = 0; g < G; ++g) {
@@ -363,7 +373,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                        const at::Tensor& context_lens, double scale) {
+                        const at::Tensor& context_lens, double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
               "paged_decode: want q [B, Hq, D], kv_cache [2, Hkv, N, bs, D], block_tables [B, W], "
               "context_lens [B]");
@@ -378,13 +388,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
               block_tables.is_contiguous() && context_lens.is_contiguous() &&
               block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
               "paged_decode: block_tables [B, W] and context_lens [B] must be contiguous int64");
+  TORCH_CHECK(window >= 0, "paged_decode: window must be >= 0 (0: the whole context)");
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kFloat) {
-    decode_impl<float>(q, kv_cache, block_tables, context_lens, scale, out);
+    decode_impl<float>(q, kv_cache, block_tables, context_lens, scale, window, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode: float32 or bfloat16 only");
-    decode_impl<at::BFloat16>(q, kv_cache, block_tables, context_lens, scale, out);
+    decode_impl<at::BFloat16>(q, kv_cache, block_tables, context_lens, scale, window, out);
   }
   return out;
 }
@@ -420,6 +431,6 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()", &reshape_and_cache);
-  m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale, int window=0) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
 }

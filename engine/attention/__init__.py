@@ -59,9 +59,11 @@ class AttentionBackend(Protocol):
         """Per-step precomputation shared by all layers (masks, index tensors)."""
         ...
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Write k/v ([T, Hkv, D]) into the cache, then attend q ([T, Hq, D]) -> [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+        """Write k/v ([T, Hkv, D]) into the cache, then attend q ([T, Hq, D]) -> [T, Hq, D].
+        `sliding_window` W (None: full attention): a query at position i sees keys j with
+        i - W < j <= i, and table entries for blocks wholly before i - W + 1 are never read."""
         ...
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
@@ -69,11 +71,12 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: str
-                          ) -> AttentionBackend:
+def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: str,
+                          sliding_window: bool = False) -> AttentionBackend:
     """The backend `name` ("auto": the CPU kernels on a CPU device, the CUDA kernels on a
     CUDA one, where they are available and fit the head size; else torch) for a model on
-    `device`."""
+    `device`. `sliding_window`: some layer of the model is windowed, which the CUDA
+    kernels do not do (so "auto" picks torch there, and "cupy" is refused)."""
     on_cpu = torch.device(device).type == "cpu"
     if name == "auto" and on_cpu:
         import cpu_kernels
@@ -83,7 +86,8 @@ def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim
     elif name == "auto":
         import cupy_kernels
         from cupy_kernels.compile import HEAD_SIZES
-        name = "cupy" if head_dim in HEAD_SIZES and cupy_kernels.available() else "torch"
+        fits = head_dim in HEAD_SIZES and not sliding_window
+        name = "cupy" if fits and cupy_kernels.available() else "torch"
     if name == "cpu":
         import cpu_kernels
         if not on_cpu:
@@ -98,6 +102,9 @@ def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim
         from engine.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
     if name == "cupy":
+        if sliding_window:
+            raise ValueError("attention_backend 'cupy' does not implement sliding-window attention, which "
+                             "this model uses; use 'torch' (or 'auto', which picks it)")
         import cupy_kernels
         reason = cupy_kernels.unavailable_reason()
         if reason is not None:

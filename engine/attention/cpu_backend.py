@@ -10,6 +10,10 @@ through `paged_decode`, which reads each sequence's blocks in place through its 
 table: no gather copy, no padding of the batch or of the table width to buckets, no mask.
 A step of decodes alone is those two calls. The kernels cover float32 and bfloat16
 caches; a float16 cache runs the torch path.
+
+Sliding windows: `paged_decode` takes the layer's window and starts each row's key loop
+at the window's first position, so it never reads the blocks before it; prefill chunks
+take the torch backend's windowed path (their tables sliced at the first visible block).
 """
 
 from __future__ import annotations
@@ -37,18 +41,30 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if kv_cache.dtype not in ops.ATTENTION_DTYPES:
-            if "decode_mask" not in meta.backend_state:  # once per step: all layers share it
+            if "decode_plan" not in meta.backend_state:  # once per step: all layers share it
                 self._prepare_decode(meta)
             return super()._decode(q, kv_cache, meta)
         tables, lens = meta.backend_state["decode"]
         return ops.paged_decode(q, kv_cache, tables, lens, self.scale)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                window: int | None = None) -> torch.Tensor:
+        if window is None or kv_cache.dtype not in ops.ATTENTION_DTYPES:
+            return super()._attend(q, kv_cache, meta, window)
+        num_decode = meta.num_decode_tokens
+        prefills = AttentionMetadata(meta.slot_mapping, 0, None, None, meta.prefills, meta.backend_state)
+        out = super()._attend(q, kv_cache, prefills, window)  # decode rows left as they came
+        if num_decode:
+            tables, lens = meta.backend_state["decode"]
+            out[:num_decode] = ops.paged_decode(q[:num_decode], kv_cache, tables, lens, self.scale, window)
+        return out
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
         if kv_cache.dtype not in ops.ATTENTION_DTYPES:
-            return super().forward(q, k, v, kv_cache, meta)
+            return super().forward(q, k, v, kv_cache, meta, sliding_window)
         ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         if meta.prefills or meta.num_decode_tokens != q.shape[0]:  # chunks, or padding rows
-            return self._attend(q, kv_cache, meta)
+            return self._attend(q, kv_cache, meta, sliding_window)
         tables, lens = meta.backend_state["decode"]
-        return ops.paged_decode(q, kv_cache, tables, lens, self.scale)
+        return ops.paged_decode(q, kv_cache, tables, lens, self.scale, sliding_window)

@@ -1,5 +1,6 @@
 """CuPy-kernel paged attention on CUDA (fp32, fp16, bf16; head sizes 64/96/128;
-block sizes 16/32).
+block sizes 16/32). No sliding windows: get_attention_backend refuses 'cupy' for a model
+with a windowed layer, and 'auto' picks torch for it.
 
 Same cache layout as the torch reference, so either backend reads the other's cache:
 
@@ -68,8 +69,10 @@ class CupyAttentionBackend:
             state["prefill"] = ops.build_prefill_batch(chunks, [c.block_table for c in meta.prefills],
                                                        self.group, meta.slot_mapping.device)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+        if sliding_window is not None:  # get_attention_backend refuses windowed models first
+            raise ValueError("attention_backend 'cupy' does not implement sliding-window attention; use 'torch'")
         from cupy_kernels import ops
         state = meta.backend_state
         ops.reshape_and_cache(k, v, kv_cache, state["slot_mapping"])

@@ -9,6 +9,11 @@ sequence's blocks yields a contiguous [Hkv, context, D] view with no transpose:
 On CPU, shapes are padded to a few buckets (see engine.cpu_tuning): the runner may pass
 padding rows after the real tokens (they have no slot; their output is zero), and the
 decode batch and its block-table width are padded here.
+
+A windowed layer (`sliding_window=W`) reads only the blocks its queries' windows touch:
+each row's table is sliced from the block holding its first visible key (position
+i - W + 1 for a query at i), so entries before it, which the block manager may have
+released (FREED_BLOCK), are never read, and a long context costs O(W), not O(context).
 """
 
 from __future__ import annotations
@@ -39,63 +44,99 @@ class TorchAttentionBackend:
         meta.backend_state["prefill_masks"] = self._prefill_masks(meta)
 
     def _prepare_decode(self, meta: AttentionMetadata) -> None:
+        meta.backend_state["decode_plan"] = self._decode_plan(meta, None)
+
+    @staticmethod
+    def _decode_plan(meta: AttentionMetadata, window: int | None) -> tuple:
+        """(blocks to gather, [B, width] table shape, [1, B, 1, L] mask: True where a key is
+        past the context or before the window)."""
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         if tables.device.type == "cpu":
             tables, lens = _pad_decode(tables, lens)
         block_size = meta.backend_state["block_size"]
-        positions = torch.arange(tables.shape[1] * block_size, device=tables.device)
-        # [1, B, 1, L]: True where the key position lies past the context.
-        mask = positions[None, :] >= lens[:, None]
-        meta.backend_state["decode_mask"] = mask[None, :, None, :]
-        meta.backend_state["decode_blocks"] = tables.flatten()
-        meta.backend_state["decode_shape"] = tables.shape
+        first = torch.zeros_like(lens)
+        if window is not None:  # keep the blocks from the one holding position len - W on
+            first = (lens - window).clamp(min=0) // block_size
+            width = min(tables.shape[1], (window + block_size - 2) // block_size + 1)
+            if tables.device.type == "cpu":
+                width = bucket(width)
+            cols = first[:, None] + torch.arange(width, device=tables.device)[None, :]
+            # Columns past a row's table only ever hold masked positions.
+            tables = tables.gather(1, cols.clamp(max=tables.shape[1] - 1))
+        positions = first[:, None] * block_size + torch.arange(tables.shape[1] * block_size,
+                                                               device=tables.device)[None, :]
+        mask = positions >= lens[:, None]
+        if window is not None:
+            mask |= positions < (lens - window)[:, None]
+        return tables.flatten(), tables.shape, mask[None, :, None, :]
+
+    def _window_state(self, meta: AttentionMetadata, window: int) -> tuple:
+        """Per step and window, shared by the layers of that window: (decode plan,
+        [(first block, mask)] per prefill chunk)."""
+        key = ("window", window)
+        if key not in meta.backend_state:
+            plan = self._decode_plan(meta, window) if meta.num_decode_tokens else None
+            bs = meta.backend_state["block_size"]
+            meta.backend_state[key] = (plan, [_window_mask(c, window, bs) for c in meta.prefills])
+        return meta.backend_state[key]
 
     @staticmethod
-    def _prefill_masks(meta: AttentionMetadata) -> list[torch.Tensor | None]:
+    def _prefill_masks(meta: AttentionMetadata) -> list[tuple[int, torch.Tensor | None]]:
         masks = []
         for chunk in meta.prefills:
             start = chunk.context_len - chunk.num_tokens
             if start:  # attends to a cached prefix: causal mask offset by `start`
                 q_pos = torch.arange(start, chunk.context_len, device=chunk.block_table.device)
                 k_pos = torch.arange(chunk.context_len, device=chunk.block_table.device)
-                masks.append(k_pos[None, :] <= q_pos[:, None])
+                masks.append((0, k_pos[None, :] <= q_pos[:, None]))
             else:
-                masks.append(None)  # plain causal attention
+                masks.append((0, None))  # plain causal attention
         return masks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, sliding_window: int | None = None
+                ) -> torch.Tensor:
         num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
         flat = kv_cache.view(2, self.num_kv_heads, num_blocks * block_size, self.head_dim)
         num_tokens = meta.slot_mapping.numel()  # rows past it are padding
         flat[0].index_copy_(1, meta.slot_mapping, k[:num_tokens].transpose(0, 1))
         flat[1].index_copy_(1, meta.slot_mapping, v[:num_tokens].transpose(0, 1))
-        return self._attend(q, kv_cache, meta)
+        return self._attend(q, kv_cache, meta, sliding_window)
 
-    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                window: int | None = None) -> torch.Tensor:
         """Attention of q's rows (decodes, then prefill chunks, then padding) to the cache."""
         num_tokens = meta.slot_mapping.numel()
         out = torch.empty_like(q)
         out[num_tokens:] = 0
         num_decode = meta.num_decode_tokens
-        if num_decode:
+        masks = meta.backend_state["prefill_masks"]
+        if window is not None:
+            plan, masks = self._window_state(meta, window)
+            if num_decode:
+                out[:num_decode] = self._decode_with(q[:num_decode], kv_cache, plan)
+        elif num_decode:
             out[:num_decode] = self._decode(q[:num_decode], kv_cache, meta)
-        for chunk, mask in zip(meta.prefills, meta.backend_state["prefill_masks"]):
+        for chunk, (first_block, mask) in zip(meta.prefills, masks):
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = self._prefill(q[rows], kv_cache, chunk, mask)
+            out[rows] = self._prefill(q[rows], kv_cache, chunk, mask, first_block)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self._decode_with(q, kv_cache, meta.backend_state["decode_plan"])
+
+    def _decode_with(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: tuple) -> torch.Tensor:
+        blocks, shape, mask = plan
         num_decode = q.shape[0]
-        batch = meta.backend_state["decode_shape"][0]
+        batch = shape[0]
         if batch > num_decode:
             q = torch.cat([q, q.new_zeros(batch - num_decode, *q.shape[1:])])
-        k, v = self._gather(kv_cache, meta.backend_state["decode_blocks"])
+        k, v = self._gather(kv_cache, blocks)
         k = k.view(self.num_kv_heads, batch, -1, self.head_dim)  # [Hkv, B, L, D]
         v = v.view(self.num_kv_heads, batch, -1, self.head_dim)
         q = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [Hkv, B, G, L]
-        scores.masked_fill_(meta.backend_state["decode_mask"], float("-inf"))
+        scores.masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)  # [Hkv, B, G, D]
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)[:num_decode]
@@ -108,9 +149,10 @@ class TorchAttentionBackend:
         return both[:heads], both[heads:]
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
-                 mask: torch.Tensor | None) -> torch.Tensor:
-        n = chunk.context_len
-        k, v = self._gather(kv_cache, chunk.block_table)
+                 mask: torch.Tensor | None, first_block: int = 0) -> torch.Tensor:
+        """`mask` [num_tokens, keys], None for plain causal; keys start at `first_block`."""
+        n = chunk.context_len - first_block * kv_cache.shape[3]
+        k, v = self._gather(kv_cache, chunk.block_table[first_block:])
         k, v = k.flatten(1, 2)[:, :n], v.flatten(1, 2)[:, :n]  # [Hkv, n, D]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
@@ -129,6 +171,18 @@ def copy_kv_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) 
     dst = torch.tensor([d for _, d in pairs], device=kv_caches[0].device)
     for cache in kv_caches:
         cache[:, :, dst] = cache[:, :, src]
+
+
+def _window_mask(chunk: PrefillChunk, window: int, block_size: int) -> tuple[int, torch.Tensor]:
+    """(first block, [num_tokens, keys] mask) of a chunk whose queries see keys j with
+    i - window < j <= i; the keys start at the first block any of its queries sees."""
+    start = chunk.context_len - chunk.num_tokens
+    first_block = max(0, start - window + 1) // block_size
+    device = chunk.block_table.device
+    q_pos = torch.arange(start, chunk.context_len, device=device)
+    k_pos = torch.arange(first_block * block_size, chunk.context_len, device=device)
+    distance = q_pos[:, None] - k_pos[None, :]
+    return first_block, (distance >= 0) & (distance < window)
 
 
 def _pad_decode(tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,11 +78,18 @@ class ModelArchConfig:
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             qkv_bias=flags.get("qkv_bias", False) or bool(getattr(c, "attention_bias", False)),
             qk_norm=flags.get("qk_norm", False), mlp_bias=bool(getattr(c, "mlp_bias", False)),
-            sliding_window=window)
+            sliding_window=window, layer_types=_layer_types(c) if window else None)
         if model_type == "gemma3_text":
             from engine.models.gemma3 import gemma3_fields
             cfg = dataclasses.replace(cfg, **gemma3_fields(c))
         return cfg
+
+
+def _layer_types(c) -> tuple[str, ...] | None:
+    """HF's per-layer attention kinds where the config lists them (Qwen2 windows only the
+    layers from max_window_layers on); None: every layer is windowed."""
+    types = getattr(c, "layer_types", None)
+    return tuple(types) if types else None
 
 
 def _rope_from_hf(c) -> tuple[float, dict | None]:

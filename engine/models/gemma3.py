@@ -68,7 +68,6 @@ class Gemma3Attention(Attention):
         super().__init__(cfg, layer_idx, shard)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.window = cfg.layer_window(layer_idx)
         scalar = cfg.query_pre_attn_scalar or cfg.head_dim
         # The backends multiply scores by head_dim**-0.5; Gemma wants scalar**-0.5.
         self.q_scale = None if scalar == cfg.head_dim else (cfg.head_dim / scalar) ** 0.5
@@ -81,7 +80,8 @@ class Gemma3Attention(Attention):
         q, k = rope.rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         if self.q_scale is not None:
             q = q * self.q_scale
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta,
+                                  sliding_window=self.sliding_window)
         return row_parallel(self.o_proj, out.reshape(-1, self.q_size), self.shard)
 
 

@@ -57,6 +57,7 @@ class Attention(Layer):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
+        self.sliding_window = cfg.layer_window(layer_idx)  # None: full attention
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         heads = self.num_heads + 2 * self.num_kv_heads
@@ -67,7 +68,8 @@ class Attention(Layer):
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k rotate together: one pass instead of two.
         q, k = rope.rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta)
+        out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta,
+                                  sliding_window=self.sliding_window)
         return row_parallel(self.o_proj, out.reshape(-1, self.q_size), self.shard)
 
 

@@ -42,7 +42,7 @@ def test_padded_decode_equals_reference():
                              decode_context_lens=lens, backend_state={"block_size": block_size})
     expected_cache = reference.reshape_and_cache(k[:batch], v[:batch], cache, slots)
     backend.prepare(meta)
-    assert tuple(meta.backend_state["decode_shape"]) == (bucket(batch), bucket(17))
+    assert tuple(meta.backend_state["decode_plan"][1]) == (bucket(batch), bucket(17))
     out = backend.forward(q, k, v, cache, meta)
     assert torch.equal(cache, expected_cache)  # padding rows wrote nothing
     expected = reference.paged_decode(q[:batch], cache, tables, lens, backend.scale)
