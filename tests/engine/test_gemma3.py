@@ -131,3 +131,20 @@ def test_gguf_matches_hf(gemma_gguf):
     hf = AutoModelForCausalLM.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name,
                                               dtype=torch.float32).eval()
     assert check_outputs_match(ours, hf_greedy(hf, prompts, MAX_NEW)) == 0
+
+
+@pytest.mark.parametrize("top_k, top_p", [([50, 5, 2000], [1.0, 0.9, 0.5]), ([262144, 40, 262144], [0.9, 0.95, 0.3])])
+def test_large_vocab_top_k_top_p_over_the_window_equals_the_full_sort(top_k, top_p):
+    """Gemma's 262k vocabulary: the partial sort keeps exactly the tokens the full sort does."""
+    from engine import sampler
+    torch.manual_seed(0)
+    logits = torch.randn(3, 262144) * 3
+    logits[0, :10] = 20.0  # ties at the top, holding most of the mass (as an LM's logits do)
+    logits[2] = logits[2] * 4  # peaked: top-p mass sits in a few tokens
+    assert sampler._window(logits.clone(), top_k, top_p) is not None  # the fast path is taken
+    assert sampler._window(torch.randn(1, 262144), [262144], [0.9]) is None  # flat: a full sort
+    fast = sampler._apply_top_k_top_p(logits.clone(), top_k, top_p)
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    full = logits.clone().scatter_(1, order, sampler._filter_sorted(sorted_logits, top_k, top_p))
+    assert torch.equal(fast.isfinite(), full.isfinite())
+    assert torch.equal(fast[fast.isfinite()], full[full.isfinite()])
