@@ -148,3 +148,14 @@ def test_large_vocab_top_k_top_p_over_the_window_equals_the_full_sort(top_k, top
     full = logits.clone().scatter_(1, order, sampler._filter_sorted(sorted_logits, top_k, top_p))
     assert torch.equal(fast.isfinite(), full.isfinite())
     assert torch.equal(fast[fast.isfinite()], full[full.isfinite()])
+
+
+def test_tp2_greedy_equals_tp1(tiny):
+    """Gemma 3 shards as Llama does (same layer names): TP=2 gives TP=1's greedy tokens."""
+    from test_tensor_parallel import assert_same, engine, run
+    folder = tiny[0]
+    with engine(folder) as llm:
+        reference = run(llm, 512)
+    with engine(folder, tensor_parallel_size=2) as llm:
+        assert llm.engine.model_runner.shard.size == 2
+        assert_same(reference, run(llm, 512))
