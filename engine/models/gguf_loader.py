@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.layers.quantized import QuantizedTensor
+from engine.layers.quantized import QuantizedTensor, pack_int4
 from engine.models.config import SUPPORTED, ModelArchConfig
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
@@ -41,7 +41,7 @@ _GGUF_ARCHS = {"gemma3": "gemma3_text"}
 # llama.cpp's converter stores Gemma's norm weights as 1 + w; HF (and we) keep w.
 _NORM_PLUS_ONE_ARCHS = ("gemma3",)
 # Tensor types gguf-py dequantizes, besides the block types below.
-DENSE_TYPES = ("F32", "F16", "BF16", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DENSE_TYPES = ("F32", "F16", "BF16", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K")
 # llama.cpp's converter interleaves the rotary halves of q/k for these architectures.
 _PERMUTED_ARCHS = ("llama", "mistral")
 
@@ -93,7 +93,8 @@ def read_gguf_config(path: Path) -> ModelArchConfig:
 
 
 # GGUF block type -> (our format, bytes per block of 32): fp16 d, [fp16 m,] then the values.
-_BLOCK_TYPES = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q8_0": ("int8", 34), "Q5_0": ("int8", 22)}
+_BLOCK_TYPES = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q8_0": ("int8", 34), "Q5_0": ("int8", 22),
+                "Q4_K": ("int4", 144)}  # Q4_K: per 256 values, 8 sub-blocks of 32
 
 
 def gguf_block_formats(path: Path) -> dict[str, str]:
@@ -145,6 +146,8 @@ def _blocks(raw: np.ndarray, kind: str) -> QuantizedTensor:
     def values(offset: int, dtype) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(blocks[..., offset:]).view(dtype).reshape(raw.shape[0], -1))
 
+    if kind == "Q4_K":
+        return _q4_k(blocks)
     d = half(0)
     if kind == "Q5_0":  # fp16 d, 32 high bits, 16 bytes of low nibbles: w = d * (q - 16)
         return QuantizedTensor(fmt, _q5_0_values(blocks), d)
@@ -153,6 +156,23 @@ def _blocks(raw: np.ndarray, kind: str) -> QuantizedTensor:
     if kind == "Q4_1":
         return QuantizedTensor(fmt, values(4, np.uint8), d, half(2))
     return QuantizedTensor(fmt, values(2, np.uint8), d, -8 * d)  # Q4_0: w = d * (q - 8)
+
+
+def _q4_k(blocks: np.ndarray) -> QuantizedTensor:
+    """[N, B, 144] Q4_K super-blocks -> int4 per 32 values, exactly: sub-block s of a
+    super-block is w = (d * sc[s]) * q - dmin * m[s], q in 0..15, so its float32 scale is
+    d * sc[s] and its zero -(dmin * m[s]), computed as gguf-py does. The 128 bytes of q hold
+    sub-blocks 2g (low nibbles) and 2g + 1 (high) in 32-byte groups g."""
+    from gguf.quants import Q4_K
+    rows = blocks.shape[0]
+    flat = blocks.reshape(-1, 144)
+    d = np.ascontiguousarray(flat[:, 0:2]).view(np.float16).astype(np.float32)
+    dmin = np.ascontiguousarray(flat[:, 2:4]).view(np.float16).astype(np.float32)
+    sc, m = (x.reshape(flat.shape[0], 8).astype(np.float32) for x in Q4_K.get_scale_min(flat[:, 4:16]))
+    q = (flat[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
+    values = torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1))
+    return QuantizedTensor("int4", pack_int4(values), torch.from_numpy((d * sc).reshape(rows, -1)),
+                           torch.from_numpy((-(dmin * m)).reshape(rows, -1)))
 
 
 def _q5_0_values(blocks: np.ndarray) -> torch.Tensor:

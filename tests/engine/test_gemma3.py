@@ -88,24 +88,31 @@ def gemma_gguf():
 
 
 def test_gguf_config(gemma_gguf):
+    from engine.models.gguf_loader import gguf_block_formats
     from engine.models.loader import linear_formats, read_arch_config
     cfg = read_arch_config(gemma_gguf)
     assert (cfg.model_type, cfg.vocab_size, cfg.num_layers, cfg.head_dim) == ("gemma3_text", 262144, 18, 256)
     assert [cfg.layer_window(i) for i in range(6)] == [512] * 5 + [None]
     assert (cfg.rope_theta, cfg.rope_local_theta) == (1e6, 1e4)
     formats = linear_formats(gemma_gguf, cfg, None)
-    # Q5_0/Q8_0 run through the int8 kernels (the tied head: Q8_0); Q4_K/Q6_K run dense.
+    # Q5_0/Q8_0 run through the int8 kernels (the tied head: Q8_0), Q4_K the int4 ones; Q6_K dense.
     assert formats["lm_head"] == "int8" and formats["model.layers.0.mlp.gate_up_proj"] == "int8"
-    assert "model.layers.0.self_attn.o_proj" not in formats
+    assert formats["model.layers.0.self_attn.o_proj"] == "int4"
+    stored = gguf_block_formats(gemma_gguf)
+    down = [formats.get(f"model.layers.{i}.mlp.down_proj") for i in range(18)]
+    assert down.count("int4") == 9 and down.count(None) == 9  # Q4_K / Q6_K
+    assert len(stored) == 10 + 81 + 27
 
 
-def test_q5_0_reblocking_is_exact(gemma_gguf):
+@pytest.mark.parametrize("kind", ["Q5_0", "Q4_K"])
+def test_reblocking_is_exact(gemma_gguf, kind):
     from gguf.quants import dequantize
 
     from engine.models.gguf_loader import _blocks, _reader
-    tensor = next(t for t in _reader(gemma_gguf).tensors if t.tensor_type.name == "Q5_0")
-    ours = _blocks(tensor.data, "Q5_0").dequantize()
-    assert torch.equal(ours, torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()))
+    tensor = next(t for t in _reader(gemma_gguf).tensors if t.tensor_type.name == kind)
+    ours = _blocks(tensor.data, kind)
+    assert ours.format == ("int8" if kind == "Q5_0" else "int4")
+    assert torch.equal(ours.dequantize(), torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()))
 
 
 def test_gguf_matches_hf(gemma_gguf):
