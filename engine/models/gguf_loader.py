@@ -1,9 +1,10 @@
 """Read a GGUF file: architecture from its metadata, weights under HF names.
 
-Q4_0, Q4_1, Q8_0 and Q5_0 tensors can come out as blocks (`QuantizedTensor`, for the
-quantized layers): the first three as stored, Q5_0 re-blocked exactly to int8 (its 5-bit
-values minus 16 fit a byte, under the same fp16 scale). Everything else of `DENSE_TYPES`
-(F32/F16/BF16, the K-quants Q2_K..Q6_K, Q5_1) is dequantized to float32 by gguf-py.
+Q4_0, Q4_1, Q8_0, Q5_0 and Q4_K tensors can come out as blocks (`QuantizedTensor`, for
+the quantized layers): the first three as stored, Q5_0 re-blocked exactly to int8 (its 5-bit
+values minus 16 fit a byte, under the same fp16 scale), Q4_K exactly to int4 (a float32
+scale and zero per 32-value sub-block). Everything else of `DENSE_TYPES` (F32/F16/BF16,
+Q5_1, the other K-quants) is dequantized to float32 by gguf-py; other types are refused.
 `gguf` is imported lazily: only GGUF users need it (the GPU image lacks it).
 """
 
@@ -108,7 +109,7 @@ def gguf_block_formats(path: Path) -> dict[str, str]:
 def iter_gguf_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = False
                       ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield (HF name, weight) for every tensor in the file: float32 tensors, or with
-    `keep_quantized` the Q4_0/Q4_1/Q8_0 ones as stored."""
+    `keep_quantized` the block types (Q4_0/Q4_1/Q8_0 as stored, Q5_0/Q4_K re-blocked)."""
     from gguf.quants import dequantize
 
     reader = _reader(path)

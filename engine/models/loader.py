@@ -156,7 +156,7 @@ def _fp16_int4_scales(model: nn.Module) -> None:
 
 def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None) -> dict[str, str]:
     """Linear layer name -> "int4" | "int8" for the layers to keep quantized: a GGUF's
-    Q4_0/Q4_1/Q8_0 tensors as stored (unless quantization is "none"), or every linear
+    Q4_0/Q4_1/Q8_0/Q5_0/Q4_K tensors in blocks (unless quantization is "none"), or every linear
     layer of a float checkpoint with quantization int4/int8. Fused layers stay dense
     when their parts are stored differently; layers whose input width is not a multiple
     of 32 stay dense."""
@@ -164,7 +164,7 @@ def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None) -
         return {}
     if is_gguf(path):
         if quantization is not None:
-            raise ValueError(f"quantization {quantization!r}: a GGUF file's Q4_0/Q4_1/Q8_0 weights "
+            raise ValueError(f"quantization {quantization!r}: a GGUF file's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K weights "
                              "run as stored; use 'none' to dequantize them instead")
         from engine.models.gguf_loader import gguf_block_formats
         stored = gguf_block_formats(path)
