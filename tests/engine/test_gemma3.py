@@ -166,3 +166,25 @@ def test_tp2_greedy_equals_tp1(tiny):
     with engine(folder, tensor_parallel_size=2) as llm:
         assert llm.engine.model_runner.shard.size == 2
         assert_same(reference, run(llm, 512))
+
+
+def _write_gguf(path, arch: str, tensor) -> None:
+    import gguf
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_tensor("token_embd.weight", tensor)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_unknown_gguf_architecture_and_tensor_type_are_named(tmp_path):
+    import numpy as np
+
+    from engine.models.gguf_loader import iter_gguf_weights, read_gguf_config
+    _write_gguf(tmp_path / "mamba.gguf", "mamba", np.zeros((4, 32), np.float32))
+    with pytest.raises(ValueError, match=r"architecture 'mamba' is not supported \(supported: gemma3, llama"):
+        read_gguf_config(tmp_path / "mamba.gguf")
+    _write_gguf(tmp_path / "f64.gguf", "llama", np.zeros((4, 32), np.float64))
+    with pytest.raises(ValueError, match=r"type F64, which is not supported \(supported: Q4_0, .*Q4_K.*F32"):
+        list(iter_gguf_weights(tmp_path / "f64.gguf", None))
