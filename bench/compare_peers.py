@@ -2,7 +2,7 @@
 
     python -m bench.compare_peers --llama-server $(../shared/tools/build-llama-server.sh | tail -1)
 
-On the bundled GGUF (or --model), random prompts of --input-len tokens asking for exactly
+On the bundled GGUF (or --model; `--model gemma3`: the packaged Gemma 3 270M), random prompts of --input-len tokens asking for exactly
 --output-len tokens, each peer at every --concurrency (`bench serve --max-concurrency`):
 
 - pagedserve-grpc: `bench serve --backend pagedserve`, which starts `pagedserve serve` itself.
@@ -12,8 +12,11 @@ On the bundled GGUF (or --model), random prompts of --input-len tokens asking fo
 
 One server at a time, each with --threads threads, and every run is a plain `bench serve`
 that writes its own JSON into --output-dir, named by its label (`<peer>-c<concurrency>`).
+With --offline, first the offline side: `pagedserve bench offline` (the engine in process:
+all prompts at once, and one request's decode rate) against `llama-bench` (found next to
+llama-server: prompt processing and one sequence's generation, tok/s).
 Then a table of output tok/s and TTFT and TPOT (median, p99), saved as compare-peers-*.json
-with the machine and its CPU flags, and a PNG of the same.
+with the machine and its CPU flags and load average, and a PNG of the same.
 """
 
 from __future__ import annotations
@@ -55,7 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx-per-slot", type=int, default=512,
                    help="llama-server context per slot; -c is slots x this (default: 512)")
     p.add_argument("--dtype", default="auto", help="pagedserve --dtype (default: auto)")
-    p.add_argument("--model", default=None, help="a .gguf file (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="a .gguf file, or gemma3 for the packaged Gemma 3 270M Q4_K_M "
+                                                 "(default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--offline", action="store_true",
+                   help="also compare offline: `pagedserve bench offline` against llama-bench")
     p.add_argument("--seed", type=int, default=0,
                    help="bench serve --seed of the first concurrency, +1 for each next (default: 0)")
     p.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where every JSON and the PNG go")
@@ -75,10 +81,15 @@ def run(args: argparse.Namespace) -> int:
     if "llama-server" in peers and not (args.llama_server and args.llama_server.is_file()):
         raise SystemExit("llama-server: give its binary with --llama-server or $LLAMA_SERVER "
                          "(../shared/tools/build-llama-server.sh builds it and prints the path)")
+    if args.model == "gemma3":
+        from engine.models.loader import gemma3_model_path
+        args.model = str(gemma3_model_path())
     gguf = resolve_model_path(args.model)
     if not is_gguf(gguf):
         raise SystemExit(f"--model {gguf}: llama-server needs a .gguf file")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the servers too
+    args.loadavg_before = os.getloadavg()  # the machine may be shared: say how busy it was
+    args.offline_results = _offline(args, gguf) if args.offline else None
     rows = []
     for peer in peers:
         with _serving(peer, args, gguf) as (target, command):
@@ -197,13 +208,46 @@ def _report(rows: list[dict], args: argparse.Namespace, gguf: Path, peers: list[
     payload = {"machine": machine, "model": str(gguf), "input_len": args.input_len, "output_len": args.output_len,
                "threads": args.threads, "dtype": args.dtype,
                "llama_server": _llama_server_info(args) if "llama-server" in peers else None,
-               "runs": rows}
+               "loadavg_before": args.loadavg_before, "loadavg_after": os.getloadavg(),
+               "offline": args.offline_results, "runs": rows}
     path = write_result("compare-peers", payload, args.output_dir)
     title = (f"{gguf.name}: {args.input_len} in / {args.output_len} out random tokens, {args.threads} threads "
              f"each\n{machine['cpu']} ({' '.join(machine['cpu_flags'])})")
     chart = plot_peers([r for r in rows if "output_tok_s" in r], title, path.with_suffix(".png"))
     path.write_text(json.dumps({**json.loads(path.read_text()), "plot": chart.name}, indent=2) + "\n")
     print(f"\nwrote {path} and {chart.name}")
+
+
+def _offline(args: argparse.Namespace, gguf: Path) -> dict:
+    """pagedserve's offline bench and llama-bench on the same GGUF, workload and threads."""
+    num_prompts = args.num_prompts or 16
+    cmd = [sys.executable, "-m", "pagedserve", "bench", "offline", "--model", str(gguf), "--dtype", args.dtype,
+           "--num-threads", str(args.threads), "--num-prompts", str(num_prompts), "--input-len",
+           str(args.input_len), "--output-len", str(args.output_len), "--repeats", "1", "--single-repeats", "2",
+           "--output-dir", str(args.output_dir)]
+    print(f"\n== offline: {' '.join(cmd[1:])}", flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    print(out.stdout[-2000:], out.stderr[-2000:], flush=True)
+    written = re.search(r"wrote (\S+\.json)", out.stdout)
+    ours = json.loads(Path(written.group(1)).read_text())["results"] if written else {"error": out.stderr[-500:]}
+    result = {"pagedserve": {"file": Path(written.group(1)).name if written else None,
+                             "batch_output_tok_s": ours.get("engine_batch", {}).get("output_tok_s"),
+                             "single_decode_tok_s": ours.get("engine_single", {}).get("decode_tok_s"),
+                             "num_prompts": num_prompts}}
+    bench = args.llama_server.parent / "llama-bench" if args.llama_server else None
+    if bench and bench.is_file():
+        cmd = [str(bench), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.input_len),
+               "-n", str(args.output_len), "-r", "2", "-o", "json"]
+        print(f"== offline: {' '.join(cmd)}", flush=True)
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            tests = json.loads(out.stdout)
+            result["llama-bench"] = {("prompt_tok_s" if t["n_prompt"] else "single_decode_tok_s"): t["avg_ts"]
+                                     for t in tests}
+        except (json.JSONDecodeError, KeyError, TypeError):
+            result["llama-bench"] = {"error": (out.stdout + out.stderr)[-500:]}
+    print(json.dumps(result, indent=1), flush=True)
+    return result
 
 
 def _llama_server_info(args: argparse.Namespace) -> dict:

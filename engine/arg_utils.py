@@ -28,8 +28,8 @@ HELP = {
                          "model has no sliding window, else torch), torch (the plain-torch "
                          "reference), cpu (C++ paged attention), or cupy (GPU kernels, no sliding windows)",
     "quantization": "int4 or int8: quantize a float checkpoint's linear layers at load, in "
-                    "blocks of 32; none: dequantize a GGUF to --dtype (unset: GGUF Q4_0/Q4_1/Q8_0 "
-                    "run as stored, float checkpoints dense)",
+                    "blocks of 32; none: dequantize a GGUF to --dtype (unset: GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K "
+                    "run in blocks, float checkpoints dense)",
     "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda when "
                    "attention runs on cupy, else off)",
     "num_threads": "CPU threads for torch, split evenly over the tensor-parallel ranks, at least "

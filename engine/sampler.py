@@ -304,21 +304,71 @@ def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return probs
 
 
+# Top-k/top-p look at each row's best PREFILTER logits (a partial sort) where that is exact:
+# a full sort of Gemma 3's 262,144 logits took most of a sampled step.
+PREFILTER = 1024
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """One descending sort serves both filters; k = V and p = 1 keep every token."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    kth = sorted_logits.gather(1, _index(top_k, logits).unsqueeze(1) - 1)
+    """Top-k, then top-p, over each row's logits in descending order; k = V and p = 1 keep
+    every token. Over the best `width` logits only where that gives the same tokens (see
+    `_window`), else over a full sort."""
+    window = _window(logits, top_k, top_p)
+    if window is None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        return logits.scatter_(1, order, _filter_sorted(sorted_logits, top_k, top_p))
+    values, order, full_lse = window
+    whole = [i for i, k in enumerate(top_k) if k >= logits.shape[-1]]  # top-p only
+    kept = _filter_sorted(values, [min(k, values.shape[-1]) for k in top_k], top_p, (whole, full_lse))
+    return torch.full_like(logits, float("-inf")).scatter_(1, order, kept)
+
+
+def _window(logits: torch.Tensor, top_k: list[int], top_p: list[float]):
+    """(best values, their ids, each row's logsumexp) when filtering those alone is exact:
+    every row filters, no logit past the window ties a row's k-th, and the window holds more
+    than p of each top-p-only row's mass (what lies past it is dropped either way). Else None."""
+    vocab_size = logits.shape[-1]
+    if any(k >= vocab_size and p >= 1.0 for k, p in zip(top_k, top_p)):
+        return None
+    width = max([PREFILTER, *(k for k in top_k if k < vocab_size)])
+    if width * 4 > vocab_size:
+        return None
+    values, order = logits.topk(width, dim=-1)
+    k_rows = [i for i, k in enumerate(top_k) if k < vocab_size]
+    if k_rows:
+        index = _index(k_rows, logits)
+        kth = values[index].gather(1, _index([top_k[i] for i in k_rows], logits).unsqueeze(1) - 1)
+        if ((logits[index] >= kth).sum(dim=-1) > width).any():
+            return None
+    full_lse = logits.logsumexp(dim=-1, keepdim=True)
+    p_rows = [i for i, k in enumerate(top_k) if k >= vocab_size]
+    if p_rows:
+        index = _index(p_rows, logits)
+        mass = (values[index] - full_lse[index]).exp().sum(dim=-1)
+        if (mass < _per_row([top_p[i] for i in p_rows], mass) + 1e-3).any():  # margin: float error
+            return None
+    return values, order, full_lse
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, top_k: list[int], top_p: list[float],
+                   whole_rows: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+    """`sorted_logits` (each row's logits, descending, or the best of them) filtered in
+    place. `whole_rows`: (rows without top-k, every row's logsumexp over the vocabulary),
+    which normalises those rows' probabilities when only their best logits are here."""
+    kth = sorted_logits.gather(1, _index(top_k, sorted_logits).unsqueeze(1) - 1)
     # Ties with the k-th logit stay, as in vLLM.
     sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
+    if whole_rows is not None and whole_rows[0]:
+        index = _index(whole_rows[0], probs)
+        probs[index] = (sorted_logits[index] - whole_rows[1][index]).exp()
     mass_before = probs.cumsum(dim=-1) - probs
-    p = _per_row(top_p, logits)
+    p = _per_row(top_p, sorted_logits)
     # Keep a token while the mass before it is short of p (the top token's is
     # exactly 0, and p > 0, so it always stays); p = 1 is exempt so that float
     # error in the cumsum cannot clip the tail of a disabled row.
     drop = (mass_before >= p) & (p < 1.0)
-    sorted_logits.masked_fill_(drop, float("-inf"))
-    return logits.scatter_(1, order, sorted_logits)
+    return sorted_logits.masked_fill_(drop, float("-inf"))
 
 
 def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

@@ -17,3 +17,11 @@ class SiluAndMul(Layer):
             return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+class GeluAndMul(Layer):
+    """GeGLU, Gemma's gated MLP: [gate | up] -> gelu_tanh(gate) * up (HF's gelu_pytorch_tanh)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

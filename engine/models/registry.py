@@ -16,6 +16,7 @@ _CLASSES = {
     "phi3": ("engine.models.phi3", "Phi3ForCausalLM"),
     "mixtral": ("engine.models.moe", "MoeForCausalLM"),
     "qwen3_moe": ("engine.models.moe", "MoeForCausalLM"),
+    "gemma3_text": ("engine.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 
