@@ -7,6 +7,8 @@ in place. SmolLM2-135M's shapes by default: 9 query heads, 3 kv heads, head 64, 
 float32. Block tables are shuffled, and calls rotate over enough copies of the cache to
 exceed the CPU's caches, as successive layers do in the engine.
 
+`--window W` times a sliding-window layer instead (both paths read only the last W tokens).
+
 Medians of wall-clock timings, the two paths' calls alternating. Prints a table; writes JSON to bench/results.
 """
 
@@ -31,6 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64, help="head size (default: 64)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size (default: 16)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--window", type=int, default=None, help="sliding window in tokens (default: none)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, all cores)")
     p.add_argument("--seconds", type=float, default=0.5, help="timing budget per case and method (default: 0.5)")
     p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
@@ -59,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                 [[r["batch"], r["context"], r["torch_prepare_us"], r["torch_us"], r["kernel_us"], r["speedup"],
                   r["kernel_gb_s"]] for r in rows])
     config = {"heads": heads, "head_dim": args.head_dim, "block_size": args.block_size, "dtype": args.dtype,
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), "window": args.window}
     path = write_result("cpu-attention", {"machine": machine_info("cpu"), "config": config, "results": rows},
                         args.output_dir)
     print(f"\nwrote {path}")
@@ -89,14 +92,17 @@ def case(batch: int, context: int, heads: tuple[int, int], args: argparse.Namesp
         return AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode_tokens=batch,
                                  decode_block_tables=tables, decode_context_lens=lens,
                                  backend_state={"block_size": bs})
-    step = meta()
-    backend.prepare(step)
+    def prepare(step):
+        backend.prepare(step)
+        return backend._decode_plan(step, args.window)  # the window's plan, once per step
+    plan = prepare(meta())
     rotation = iter(range(1 << 62))
     torch_us, kernel_us = time_us(
-        [lambda: backend._decode(q, caches[next(rotation) % copies], step),
-         lambda: ops.paged_decode(q, caches[next(rotation) % copies], tables, lens, scale)], args.seconds)
-    prepare_us, = time_us([lambda: backend.prepare(meta())], args.seconds / 4)
-    kv_bytes = 2 * batch * context * num_kv_heads * dim * dtype.itemsize
+        [lambda: backend._decode_with(q, caches[next(rotation) % copies], plan),
+         lambda: ops.paged_decode(q, caches[next(rotation) % copies], tables, lens, scale, args.window)],
+        args.seconds)
+    prepare_us, = time_us([lambda: prepare(meta())], args.seconds / 4)
+    kv_bytes = 2 * batch * min(context, args.window or context) * num_kv_heads * dim * dtype.itemsize
     return {"batch": batch, "context": context, "torch_prepare_us": prepare_us, "torch_us": torch_us,
             "kernel_us": kernel_us, "speedup": torch_us / kernel_us, "kernel_gb_s": kv_bytes / kernel_us / 1e3,
             "cache_copies": copies}

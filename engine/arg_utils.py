@@ -23,9 +23,9 @@ HELP = {
                             "(unset: no limit)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "scheduling_policy": "fcfs, or priority (lower value first)",
-    "attention_backend": "auto (cpu on CPU where its kernels build, cupy on CUDA where cupy runs, else "
-                         "torch), torch (the plain-torch "
-                         "reference), cpu (C++ paged attention), or cupy (GPU kernels)",
+    "attention_backend": "auto (cpu on CPU where its kernels build, cupy on CUDA where cupy runs and the "
+                         "model has no sliding window, else torch), torch (the plain-torch "
+                         "reference), cpu (C++ paged attention), or cupy (GPU kernels, no sliding windows)",
     "quantization": "int4 or int8: quantize a float checkpoint's linear layers at load, in "
                     "blocks of 32; none: dequantize a GGUF to --dtype (unset: GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K "
                     "run in blocks, float checkpoints dense)",

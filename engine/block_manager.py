@@ -14,6 +14,22 @@ the same blocks, so a frontend can tell which engine holds a prompt's prefix. Bl
 keep their hash, and can be hit until popped for reuse. Free queue, front popped first:
 
     [never used ...] [seq A's last block, ..., seq A's first block] [seq B's ...]
+
+Sliding windows (`sliding_window=W`, only when every layer of the model is windowed): a
+step that writes positions from p on reads no key before p - W + 1, and later steps read
+even less, so blocks wholly before it are released as the sequence moves on. The table keeps
+its length (positions still map to entries), with FREED_BLOCK in the released entries:
+
+    W = 20, block_size = 8, this step writes position 40 (keys 21..40 visible):
+    token position:  0 ... 7 | 8 ... 15 | 16 ... 23 | 24 ... 31 | 32 ... 39 | 40
+    block table:     [  -1   ,    -1    ,    12     ,     3     ,     9     ,  4 ]
+                      released (ref dropped)  ^ holds key 21: kept
+
+A released block is an ordinary ref drop: at ref 0 it joins the free queue and, if it is
+cached, stays hittable until reused, so a later prompt with the same prefix can still hit it.
+Backends never read entries before a row's first visible block (engine/attention), so the
+placeholder is never dereferenced. A sequence thus holds at most
+`window_peak_blocks(step tokens)` blocks however long it grows.
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 ROOT_HASH = None  # parent hash of a sequence's first block
+FREED_BLOCK = -1  # a released table entry, before every window (see the module docstring)
 
 
 def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple) -> int:
@@ -67,17 +84,24 @@ class _SeqBlocks:
     num_written_hashes: int = 0  # hashes whose KV existed before the latest call (see free)
     # False after a hash collision: later blocks' chain would be ambiguous, so stop caching them.
     hashable: bool = True
+    num_released: int = 0  # leading entries released behind the sliding window (FREED_BLOCK)
 
 
 class BlockManager:
     """Allocates fixed-size KV blocks to sequences keyed by id. Not thread-safe: the scheduler is its
     only caller."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: every layer of the model attends to at most this many tokens, so
+        blocks behind it are released (None: full attention somewhere, keep every block)."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
+        if sliding_window is not None and sliding_window <= 0:
+            raise ValueError(f"sliding_window must be > 0 or None, got {sliding_window}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_cache_hits = 0  # of those, tokens served from cache
@@ -100,6 +124,14 @@ class BlockManager:
 
     def num_blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def window_peak_blocks(self, max_step_tokens: int) -> int | None:
+        """The most blocks one sequence ever holds when a step writes at most
+        `max_step_tokens` of it: the window before its first new token plus those, over
+        block boundaries. None without a sliding window (a sequence holds its whole context)."""
+        if self.sliding_window is None:
+            return None
+        return self.num_blocks_needed(self.sliding_window - 1 + max_step_tokens) + 1
 
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._seq(seq_id).block_ids)
@@ -131,16 +163,18 @@ class BlockManager:
     def can_allocate(self, num_tokens: int, computed_block_ids: Sequence[int] = ()) -> bool:
         """Whether `allocate` with these arguments would find enough free blocks."""
         num_new = self.num_blocks_needed(num_tokens) - len(computed_block_ids)
-        num_revived = sum(1 for b in computed_block_ids if self._blocks[b].ref_count == 0)
+        live = computed_block_ids[self._num_behind_window(len(computed_block_ids) * self.block_size):]
+        num_revived = sum(1 for b in live if self._blocks[b].ref_count == 0)
         return max(0, num_new) + num_revived <= self.num_free_blocks
 
     def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int,
                  computed_block_ids: Sequence[int] = (), extra_keys: tuple = ()) -> bool:
         """First allocation for a sequence (new, or resumed after preemption).
 
-        Takes references on `computed_block_ids` (from get_computed_blocks) and adds fresh
-        blocks so the table covers `num_tokens` (cached + scheduled) tokens. Returns False
-        and changes nothing if blocks run short. Registers blocks that become full.
+        Takes references on `computed_block_ids` (from get_computed_blocks; with a sliding
+        window, only on those the first new token can see: the others start out released)
+        and adds fresh blocks so the table covers `num_tokens` (cached + scheduled) tokens.
+        Returns False and changes nothing if blocks run short. Registers blocks that become full.
         """
         if seq_id in self._seqs and self._seqs[seq_id].block_ids:
             raise ValueError(f"sequence {seq_id!r} already has blocks; use append_slots")
@@ -152,13 +186,15 @@ class BlockManager:
             raise ValueError(f"computed blocks {computed} are no longer cached for these tokens")
         if not self.can_allocate(num_tokens, computed):
             return False
-        for block_id in computed:
+        released = self._num_behind_window(len(computed) * self.block_size)
+        for block_id in computed[released:]:
             self._take_ref(block_id)
         num_new = self.num_blocks_needed(num_tokens) - len(computed)
-        state = _SeqBlocks(block_ids=computed + [self._pop_free_block() for _ in range(num_new)],
+        state = _SeqBlocks(block_ids=[FREED_BLOCK] * released + computed[released:]
+                           + [self._pop_free_block() for _ in range(num_new)],
                            extra_keys=extra_keys, num_tokens=num_tokens,
                            block_hashes=[self._blocks[b].block_hash for b in computed],
-                           num_written_hashes=len(computed))
+                           num_written_hashes=len(computed), num_released=released)
         self._seqs[seq_id] = state
         self._register_full_blocks(state, token_ids)
         return True
@@ -170,9 +206,10 @@ class BlockManager:
 
         This step writes KV from `num_computed_tokens` (default: the end of what the table
         covered) on; a shared block in that range is copied first (recorded in
-        `blocks_to_copy`). A table never shrinks: slots that speculative decoding's rejected
-        drafts took stay allocated and are simply written again later. Returns False and
-        changes nothing if blocks run short.
+        `blocks_to_copy`). With a sliding window, blocks no position from there on can see
+        are released first (their room counts toward this step's). A table never shrinks:
+        slots that speculative decoding's rejected drafts took stay allocated and are simply
+        written again later. Returns False and changes nothing if blocks run short.
         """
         state = self._seq(seq_id)
         first_write = state.num_tokens if num_computed_tokens is None else num_computed_tokens
@@ -180,8 +217,11 @@ class BlockManager:
         num_new = self.num_blocks_needed(num_tokens) - len(state.block_ids)
         shared = [i for i in range(first_write // self.block_size, len(state.block_ids))
                   if self._blocks[state.block_ids[i]].ref_count > 1] if num_tokens > first_write else []
-        if num_new + len(shared) > self.num_free_blocks:
+        release = max(state.num_released, self._num_behind_window(first_write))
+        room = sum(1 for i in range(state.num_released, release) if self._blocks[state.block_ids[i]].ref_count == 1)
+        if num_new + len(shared) > self.num_free_blocks + room:
             return False
+        self._release(state, release)
         for i in shared:
             src = state.block_ids[i]
             dst = self._pop_free_block()
@@ -207,28 +247,25 @@ class BlockManager:
         if state is None:
             return
         if step_discarded:
-            for i in range(state.num_written_hashes, len(state.block_hashes)):
+            for i in range(max(state.num_written_hashes, state.num_released), len(state.block_hashes)):
                 block = self._blocks[state.block_ids[i]]
                 if block.block_hash == state.block_hashes[i]:  # not a duplicate of another block
                     del self._cached[block.block_hash]
                     self._uncache(block)
-        for block_id in reversed(state.block_ids):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self._free[block_id] = None
+        for block_id in reversed(state.block_ids[state.num_released:]):
+            self._drop_ref(block_id)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` the parent's block table, sharing every block (copy-on-write)."""
         parent = self._seq(parent_id)
         if child_id in self._seqs:
             raise ValueError(f"cannot fork into existing sequence {child_id!r}")
-        for block_id in parent.block_ids:
+        for block_id in parent.block_ids[parent.num_released:]:
             self._blocks[block_id].ref_count += 1
         self._seqs[child_id] = _SeqBlocks(
             block_ids=list(parent.block_ids), extra_keys=parent.extra_keys, num_tokens=parent.num_tokens,
             block_hashes=list(parent.block_hashes), hashable=parent.hashable,
-            num_written_hashes=parent.num_written_hashes)
+            num_written_hashes=parent.num_written_hashes, num_released=parent.num_released)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Refused (False) while any block is in use, since a
@@ -245,7 +282,11 @@ class BlockManager:
         table_refs = [0] * self.num_blocks
         for seq_id, state in self._seqs.items():
             _expect(len(state.block_ids) == self.num_blocks_needed(state.num_tokens), f"{seq_id}: table size")
-            for block_id in state.block_ids:
+            released = state.num_released
+            _expect(released == 0 or self.sliding_window is not None, f"{seq_id}: released without a window")
+            _expect(all(b == FREED_BLOCK for b in state.block_ids[:released]), f"{seq_id}: released entries")
+            for block_id in state.block_ids[released:]:
+                _expect(block_id != FREED_BLOCK, f"{seq_id}: a released entry after live ones")
                 table_refs[block_id] += 1
         for block in self._blocks:
             name = f"block {block.block_id}"
@@ -276,6 +317,26 @@ class BlockManager:
             block_ids.append(block_id)
             parent = block_hash
         return block_ids
+
+    def _num_behind_window(self, first_write: int) -> int:
+        """Leading blocks that no query at `first_write` or later can see: those wholly before
+        position first_write - W + 1 (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_write - self.sliding_window + 1) // self.block_size
+
+    def _release(self, state: _SeqBlocks, end: int) -> None:
+        """Drop the references of table entries [num_released, end), oldest first."""
+        for i in range(state.num_released, end):
+            self._drop_ref(state.block_ids[i])
+            state.block_ids[i] = FREED_BLOCK
+        state.num_released = max(state.num_released, end)
+
+    def _drop_ref(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
 
     def _take_ref(self, block_id: int) -> None:
         block = self._blocks[block_id]
@@ -309,6 +370,9 @@ class BlockManager:
             tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             block_hash = hash_block(parent, tokens, state.extra_keys)
             cached_id = self._cached.get(block_hash)
+            if cached_id is None and i < state.num_released:  # never: released blocks were full already
+                state.hashable = False
+                return
             if cached_id is None:
                 block = self._blocks[state.block_ids[i]]
                 block.block_hash, block.parent_hash = block_hash, parent

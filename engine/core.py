@@ -60,8 +60,10 @@ class EngineCore:
             # Rows of the LM head past the tokenizer's tokens are padding: never sampled.
             self.model_runner.sampler.num_tokens = min(len(tokenizer), self.vocab_size)
             self.structured_output = StructuredOutputManager(tokenizer, self.vocab_size, eos_token_ids)
+        # A draft model shares the block tables and attends to whole contexts: keep every block.
+        kv_window = self.model_runner.kv_window if config.speculative_method != "draft" else None
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, kv_window)
         self.max_model_len = self._fit_max_model_len(self.model_runner.max_model_len)
         self.limits = PromptLimits(self.vocab_size, self.max_model_len, self.block_manager.num_blocks,
                                    config.block_size)
@@ -76,6 +78,12 @@ class EngineCore:
 
     def _fit_max_model_len(self, max_model_len: int) -> int:
         # A sequence longer than the whole pool would preempt itself forever: never admit one.
+        # With every layer windowed, a sequence holds a bounded number of blocks: only
+        # those bound it (a step writes at most the token budget plus a draft model's lookahead).
+        step_tokens = self.config.max_num_batched_tokens + self.config.num_speculative_tokens
+        peak = self.block_manager.window_peak_blocks(step_tokens)
+        if peak is not None and peak <= self.block_manager.num_blocks:
+            return max_model_len
         capacity = self.block_manager.num_blocks * self.config.block_size
         if capacity < max_model_len:
             log.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more "

@@ -32,10 +32,11 @@ def check_prompt(prompt: list[int], params: SamplingParams, limits: PromptLimits
     total = len(prompt) + (params.max_tokens or 1)
     if total > limits.max_model_len:
         # The engine caps max_model_len at the KV pool's size (a longer sequence would preempt
-        # itself forever), so this one check also refuses what could never fit in the cache.
+        # itself forever; not with every layer windowed, where a sequence holds a bounded number
+        # of blocks), so this one check also refuses what could never fit in the cache.
         kv_tokens = limits.num_kv_blocks * limits.block_size
         why = (f"the KV cache's capacity of {kv_tokens} tokens ({limits.num_kv_blocks} blocks of "
-               f"{limits.block_size}); it can never fit" if kv_tokens <= limits.max_model_len else
+               f"{limits.block_size}); it can never fit" if kv_tokens == limits.max_model_len else
                f"the model's maximum length of {limits.max_model_len} tokens")
         raise InvalidRequest(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "

@@ -14,6 +14,9 @@ A block table row lists the physical blocks of one sequence, in order:
 
     block_tables[b] = [ 7, 2, 9, 0, 0 ]   (padded with 0; context_lens masks the tail)
                         ^ tokens 0..15, then 16..31 in block 2, ...
+
+When every layer has a sliding window, entries wholly before a row's window may be
+FREED_BLOCK (-1, released by the block manager): windowed attention never reads them.
 """
 
 from __future__ import annotations

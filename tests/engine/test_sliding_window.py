@@ -20,8 +20,12 @@ CONFIGS = {
     "batched": dict(enable_prefix_caching=False),
     "chunked": dict(max_num_batched_tokens=20, enable_prefix_caching=False),
     "cached": dict(max_num_batched_tokens=64, enable_prefix_caching=True),
-    "preempted": dict(num_kv_blocks=20, max_num_batched_tokens=32, enable_prefix_caching=True),
+    # The others run "auto" (the cpu backend's kernel where it builds); this one the torch backend.
+    "preempted": dict(max_num_batched_tokens=32, enable_prefix_caching=True, attention_backend="torch"),
 }
+# num_kv_blocks for "preempted": Mistral releases blocks behind the window, so 12 blocks
+# (96 tokens) run 138-token requests.
+PREEMPT_BLOCKS = {"mistral": 12, "qwen2_mixed": 20}
 MODELS = {
     "mistral": dict(sliding_window=WINDOW),
     "qwen2_mixed": dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
@@ -49,7 +53,8 @@ def windowed(request, tmp_path_factory, bundled_tokenizer):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_matches_hf(windowed, config):
     name, folder, prompts, reference = windowed
-    llm = LLM(str(folder), dtype="float32", block_size=BLOCK, **CONFIGS[config])
+    extra = dict(num_kv_blocks=PREEMPT_BLOCKS[name]) if config == "preempted" else {}
+    llm = LLM(str(folder), dtype="float32", block_size=BLOCK, **CONFIGS[config], **extra)
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
     runs = 2 if llm.config.enable_prefix_caching else 1
     for _ in range(runs):  # with caching, the second run is served from the prefix cache
@@ -57,7 +62,7 @@ def test_matches_hf(windowed, config):
         ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
         assert check_outputs_match(ours, reference) <= 1
     stats = llm.engine.stats()
-    if "num_kv_blocks" in CONFIGS[config]:
+    if extra:
         assert stats.num_preemptions > 0
     if llm.config.enable_prefix_caching:
         assert stats.num_prefix_cache_hits > 0
@@ -76,3 +81,56 @@ def test_window_changes_the_output(windowed):
     hf = AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32).eval()
     full = hf_greedy(hf, prompts[-1:], MAX_NEW)
     assert full[0][0] != reference[-1][0]
+
+
+def test_mistral_releases_blocks_behind_the_window(windowed):
+    """One request longer than the whole pool runs, and holds a bounded number of blocks."""
+    name, folder, prompts, reference = windowed
+    if name != "mistral":
+        pytest.skip("only a model whose every layer is windowed releases blocks")
+    llm = LLM(str(folder), dtype="float32", block_size=BLOCK, num_kv_blocks=10, max_num_batched_tokens=16)
+    assert llm.engine.max_model_len == 512  # neither the window nor the 80-token pool caps it
+    bm, held = llm.engine.block_manager, []
+    append_slots = bm.append_slots
+
+    def recording(*args, **kwargs):
+        ok = append_slots(*args, **kwargs)
+        held.append(bm.num_blocks - bm.num_free_blocks)
+        return ok
+    bm.append_slots = recording
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+    out = llm.generate(prompts[-1:], params)[0].outputs[0]  # 90 + 48 tokens, 18 blocks' worth
+    assert check_outputs_match([(out.token_ids, out.logprobs)], reference[-1:]) == 0
+    assert max(held) <= bm.window_peak_blocks(16 + 4) == 7
+    assert llm.engine.stats().num_preemptions == 0
+    assert_no_leak(llm)
+
+
+class _Oracle:
+    """A proposer that drafts the reference continuation: multi-token verification steps."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
+        self.answers = answers
+
+    def propose(self, requests, max_drafts, block_tables, blocks_to_copy):
+        return [self.answers[tuple(r.prompt_token_ids)][r.num_output_tokens:r.num_output_tokens + k]
+                for r, k in zip(requests, max_drafts)]
+
+    def release(self, request_ids):
+        pass
+
+
+def test_mistral_speculation_and_forks_under_the_window(windowed):
+    """Verification rows and copy-on-write siblings (n=2) over released blocks."""
+    name, folder, prompts, reference = windowed
+    if name != "mistral":
+        pytest.skip("the released-block paths are Mistral's")
+    llm = LLM(str(folder), dtype="float32", block_size=BLOCK, num_kv_blocks=24, speculative_method="ngram",
+              num_speculative_tokens=3)
+    llm.engine.speculator.proposer = _Oracle({tuple(p): r[0] for p, r in zip(prompts, reference)})
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, n=2)
+    outs = llm.generate(prompts[-2:], params)
+    for out, (tokens, _) in zip(outs, reference[-2:]):
+        assert [c.token_ids for c in out.outputs] == [tokens, tokens]
+    assert llm.engine.stats().spec_decoding.num_accepted_tokens > 0
+    assert_no_leak(llm)

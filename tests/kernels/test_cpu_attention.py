@@ -92,6 +92,31 @@ def test_long_contexts_split_into_partitions(dtype):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 16, 600])
+def test_sliding_window_reads_only_the_window(dtype, window):
+    """Each row's key loop starts at len - window, mid-block too: every earlier position is
+    NaN, and the table entries before the window's block point at the poison block (as the
+    block manager's released entries point nowhere)."""
+    from cpu_kernels import ops, reference
+    lens = [1, 7, 16, 17, 300, 1500]
+    paged = PagedCache(lens, 2, 64, 16, dtype, seed=window)
+    poison = paged.kv_cache.shape[2] - 1
+    for b, n in enumerate(lens):
+        start, table = max(0, n - window), paged.block_tables[b]
+        for i in range(start // 16):
+            paged.kv_cache[:, :, table[i]] = float("nan")
+            table[i] = poison
+        paged.kv_cache[:, :, table[start // 16], :start % 16] = float("nan")
+    q = paged.queries(len(lens), 6, 2, 64)
+    out = ops.paged_decode(q, paged.kv_cache, paged.block_tables, paged.context_lens, 0.125, window)
+    ref = reference.paged_decode(q, paged.kv_cache, paged.block_tables, paged.context_lens, 0.125, window)
+    assert_close(out, ref, dtype, f"window {window}")
+    with pytest.raises(ValueError, match="window"):
+        ops.paged_decode(q, paged.kv_cache, paged.block_tables, paged.context_lens, 0.125, 0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_invariance(dtype):
     """A sequence's output is bitwise the same alone, in any batch, at any thread count."""
     from cpu_kernels import ops

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import cpu_kernels
-from cpu_kernels import reference
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 
 HEADS, KV_HEADS, DIM, BLOCK, NUM_BLOCKS = 4, 2, 16, 4, 64
@@ -92,29 +91,6 @@ def test_cpu_backend_matches_torch_backend(window):
     ours = run_backend("cpu", window)[0]
     torch_out, _, _, _, n = run_backend("torch", window)
     torch.testing.assert_close(ours[:n], torch_out[:n], rtol=1e-5, atol=1e-5)
-
-
-@needs_kernel
-@pytest.mark.parametrize("window", [3, 8, 600])
-def test_cpu_kernel_window_matches_reference(window):
-    """Long contexts (several partitions), released entries as -1 before each window."""
-    from cpu_kernels import ops
-    gen = torch.Generator().manual_seed(2)
-    lens = [1, 9, 700, 1500]
-    cache = torch.randn(2, KV_HEADS, 600, 8, DIM, generator=gen)
-    perm = torch.randperm(600, generator=gen).tolist()
-    rows = []
-    for n in lens:
-        table, perm = perm[:-(-n // 8)], perm[-(-n // 8):]
-        first = max(0, n - window) // 8
-        rows.append([-1] * first + table[first:] + [0] * (188 - len(table)))
-    tables, context_lens = torch.tensor(rows), torch.tensor(lens)
-    q = torch.randn(len(lens), HEADS, DIM, generator=gen)
-    out = ops.paged_decode(q, cache, tables, context_lens, 0.25, window)
-    expected = reference.paged_decode(q, cache, tables.clamp(min=0), context_lens, 0.25, window)
-    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="window"):
-        ops.paged_decode(q, cache, tables, context_lens, 0.25, 0)
 
 
 def test_cupy_refuses_windows_and_auto_picks_torch_on_cuda(monkeypatch):
