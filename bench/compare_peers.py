@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file, or gemma3 for the packaged Gemma 3 270M Q4_K_M "
                                                  "(default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--offline", action="store_true",
-                   help="also compare offline: `pagedserve bench offline` against llama-bench")
+                   help="also compare offline: `pagedserve bench offline` (with a pagedserve peer) and "
+                        "llama-bench (with llama-server)")
     p.add_argument("--seed", type=int, default=0,
                    help="bench serve --seed of the first concurrency, +1 for each next (default: 0)")
     p.add_argument("--output-dir", type=Path, default=RESULTS_DIR, help="where every JSON and the PNG go")
@@ -219,23 +220,13 @@ def _report(rows: list[dict], args: argparse.Namespace, gguf: Path, peers: list[
 
 
 def _offline(args: argparse.Namespace, gguf: Path) -> dict:
-    """pagedserve's offline bench and llama-bench on the same GGUF, workload and threads."""
-    num_prompts = args.num_prompts or 16
-    cmd = [sys.executable, "-m", "pagedserve", "bench", "offline", "--model", str(gguf), "--dtype", args.dtype,
-           "--num-threads", str(args.threads), "--num-prompts", str(num_prompts), "--input-len",
-           str(args.input_len), "--output-len", str(args.output_len), "--repeats", "1", "--single-repeats", "2",
-           "--output-dir", str(args.output_dir)]
-    print(f"\n== offline: {' '.join(cmd[1:])}", flush=True)
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    print(out.stdout[-2000:], out.stderr[-2000:], flush=True)
-    written = re.search(r"wrote (\S+\.json)", out.stdout)
-    ours = json.loads(Path(written.group(1)).read_text())["results"] if written else {"error": out.stderr[-500:]}
-    result = {"pagedserve": {"file": Path(written.group(1)).name if written else None,
-                             "batch_output_tok_s": ours.get("engine_batch", {}).get("output_tok_s"),
-                             "single_decode_tok_s": ours.get("engine_single", {}).get("decode_tok_s"),
-                             "num_prompts": num_prompts}}
+    """pagedserve's offline bench (when a pagedserve peer is chosen) and llama-bench (when
+    llama-server is) on the same GGUF, workload and threads."""
+    num_prompts, result = args.num_prompts or 16, {}
+    if any(p.startswith("pagedserve") for p in args.peers.split(",")):
+        result["pagedserve"] = _offline_pagedserve(args, gguf, num_prompts)
     bench = args.llama_server.parent / "llama-bench" if args.llama_server else None
-    if bench and bench.is_file():
+    if "llama-server" in args.peers and bench and bench.is_file():
         cmd = [str(bench), "-m", str(gguf), "-t", str(args.threads), "-p", str(args.input_len),
                "-n", str(args.output_len), "-r", "2", "-o", "json"]
         print(f"== offline: {' '.join(cmd)}", flush=True)
@@ -248,6 +239,21 @@ def _offline(args: argparse.Namespace, gguf: Path) -> dict:
             result["llama-bench"] = {"error": (out.stdout + out.stderr)[-500:]}
     print(json.dumps(result, indent=1), flush=True)
     return result
+
+
+def _offline_pagedserve(args: argparse.Namespace, gguf: Path, num_prompts: int) -> dict:
+    cmd = [sys.executable, "-m", "pagedserve", "bench", "offline", "--model", str(gguf), "--dtype", args.dtype,
+           "--num-threads", str(args.threads), "--num-prompts", str(num_prompts), "--input-len",
+           str(args.input_len), "--output-len", str(args.output_len), "--repeats", "1", "--single-repeats", "2",
+           "--output-dir", str(args.output_dir)]
+    print(f"\n== offline: {' '.join(cmd[1:])}", flush=True)
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    print(out.stdout[-2000:], out.stderr[-2000:], flush=True)
+    written = re.search(r"wrote (\S+\.json)", out.stdout)
+    ours = json.loads(Path(written.group(1)).read_text())["results"] if written else {"error": out.stderr[-500:]}
+    return {"file": Path(written.group(1)).name if written else None,
+            "batch_output_tok_s": ours.get("engine_batch", {}).get("output_tok_s"),
+            "single_decode_tok_s": ours.get("engine_single", {}).get("decode_tok_s"), "num_prompts": num_prompts}
 
 
 def _llama_server_info(args: argparse.Namespace) -> dict:

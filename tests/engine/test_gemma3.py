@@ -1,6 +1,8 @@
 """Gemma 3 against HF transformers, greedy, in float32: the bundled 270M Q4_K_M GGUF (the
-same file on both sides), and a tiny random-weight Gemma 3 under batching, chunking,
-prefix caching and preemption."""
+same file on both sides, one prompt past the 512-token window), and a tiny random-weight
+Gemma 3 with a 16-token window under batching, chunking, prefix caching, preemption and
+tensor parallelism. Also: Q5_0/Q4_K re-blocking is exact, the large-vocabulary top-k/top-p
+prefilter keeps the full sort's tokens, unknown GGUF architectures and types are named."""
 
 from __future__ import annotations
 
