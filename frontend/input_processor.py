@@ -81,8 +81,9 @@ class InputProcessor:
         if continue_final_message and messages[-1]["role"] != "assistant":
             raise InvalidRequest("continue_final_message: the last message must be the assistant's")
         try:
+            # tokenize=False: transformers' tokenizers (the offline LLM's) return ids otherwise.
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools,
                 continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - the template itself rejects the conversation
             raise InvalidRequest(f"{field}: the model's chat template rejected it: {e}") from None

@@ -89,6 +89,7 @@ class Tokenizer:
         """The rendered prompt text (transformers' renderer; `tokenize=False` in its terms)."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template")
+        kwargs.pop("tokenize", None)  # always text here; accepted for transformers' signature
         rendered, _ = render_jinja_template(
             conversations=[messages], tools=tools, chat_template=self.chat_template,
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,

@@ -53,8 +53,7 @@ def offline(setup):
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, max_model_len=512, max_lora_rank=8,
               lora_modules={"a": str(adapters["a"]), "b": str(adapters["b"])})
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    text = llm.tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    chat = llm.tokenizer.encode(text, add_special_tokens=False)  # as the frontend renders a chat
+    chat = llm.input.tokenize_chat(MESSAGES)  # the renderer the frontend uses
     out = {}
     for name in (None, "a", "b"):
         text, chat_out = llm.generate([PROMPT, chat], params, lora_name=name)
