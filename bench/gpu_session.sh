@@ -8,7 +8,8 @@
 # 2. tests/kernels: each kernel against its float32 torch reference, the cupy backend
 #    against the torch backend (the CPU-side tests run in CI, not here);
 # 3. tests/kernels/test_gpu_e2e.py: our LLM on CUDA with the cupy backend, CUDA graphs on
-#    and off, greedy against HF transformers on the same GPU;
+#    and off, greedy against HF transformers on the same GPU; test_gpu_families.py: the
+#    MoE, Phi-3 and Gemma 3 families and multi-LoRA the same way (peft is in the image);
 # 4. `bench kernels` (python -m bench.kernels): copy bandwidth, decode bandwidth grid,
 #    fixed and launch costs -> kernels-<stamp>.json and .png;
 # 5. compute-sanitizer memcheck and racecheck over a few kernel tests, in the time left;
@@ -54,7 +55,7 @@ step warm 120 /tmp/pagedserve-warm.log $PY -m cupy_kernels.warm --jobs 16
 # The GPU kernel tests only: the CPU kernels' tests (and their C++ builds) run in CI.
 step kernel-tests 240 "$OUT/kernel_tests.log" $PYTEST $XDIST --maxfail 40 \
   tests/kernels/test_{cache_kernel,decode_kernel,prefill_kernel,cupy_backend,gpu_flags,plan,reference}.py
-step e2e 150 "$OUT/e2e.log" $PYTEST tests/kernels/test_gpu_e2e.py
+step e2e 150 "$OUT/e2e.log" $PYTEST tests/kernels/test_gpu_e2e.py tests/kernels/test_gpu_families.py
 step bench 180 "$OUT/bench.log" $PY -m bench.kernels --output-dir "$OUT"
 # One cudaMalloc per tensor, so that an out-of-bounds access lands outside any allocation.
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
