@@ -123,6 +123,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
         value, flag = getattr(config, f.name), "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, dict):  # --lora-modules NAME=PATH ...
+            flags += [flag, *(f"{k}={v}" for k, v in value.items())] if value else []
         elif value is not None:
             flags += [flag, str(value)]
     return flags

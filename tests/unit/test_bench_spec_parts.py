@@ -131,3 +131,17 @@ def test_configs_map_to_engine_flags():
     assert flags[flags.index("--num-speculative-tokens") + 1] == "3"
     draft = config_for("draft", base, "small.gguf")
     assert (draft.speculative_method, draft.speculative_model) == ("draft", "small.gguf")
+
+
+@pytest.mark.parametrize("lora_modules", [None, {"sql": "/adapters/sql", "chat": "/adapters/chat"}])
+def test_engine_flags_rebuild_the_config(lora_modules):
+    """What the benchmarks start engines with parses back to the same config (a dict of
+    LoRA modules once went out as the string "{}")."""
+    import argparse
+    from bench.servers import engine_flags
+    from engine.arg_utils import add_engine_args, engine_config_from_args
+    from engine.config import EngineConfig
+    config = EngineConfig(lora_modules=lora_modules, max_lora_rank=8)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config_from_args(parser.parse_args(engine_flags(config))) == config
