@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from helpers import assert_no_leak, check_outputs_match, hf_greedy
+from helpers import assert_matches_hf, assert_no_leak, check_outputs_match, hf_greedy
 from test_tiny_hf_equivalence import CONFIGS, tiny_prompts
 
 MAX_NEW = 16
@@ -63,18 +63,7 @@ def test_tiny_config_reads_every_quirk(tiny):
 def test_tiny_matches_hf(tiny, config):
     folder, prompts, reference = tiny
     llm = LLM(str(folder), dtype="float32", **CONFIGS[config])
-    params = SamplingParams(temperature=0, max_tokens=TINY_MAX_NEW, min_tokens=TINY_MAX_NEW, logprobs=5)
-    runs = 2 if llm.config.enable_prefix_caching else 1
-    for _ in range(runs):
-        outs = llm.generate(prompts, params)
-        ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-        assert check_outputs_match(ours, reference) <= 1
-    stats = llm.engine.stats()
-    if "num_kv_blocks" in CONFIGS[config]:
-        assert stats.num_preemptions > 0
-    if llm.config.enable_prefix_caching:
-        assert stats.num_prefix_cache_hits > 0
-    assert_no_leak(llm)
+    assert_matches_hf(llm, prompts, reference, TINY_MAX_NEW, preempted="num_kv_blocks" in CONFIGS[config])
 
 
 def test_softcapping_is_refused(tmp_path):

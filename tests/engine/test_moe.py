@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.layers.moe import grouped_experts, reference_experts, route
-from helpers import assert_no_leak, build_tiny_model, check_outputs_match, hf_greedy
+from helpers import assert_matches_hf, assert_no_leak, build_tiny_model, greedy_with_logprobs, hf_greedy
 
 MAX_NEW = 16
 CONFIGS = {
@@ -81,11 +81,6 @@ def tiny_prompts() -> list[list[int]]:
     return shared + [[rng.randrange(3, 512) for _ in range(n)] for n in (1, 16, 70)]
 
 
-def greedy(llm: LLM, prompts: list[list[int]], max_new: int = MAX_NEW):
-    params = SamplingParams(temperature=0, max_tokens=max_new, min_tokens=max_new, logprobs=5)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
-
-
 @pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
 def tiny(request, tmp_path_factory, bundled_tokenizer):
     from transformers import AutoModelForCausalLM
@@ -98,14 +93,7 @@ def tiny(request, tmp_path_factory, bundled_tokenizer):
 def test_matches_hf(tiny, config):
     folder, reference = tiny
     llm = LLM(str(folder), dtype="float32", **CONFIGS[config])
-    for _ in range(2 if llm.config.enable_prefix_caching else 1):  # the second run hits the cache
-        assert check_outputs_match(greedy(llm, tiny_prompts()), reference) <= 1
-    stats = llm.engine.stats()
-    if "num_kv_blocks" in CONFIGS[config]:
-        assert stats.num_preemptions > 0
-    if llm.config.enable_prefix_caching:
-        assert stats.num_prefix_cache_hits > 0
-    assert_no_leak(llm)
+    assert_matches_hf(llm, tiny_prompts(), reference, MAX_NEW, preempted="num_kv_blocks" in CONFIGS[config])
 
 
 def test_int8_quantizes_attention_not_experts(tiny):
@@ -117,7 +105,7 @@ def test_int8_quantizes_attention_not_experts(tiny):
     layers = model.model.layers
     assert isinstance(layers[1].self_attn.qkv_proj, QuantLinear) or not _quant_kernels()
     assert isinstance(layers[1].mlp, SparseMoeBlock) and layers[1].mlp.experts.gate_up_proj.dtype == torch.float32
-    ours = greedy(llm, tiny_prompts()[:3], 4)
+    ours = greedy_with_logprobs(llm, tiny_prompts()[:3], 4)
     agree = sum(a[0][0] == b[0][0] for a, b in zip(ours, reference))
     assert agree >= 2  # int8 attention: close to, not equal to, the float model
     assert_no_leak(llm)
@@ -132,10 +120,10 @@ def test_tensor_parallel_equals_single(tiny):
     folder, _ = tiny
     if folder.name.startswith("mixtral"):  # a TP=2 engine costs ~15 s: Qwen3-MoE has sparse and dense layers
         pytest.skip("tensor parallelism is checked on qwen3_moe")
-    single = greedy(LLM(str(folder), dtype="float32", num_threads=2), tiny_prompts(), 8)
+    single = greedy_with_logprobs(LLM(str(folder), dtype="float32", num_threads=2), tiny_prompts(), 8)
     llm = LLM(str(folder), dtype="float32", num_threads=2, tensor_parallel_size=2)
     try:
-        split = greedy(llm, tiny_prompts(), 8)
+        split = greedy_with_logprobs(llm, tiny_prompts(), 8)
     finally:
         llm.engine.model_runner.close()
     assert [t for t, _ in split] == [t for t, _ in single]

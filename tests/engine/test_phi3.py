@@ -15,10 +15,10 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelArchConfig
-from helpers import assert_no_leak, build_tiny_model, check_outputs_match, hf_greedy, tiny_hf_config
+from helpers import assert_matches_hf, assert_no_leak, build_tiny_model, greedy_with_logprobs, hf_greedy, tiny_hf_config
 
 MAX_NEW = 16
 ORIGINAL = 64  # tiny_hf_config("phi3")'s original_max_position_embeddings
@@ -66,11 +66,6 @@ def tiny(tmp_path_factory, bundled_tokenizer):
     return folder, {regime: hf_greedy(hf, prompts(regime), MAX_NEW) for regime in REGIMES}
 
 
-def greedy(llm: LLM, batch: list[list[int]]):
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(batch, params)]
-
-
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("regime", list(REGIMES))
 def test_matches_hf(tiny, regime, config):
@@ -79,14 +74,8 @@ def test_matches_hf(tiny, regime, config):
     if "num_kv_blocks" in kwargs:
         kwargs["num_kv_blocks"] = REGIMES[regime][4]
     llm = LLM(str(folder), dtype="float32", max_model_len=REGIMES[regime][0], **kwargs)
-    for _ in range(2 if llm.config.enable_prefix_caching else 1):  # the second run hits the cache
-        assert check_outputs_match(greedy(llm, prompts(regime)), reference[regime]) <= 1
-    stats = llm.engine.stats()
-    if "num_kv_blocks" in CONFIGS[config]:
-        assert stats.num_preemptions > 0
-    if llm.config.enable_prefix_caching:
-        assert stats.num_prefix_cache_hits > 0
-    assert_no_leak(llm)
+    assert_matches_hf(llm, prompts(regime), reference[regime], MAX_NEW,
+                      preempted="num_kv_blocks" in CONFIGS[config])
 
 
 def test_regime_is_per_engine_not_per_batch(tiny):
@@ -95,7 +84,7 @@ def test_regime_is_per_engine_not_per_batch(tiny):
     folder, _ = tiny
     llm = LLM(str(folder), dtype="float32")
     short = prompts("short")[:2]
-    alone = greedy(llm, short)
-    mixed = greedy(llm, short + prompts("long"))[:2]
+    alone = greedy_with_logprobs(llm, short, MAX_NEW)
+    mixed = greedy_with_logprobs(llm, short + prompts("long"), MAX_NEW)[:2]
     assert [t for t, _ in alone] == [t for t, _ in mixed]
     assert_no_leak(llm)

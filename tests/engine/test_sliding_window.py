@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from helpers import assert_no_leak, build_tiny_model, check_outputs_match, hf_greedy
+from helpers import assert_matches_hf, assert_no_leak, build_tiny_model, check_outputs_match, hf_greedy
 
 WINDOW, BLOCK = 24, 8
 MAX_NEW = 48
@@ -55,18 +55,7 @@ def test_matches_hf(windowed, config):
     name, folder, prompts, reference = windowed
     extra = dict(num_kv_blocks=PREEMPT_BLOCKS[name]) if config == "preempted" else {}
     llm = LLM(str(folder), dtype="float32", block_size=BLOCK, **CONFIGS[config], **extra)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
-    runs = 2 if llm.config.enable_prefix_caching else 1
-    for _ in range(runs):  # with caching, the second run is served from the prefix cache
-        outs = llm.generate(prompts, params)
-        ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-        assert check_outputs_match(ours, reference) <= 1
-    stats = llm.engine.stats()
-    if extra:
-        assert stats.num_preemptions > 0
-    if llm.config.enable_prefix_caching:
-        assert stats.num_prefix_cache_hits > 0
-    assert_no_leak(llm)
+    assert_matches_hf(llm, prompts, reference, MAX_NEW, preempted=bool(extra))
 
 
 def test_window_changes_the_output(windowed):

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from helpers import assert_no_leak, build_tiny_model, check_outputs_match, hf_greedy
+from engine import LLM
+from helpers import assert_matches_hf, build_tiny_model, hf_greedy
 
 MAX_NEW = 32
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
@@ -43,15 +43,4 @@ def tiny(request, tmp_path_factory, bundled_tokenizer):
 def test_matches_hf(tiny, config):
     folder, prompts, reference = tiny
     llm = LLM(str(folder), dtype="float32", **CONFIGS[config])
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
-    runs = 2 if llm.config.enable_prefix_caching else 1
-    for _ in range(runs):  # with caching, the second run is served from the prefix cache
-        outs = llm.generate(prompts, params)
-        ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-        assert check_outputs_match(ours, reference) <= 1
-    stats = llm.engine.stats()
-    if "num_kv_blocks" in CONFIGS[config]:
-        assert stats.num_preemptions > 0
-    if llm.config.enable_prefix_caching:
-        assert stats.num_prefix_cache_hits > 0
-    assert_no_leak(llm)
+    assert_matches_hf(llm, prompts, reference, MAX_NEW, preempted="num_kv_blocks" in CONFIGS[config])
