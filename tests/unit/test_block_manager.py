@@ -525,7 +525,12 @@ class _Sim:
 @settings(max_examples=500, deadline=None)
 @given(ops=st.lists(_ops, min_size=5, max_size=50), num_blocks=st.integers(1, 16))
 def test_random_operations_keep_invariants(ops, num_blocks):
-    sim = _Sim(BlockManager(num_blocks, block_size=BS))
+    run_random_operations(_Sim(BlockManager(num_blocks, block_size=BS)), ops, num_blocks)
+
+
+def run_random_operations(sim: _Sim, ops: list[tuple], num_blocks: int) -> None:
+    """Apply `ops` to `sim`, checking its KV and the invariants after each; at the end every
+    sequence is freed and every block must be free again."""
     for op in ops:
         if op[0] == "preempt":
             sim.preempt()

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import FREED_BLOCK, BlockManager
-from unit.test_block_manager import _ops, _Sim
+from unit.test_block_manager import _ops, _Sim, run_random_operations
 
 BS, W = 4, 6  # a query at position p sees p - 5 .. p
 X = FREED_BLOCK
@@ -164,21 +164,4 @@ class _WindowSim(_Sim):
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(_ops, min_size=5, max_size=50), num_blocks=st.integers(2, 16))
 def test_random_operations_keep_invariants(ops, num_blocks):
-    sim = _WindowSim(make(num_blocks))
-    for op in ops:
-        if op[0] == "preempt":
-            sim.preempt()
-        sim.flush()
-        sim.check()
-        live = sorted(sim.tokens)
-        if op[0] == "new":
-            sim.new(op[1], op[2])
-        elif op[0] != "preempt" and live:
-            getattr(sim, op[0])(live[op[1] % len(live)], *op[2:])
-        sim.bm.check_invariants()
-    sim.flush()
-    sim.check()
-    for seq_id in list(sim.tokens):
-        sim.free(seq_id)
-    sim.bm.check_invariants()
-    assert sim.bm.num_free_blocks == num_blocks
+    run_random_operations(_WindowSim(make(num_blocks)), ops, num_blocks)
