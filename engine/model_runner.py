@@ -12,7 +12,6 @@ runs it (`run_plan`) through the same collectives; only rank 0 gets logits and s
 from __future__ import annotations
 
 import logging
-
 import os
 import time
 from dataclasses import dataclass, field
