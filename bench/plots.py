@@ -169,3 +169,26 @@ def plot_peers(rows: list[dict], title: str, path: Path) -> Path:
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)
+
+
+def plot_host_step(payload: dict, path: Path) -> Path:
+    """Stacked bars per build: the model's ms per decode step, the engine's host ms on top,
+    and the output processing beside them."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(payload["results"])
+    runs = [payload["results"][n] for n in names]
+    labels = [f"{n}\n{r['commit'][:8]}" for n, r in zip(names, runs)]
+    fig, ax = plt.subplots(figsize=(7, 0.8 * len(names) + 1.4))
+    ax.barh(labels, [r["forward_ms"] for r in runs], color="tab:gray", label="model (forward + LM head)")
+    host = ax.barh(labels, [r["host_ms"] for r in runs], left=[r["forward_ms"] for r in runs],
+                   color="tab:red", label="engine host work")
+    ax.bar_label(host, labels=[f"host {r['host_ms']:.2f} ms" for r in runs], padding=3)
+    ax.set_xlabel(f"ms per decode step at {payload['workload']['num_seqs']} sequences (lower is better)")
+    ax.set_title("Engine step: model vs host time (output processing apart: "
+                 + ", ".join(f"{n} {r['output_ms']:.2f} ms" for n, r in zip(names, runs)) + ")", fontsize=9)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.margins(x=0.3)
+    return save_figure(fig, path)

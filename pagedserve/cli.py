@@ -115,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "processes and KV usage, then check that every block is free, nothing failed "
                     "unexpectedly and RSS stayed flat after warm-up. Writes JSON and a PNG; exits 1 "
                     "if a check fails."))
+    from bench.host_step import add_arguments as add_host_step
+    add_host_step(bench_kinds.add_parser(
+        "host-step", help="the engine's host time per decode step at 256 sequences (the GPU-idle proxy)",
+        description="Host-overhead benchmark: a random-weight model so small that its forward costs "
+                    "almost nothing, 256 concurrent greedy decodes; per decode step, the engine step's "
+                    "wall time minus the model's, and the offline output processing. --baseline REF "
+                    "measures another commit in the same run."))
     return parser
 
 
@@ -159,6 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "lora":
         from bench.lora import run
+        return run(args)
+    if args.command == "bench" and args.bench == "host-step":
+        from bench.host_step import run
         return run(args)
     if args.command == "bench" and args.bench == "soak":
         from bench.soak import run
