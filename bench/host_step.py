@@ -113,7 +113,7 @@ def _decode_steps(core, processor, model_s: list[float], num_seqs: int, profile:
     if profiler is not None:
         import pstats
         profiler.disable()
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(45)
     steps = max(steps, 1)
     return {"decode_steps": steps, "step_ms": 1e3 * step_s / steps, "forward_ms": 1e3 * forward_s / steps,
             "host_ms": 1e3 * (step_s - forward_s) / steps, "output_ms": 1e3 * output_s / steps}

@@ -136,6 +136,12 @@ class BlockManager:
     def block_table(self, seq_id: str) -> list[int]:
         return list(self._seq(seq_id).block_ids)
 
+    def live_block_table(self, seq_id: str) -> list[int]:
+        """The sequence's table itself, not a copy (a step's inputs read it; copying every
+        table every step is O(context) per sequence). Read-only for the caller: it changes
+        in place as the sequence grows, and is replaced if the sequence is freed."""
+        return self._seq(seq_id).block_ids
+
     def has_seq(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 
@@ -213,6 +219,10 @@ class BlockManager:
         """
         state = self._seq(seq_id)
         first_write = state.num_tokens if num_computed_tokens is None else num_computed_tokens
+        if self._fits_last_block(state, first_write, num_tokens):
+            state.num_tokens = num_tokens
+            state.num_written_hashes = len(state.block_hashes)
+            return True
         num_tokens = max(num_tokens, state.num_tokens)
         num_new = self.num_blocks_needed(num_tokens) - len(state.block_ids)
         shared = [i for i in range(first_write // self.block_size, len(state.block_ids))
@@ -233,6 +243,15 @@ class BlockManager:
         state.num_written_hashes = len(state.block_hashes)  # the previous step has run
         self._register_full_blocks(state, token_ids)
         return True
+
+    def _fits_last_block(self, state: _SeqBlocks, first_write: int, num_tokens: int) -> bool:
+        """The decode step's O(1) case, which needs none of append_slots' work: the step writes
+        only into the table's last block, which this sequence alone holds and which stays
+        short of full (so there is no block to add, copy, release or hash)."""
+        bs = self.block_size
+        return (first_write == state.num_tokens < num_tokens < len(state.block_ids) * bs
+                and first_write // bs == len(state.block_ids) - 1 and self.sliding_window is None
+                and self._blocks[state.block_ids[-1]].ref_count == 1)
 
     def free(self, seq_id: str, step_discarded: bool = False) -> None:
         """Drop a sequence's references; unknown ids are a no-op.

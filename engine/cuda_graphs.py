@@ -79,25 +79,25 @@ class DecodeGraphs:
             self.graphs[batch] = (graph, hidden)
         torch.cuda.synchronize()
 
-    def run(self, input_ids: list[int], positions: list[int], slots: list[int],
-            block_tables: list[list[int]], context_lens: list[int]) -> torch.Tensor:
-        """Replay for these n decode rows (n <= max_batch); returns hidden [n, H], a view
-        of the graph's output, valid until the next replay."""
-        n = len(input_ids)
+    def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+            block_tables: np.ndarray) -> torch.Tensor:
+        """Replay for these n decode rows (int64 arrays; n <= max_batch, `block_tables`
+        [n, w] with w <= the captured width); returns hidden [n, H], a view of the graph's
+        output, valid until the next replay. Columns past w keep older entries: no row's
+        context reaches them, so attention never reads them."""
+        n, width = block_tables.shape
         batch = next(b for b in self.buckets if b >= n)
-        pad = batch - n
-        width = self.block_tables.shape[1]
+        ints = np.zeros((4, batch), dtype=np.int64)
+        ints[2, n:] = -1  # padding rows: no slot, context 0
+        ints[0, :n], ints[1, :n], ints[2, :n], ints[3, :n] = input_ids, positions, slots, positions + 1
         tables = np.zeros((batch, width), dtype=np.int32)
-        for i, table in enumerate(block_tables):
-            tables[i, :len(table)] = table
-        ints = np.array([input_ids + [0] * pad, positions + [0] * pad,
-                         slots + [-1] * pad, context_lens + [0] * pad], dtype=np.int64)
+        tables[:n] = block_tables
         ints = torch.from_numpy(ints).to(self.input_ids.device)
         self.input_ids[:batch].copy_(ints[0])
         self.positions[:batch].copy_(ints[1])
         self.slot_mapping[:batch].copy_(ints[2])
         self.context_lens[:batch].copy_(ints[3])
-        self.block_tables[:batch].copy_(torch.from_numpy(tables))
+        self.block_tables[:batch, :width].copy_(torch.from_numpy(tables).to(self.input_ids.device))
         graph, hidden = self.graphs[batch]
         graph.replay()
         return hidden[:n]

@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from engine.block_tables import BlockTables
 from engine.config import EngineConfig
 from engine.cpu_tuning import bucket, tune_cpu
 from engine.distributed.state import SINGLE, TPShard, all_reduce_min, broadcast_object
@@ -81,6 +83,40 @@ def _mix(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
+@dataclass(slots=True)
+class DecodeInputs:
+    """A step's single-token rows as arrays (int64)."""
+
+    token_ids: np.ndarray  # [n]
+    positions: np.ndarray  # [n]; the context length is position + 1
+    slots: np.ndarray  # [n] where each row's K/V goes
+    block_tables: np.ndarray  # [n, width], width = blocks up to the furthest position
+    logits_rows: np.ndarray  # rows that need logits (a 1-token prefill chunk short of the end has none)
+
+
+def _num_leading_decodes(rows: list[ForwardRow]) -> int:
+    return next((i for i, f in enumerate(rows) if len(f.token_ids) != 1), len(rows))
+
+
+def _forward_order(scheduled: list[ScheduledRequest], lora: bool) -> list[ScheduledRequest]:
+    """Single-token rows and draft verifications run the batched decode path: they go first.
+    With LoRA, then by adapter, so that each adapter's tokens are contiguous (engine/lora/ops.py)."""
+    if lora:
+        return sorted(scheduled, key=lambda s: (s.num_new_tokens != 1 and not s.spec_token_ids,
+                                                s.request.lora_name or ""))
+    decodes = [s for s in scheduled if s.num_new_tokens == 1 or s.spec_token_ids]
+    if len(decodes) == len(scheduled):
+        return decodes
+    return decodes + [s for s in scheduled if s.num_new_tokens != 1 and not s.spec_token_ids]
+
+
+def _plain_greedy(s: ScheduledRequest) -> bool:
+    """A row whose token is the argmax of its logits, and nothing more to compute."""
+    r, params = s.request, s.request.sampling_params
+    return (s.num_samples == 1 and not s.spec_token_ids and r.structured is None and params.plain_greedy
+            and len(r.output_token_ids) >= params.min_tokens)
+
+
 def _as_decodes(f: ForwardRow) -> list[ForwardRow]:
     if not 1 < len(f.token_ids) == f.num_logits:
         return [f]
@@ -124,6 +160,7 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=DTYPES[config.dtype], device=self.device)
                           for _ in range(self.arch.num_layers)]
         self.sampler = Sampler(eos_token_ids)
+        self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), config.max_num_seqs)
         if config.cuda_graphs and self.backend.name != "cupy":
             log.warning("cuda_graphs: off, since attention runs on the %s backend (graphs need cupy)",
                         self.backend.name)
@@ -165,8 +202,7 @@ class ModelRunner:
         start = time.perf_counter()
         # Single-token rows and draft verifications run the batched decode path; put them first.
         # Then by LoRA adapter, so that each adapter's tokens are contiguous (engine/lora/ops.py).
-        order = sorted(sched.scheduled, key=lambda s: (s.num_new_tokens != 1 and not s.spec_token_ids,
-                                                       s.request.lora_name or ""))
+        order = _forward_order(sched.scheduled, self.lora is not None)
         sampling = [s for s in order if s.num_samples]
         jobs, slices = self._prompt_jobs(order)
         rows = [forward_row(s) for s in order]
@@ -177,6 +213,12 @@ class ModelRunner:
         prompt_lps = self._score_prompts(jobs, prompt_logits)
         if not sampling:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start)
+        if all(_plain_greedy(s) for s in sampling):  # the hot path: no per-row sampling state
+            model_end = time.perf_counter()
+            tokens = self.sampler.argmax(logits[:len(sampling)])
+            return ModelRunnerOutput([s.request.request_id for s in sampling], [[t] for t in tokens],
+                                     [[None]] * len(sampling), prompt_lps, model_end - start,
+                                     time.perf_counter() - model_end)
         rows, row_owner, logits_index = self._sampling_rows(sampling)
         logits = logits[:logits_index[-1] + 1]
         model_end = time.perf_counter()
@@ -198,7 +240,8 @@ class ModelRunner:
         of the step is written before attention reads any, so token j sees drafts 0..j-1.
         The decode kernel is much cheaper than a prefill chunk for a few tokens, and each
         token goes through the same kernels as without speculation."""
-        rows = [one for f in rows for one in _as_decodes(f)]
+        if any(f.num_logits > 1 for f in rows):
+            rows = [one for f in rows for one in _as_decodes(f)]
         if self.graphs is not None and self._all_decode(rows):
             return self._run_graph(rows)
         input_ids, positions, meta, last_rows = self._prepare(rows)
@@ -213,6 +256,8 @@ class ModelRunner:
         if self.workers is not None:
             broadcast_object(plan, self.shard)
         self.backend.copy_blocks(self.kv_caches, plan.blocks_to_copy)
+        if plan.blocks_to_copy:  # copy-on-write replaced table entries in place
+            self.block_tables.invalidate()
         hidden, last_rows = self.forward(plan.rows)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in plan.logits_slices]
         logits = self.model.compute_logits(hidden[last_rows]) if plan.sample else None
@@ -232,6 +277,8 @@ class ModelRunner:
         chunk's rows, not only the last one, in slices that bound the [rows, vocab] logits.
         Row offsets are the same in `_prepare`'s packing and the decode graph's (one token each)."""
         jobs, slices = [], []
+        if all(s.request.sampling_params.prompt_logprobs is None for s in order):
+            return jobs, slices
         row = 0
         for s in order:
             r = s.request
@@ -245,61 +292,62 @@ class ModelRunner:
             row += s.num_new_tokens
         return jobs, slices
 
-    def _prepare(self, order: list[ForwardRow]):
+    def _prepare(self, rows: list[ForwardRow]):
+        """The flat step inputs of `rows`, single-token rows first: (input ids, positions,
+        attention metadata, the rows whose logits are needed). Decode rows are built as
+        arrays over the persistent block tables; prefill chunks (a few per step) one by one."""
         bs = self.block_size
-        input_ids, positions, slots, last_rows, prefills = [], [], [], [], []
-        decode_tables, decode_lens = [], []
-        for f in order:
-            num_new = len(f.token_ids)
-            start, end = f.start, f.start + num_new
-            row = len(input_ids)
-            input_ids += f.token_ids
-            positions += range(start, end)
-            slots += [f.block_ids[p // bs] * bs + p % bs for p in range(start, end)]
-            last_rows += range(len(input_ids) - f.num_logits, len(input_ids))
-            if num_new == 1:
-                decode_tables.append(f.block_ids)
-                decode_lens.append(end)
-            else:
-                table = torch.tensor(f.block_ids[:(end + bs - 1) // bs], dtype=torch.long)
-                prefills.append(PrefillChunk(row, num_new, end, table.to(self.device)))
+        num_decode = _num_leading_decodes(rows)
+        decode = self._decode_inputs(rows[:num_decode])
+        input_ids, positions, slots = [decode.token_ids], [decode.positions], [decode.slots]
+        last_rows = [decode.logits_rows]
+        prefills, row = [], num_decode
+        for f in rows[num_decode:]:
+            start, end = f.start, f.start + len(f.token_ids)
+            pos = np.arange(start, end, dtype=np.int64)
+            table = np.asarray(f.block_ids[:(end + bs - 1) // bs], dtype=np.int64)
+            input_ids.append(np.asarray(f.token_ids, dtype=np.int64))
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            last_rows.append(np.arange(row + len(pos) - f.num_logits, row + len(pos), dtype=np.int64))
+            prefills.append(PrefillChunk(row, len(pos), end, self._tensor(table)))
+            row += len(pos)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots), num_decode_tokens=len(decode_tables),
-            decode_block_tables=self._padded(decode_tables) if decode_tables else None,
-            decode_context_lens=self._tensor(decode_lens) if decode_tables else None,
+            slot_mapping=self._tensor(np.concatenate(slots)), num_decode_tokens=num_decode,
+            decode_block_tables=self._tensor(decode.block_tables) if num_decode else None,
+            decode_context_lens=self._tensor(decode.positions + 1) if num_decode else None,
             prefills=prefills, backend_state={"block_size": bs})
         self.backend.prepare(meta)
+        input_ids, positions, last_rows = (np.concatenate(a) for a in (input_ids, positions, last_rows))
         if self.pad_shapes:  # padding rows: token 0 at position 0, no slot, never sampled
             padding = bucket(len(input_ids)) - len(input_ids)
-            input_ids += [0] * padding
-            positions += [0] * padding
-            last_rows += last_rows[-1:] * (bucket(len(last_rows)) - len(last_rows))
+            input_ids = np.pad(input_ids, (0, padding))
+            positions = np.pad(positions, (0, padding))
+            last_rows = np.pad(last_rows, (0, bucket(len(last_rows)) - len(last_rows)), mode="edge")
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last_rows)
 
+    def _decode_inputs(self, rows: list[ForwardRow]) -> DecodeInputs:
+        """Single-token rows as arrays: O(1) Python work per row, the tables from `block_tables`."""
+        n, bs = len(rows), self.block_size
+        token_ids = np.fromiter((f.token_ids[0] for f in rows), dtype=np.int64, count=n)
+        positions = np.fromiter((f.start for f in rows), dtype=np.int64, count=n)
+        width = int(positions.max()) // bs + 1 if n else 0
+        tables = self.block_tables.gather([f.block_ids for f in rows], width)
+        slots = tables[np.arange(n), positions // bs] * bs + positions % bs
+        logits_rows = np.flatnonzero(np.fromiter((f.num_logits for f in rows), dtype=np.int64, count=n))
+        return DecodeInputs(token_ids, positions, slots, tables, logits_rows)
+
     def _all_decode(self, order: list[ForwardRow]) -> bool:
-        return 0 < len(order) <= self.graphs.max_batch and all(len(f.token_ids) == 1 for f in order)
+        return 0 < len(order) <= self.graphs.max_batch and _num_leading_decodes(order) == len(order)
 
     def _run_graph(self, order: list[ForwardRow]) -> tuple[torch.Tensor, torch.Tensor]:
         """A pure-decode step through the captured graph of its batch-size bucket."""
-        bs = self.block_size
-        ids, positions, slots, lens, last_rows = [], [], [], [], []
-        for row, f in enumerate(order):
-            pos = f.start
-            ids.append(f.token_ids[0])
-            positions.append(pos)
-            slots.append(f.block_ids[pos // bs] * bs + pos % bs)
-            lens.append(pos + 1)
-            if f.num_logits:
-                last_rows.append(row)
-        hidden = self.graphs.run(ids, positions, slots, [f.block_ids for f in order], lens)
-        return hidden, self._tensor(last_rows)
+        inputs = self._decode_inputs(order)
+        hidden = self.graphs.run(inputs.token_ids, inputs.positions, inputs.slots, inputs.block_tables)
+        return hidden, self._tensor(inputs.logits_rows)
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
-
-    def _padded(self, tables: list[list[int]]) -> torch.Tensor:
-        width = max(len(t) for t in tables)
-        return self._tensor([t + [0] * (width - len(t)) for t in tables])
+    def _tensor(self, values: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(values).to(self.device, non_blocking=True)
 
     def _sampling_rows(self, sampling: list[ScheduledRequest]
                        ) -> tuple[list[SamplingRow], list[int], list[int]]:

@@ -75,6 +75,13 @@ class Sampler:
         self.eos_token_ids = list(eos_token_ids)
         self.num_tokens = num_tokens  # the tokenizer's size, when the LM head has padding rows
 
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        """Greedy tokens of plain rows (see SamplingParams.plain_greedy)."""
+        if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
+            logits = logits[:, :self.num_tokens]
+        # The upcast is exact, and CPU argmax over bf16 is ~5x slower than upcast + fp32 argmax.
+        return logits.float().argmax(dim=-1).tolist()
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         lm_head_rows = logits.shape[-1]  # what a grammar's bitmask covers
         if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:

@@ -7,6 +7,7 @@ hand the message straight back to the caller as INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -64,6 +65,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """Argmax and nothing else (no penalties or logprobs): the sampler's hot path. Cached:
+        the runner asks every step, and a request's parameters do not change once it runs."""
+        return self.greedy and not self.uses_penalties and self.logprobs is None
 
     @property
     def uses_penalties(self) -> bool:

@@ -103,7 +103,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             # Drafts follow a decode's one token, as far as the budget goes.
-            drafts = request.spec_token_ids[:max(0, budget - num_new)]
+            drafts = request.spec_token_ids[:max(0, budget - num_new)] if request.spec_token_ids else ()
             num_new += len(drafts)
             while not self.block_manager.append_slots(
                     request.request_id, request.all_token_ids,
@@ -127,9 +127,9 @@ class Scheduler:
         # step aside (others may pass them); they go back in the queue afterwards.
         adapters = {r.lora_name for r in self.running if r.lora_name}
         skipped = []
+        seats = sum(r.num_seats for r in self.running) if self.waiting else 0
         while self.waiting and budget > 0:
             request = self.waiting[0][1]
-            seats = sum(r.num_seats for r in self.running)
             if self.running and seats + request.num_seats > self.config.max_num_seqs:
                 break
             if request.lora_name and request.lora_name not in adapters and len(adapters) >= self.config.max_loras:
@@ -151,6 +151,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            seats += request.num_seats
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             if request.lora_name:
@@ -193,24 +194,28 @@ class Scheduler:
         """Advance computed tokens, append sampled ones, fork n>1 prompts, finish stopped requests."""
         drafted = {}
         for s in sched.scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
-            s.request.spec_token_ids = []  # verified now; the proposer gives new ones
+            request = s.request
+            request.num_computed_tokens += s.num_new_tokens
+            if request.spec_token_ids:
+                request.spec_token_ids = []  # verified now; the proposer gives new ones
             if s.spec_token_ids:
-                drafted[s.request.request_id] = s
+                drafted[request.request_id] = s
         for request_id, entries in result.prompt_logprobs.items():
             self.requests[request_id].prompt_logprobs += entries
         outputs = []
+        now = time.monotonic()
         for request_id, tokens, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
             request = self.requests[request_id]
-            if request_id in drafted:
+            if drafted and request_id in drafted:
                 self._rollback(drafted[request_id], num_accepted=len(tokens) - 1)
             if request.needs_fork:  # n tokens: one for each of the n samples
                 samples = [request] + self._fork(request, len(tokens) - 1)
-                runs = [([token], [lp]) for token, lp in zip(tokens, logprobs)]
+                for sample, token, lp in zip(samples, tokens, logprobs):
+                    outputs.append(self._append_run(sample, [token], [lp], now))
             else:  # one token, or with drafts the accepted ones and one more
-                samples, runs = [request], [(tokens, logprobs)]
-            for sample, (run, run_logprobs) in zip(samples, runs):
-                outputs.append(self._append_run(sample, run, run_logprobs))
+                outputs.append(self._append_run(request, tokens, logprobs, now))
+        if any(o.finish_reason is not None for o in outputs):  # one pass, not a list.remove each
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 
     def _rollback(self, s: ScheduledRequest, num_accepted: int) -> None:
@@ -219,23 +224,24 @@ class Scheduler:
         s.request.num_computed_tokens -= len(s.spec_token_ids) - num_accepted
         self.spec_stats.observe(len(s.spec_token_ids), num_accepted)
 
-    def _append_run(self, request: Request, tokens: list[int], logprobs: list) -> EngineCoreOutput:
+    def _append_run(self, request: Request, tokens: list[int], logprobs: list, now: float) -> EngineCoreOutput:
         """Append tokens in order until one stops the request (the rest are dropped)."""
-        now = time.monotonic()
-        prompt_logprobs = self._take_prompt_logprobs(request)
+        prompt_logprobs = (self._take_prompt_logprobs(request)
+                           if request.sampling_params.prompt_logprobs is not None else None)
         emitted = 0
         for token, token_logprobs in zip(tokens, logprobs):
             if self.stats is not None:
                 self.stats.observe_token(request, now, first_of_step=emitted == 0)
-            request.last_token_time = now
             request.append_output(token, token_logprobs)
             emitted += 1
             status = self._check_stop(request, token)
             if status is not None:
-                self.running.remove(request)
                 self._finish(request, status)
                 break
-        return self._output(request, tokens[:emitted], logprobs[:emitted], prompt_logprobs)
+        request.last_token_time = now
+        if emitted < len(tokens):
+            tokens, logprobs = tokens[:emitted], logprobs[:emitted]
+        return self._output(request, tokens, logprobs, prompt_logprobs)
 
     @staticmethod
     def _output(request: Request, tokens: list[int], logprobs: list[dict[int, float] | None],
@@ -304,8 +310,8 @@ class Scheduler:
     def _scheduled(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledRequest:
         reaches_end = request.num_computed_tokens + num_new - len(drafts) == request.num_tokens
         num_samples = 0 if not reaches_end else request.sampling_params.n if request.needs_fork else 1
-        return ScheduledRequest(request, num_new, self.block_manager.block_table(request.request_id),
-                                num_samples, list(drafts))
+        return ScheduledRequest(request, num_new, self.block_manager.live_block_table(request.request_id),
+                                num_samples, list(drafts) if drafts else [])
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
         """Free the victim's blocks and requeue it; returns budget given back."""
@@ -327,8 +333,11 @@ class Scheduler:
 
     def _live_copies(self, out: SchedulerOutput) -> list[tuple[int, int]]:
         # A copy into a block that a preempted request gave back is moot.
+        copies = self.block_manager.take_blocks_to_copy()
+        if not copies:
+            return copies
         live = {b for s in out.scheduled for b in s.block_ids}
-        return [(src, dst) for src, dst in self.block_manager.take_blocks_to_copy() if dst in live]
+        return [(src, dst) for src, dst in copies if dst in live]
 
     def _push_waiting(self, request: Request) -> None:
         heapq.heappush(self.waiting, (self._order(request), request))
