@@ -600,3 +600,37 @@ def test_block_hashes_are_the_same_in_every_process():
     first = block_manager.hash_block(None, tuple(range(16)), ("adapter-1",))
     assert outputs == {f"{first} {block_manager.hash_block(first, (5,) * 16, ())}\n"}
     assert block_manager.hash_block(None, tuple(range(16)), ()) != first  # extra keys count
+
+
+class _FullAppendOnly(BlockManager):
+    """append_slots without its O(1) decode case: the reference that case must equal."""
+
+    def _fits_last_block(self, *args) -> bool:
+        return False
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(_ops, min_size=5, max_size=50), num_blocks=st.integers(1, 16))
+def test_decode_fast_path_leaves_the_same_state_as_the_full_append(ops, num_blocks):
+    fast, full = _Sim(BlockManager(num_blocks, block_size=BS)), _Sim(_FullAppendOnly(num_blocks, block_size=BS))
+    run_random_operations(fast, ops, num_blocks)
+    run_random_operations(full, ops, num_blocks)
+    # Every allocation, copy, hash and free since the start shows in the free queue's order
+    # and the cache map.
+    assert list(fast.bm._free) == list(full.bm._free)
+    assert fast.bm._cached == full.bm._cached
+
+
+def test_decode_inside_the_last_block_takes_the_fast_path():
+    bm = make(10)
+    tokens = prompt(0, BS + 2)
+    alloc(bm, "a", tokens[:BS + 1])
+    table = bm.live_block_table("a")
+    state = bm._seqs["a"]
+    assert bm._fits_last_block(state, BS + 1, BS + 2)
+    assert not bm._fits_last_block(state, BS + 1, 2 * BS)  # fills the block: it must be hashed
+    assert bm.append_slots("a", tokens, BS + 2)
+    assert bm.live_block_table("a") is table and len(table) == 2
+    bm.fork("a", "b")  # the last block is shared now: a write must copy it first
+    assert not bm._fits_last_block(state, BS + 2, BS + 3)
+    bm.free("a"), bm.free("b")
