@@ -140,7 +140,7 @@ class BlockManager:
         """The sequence's table itself, not a copy (a step's inputs read it; copying every
         table every step is O(context) per sequence). Read-only for the caller: it changes
         in place as the sequence grows, and is replaced if the sequence is freed."""
-        return self._seq(seq_id).block_ids
+        return (self._seqs.get(seq_id) or self._seq(seq_id)).block_ids
 
     def has_seq(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -217,7 +217,7 @@ class BlockManager:
         slots that speculative decoding's rejected drafts took stay allocated and are simply
         written again later. Returns False and changes nothing if blocks run short.
         """
-        state = self._seq(seq_id)
+        state = self._seqs.get(seq_id) or self._seq(seq_id)  # (_seq raises for an unknown id)
         first_write = state.num_tokens if num_computed_tokens is None else num_computed_tokens
         if self._fits_last_block(state, first_write, num_tokens):
             state.num_tokens = num_tokens
@@ -248,10 +248,10 @@ class BlockManager:
         """The decode step's O(1) case, which needs none of append_slots' work: the step writes
         only into the table's last block, which this sequence alone holds and which stays
         short of full (so there is no block to add, copy, release or hash)."""
-        bs = self.block_size
-        return (first_write == state.num_tokens < num_tokens < len(state.block_ids) * bs
-                and first_write // bs == len(state.block_ids) - 1 and self.sliding_window is None
-                and self._blocks[state.block_ids[-1]].ref_count == 1)
+        bs, block_ids = self.block_size, state.block_ids
+        return (first_write == state.num_tokens < num_tokens < len(block_ids) * bs
+                and first_write // bs == len(block_ids) - 1 and self.sliding_window is None
+                and self._blocks[block_ids[-1]].ref_count == 1)
 
     def free(self, seq_id: str, step_discarded: bool = False) -> None:
         """Drop a sequence's references; unknown ids are a no-op.

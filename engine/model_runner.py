@@ -71,7 +71,9 @@ def forward_row(s: ScheduledRequest) -> ForwardRow:
     """A scheduled request's row: its uncomputed tokens, then the drafts it verifies."""
     r, drafts = s.request, s.spec_token_ids
     start = r.num_computed_tokens
-    tokens = r.all_token_ids[start:start + s.num_new_tokens - len(drafts)] + drafts
+    tokens = r.all_token_ids[start:start + s.num_new_tokens - len(drafts)]
+    if drafts:
+        tokens += drafts
     return ForwardRow(tokens, start, s.block_ids, (1 + len(drafts)) if s.num_samples else 0)
 
 

@@ -96,18 +96,21 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        # The hot loop of a decode step: O(1) work per request (the block manager's append is
+        # O(1) unless a block is added), so no property or helper calls on the common path.
+        lookahead = self.config.num_lookahead_tokens
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            computed = request.num_computed_tokens
+            num_new = min(len(request.all_token_ids) - computed, budget)
             # Drafts follow a decode's one token, as far as the budget goes.
             drafts = request.spec_token_ids[:max(0, budget - num_new)] if request.spec_token_ids else ()
             num_new += len(drafts)
-            while not self.block_manager.append_slots(
-                    request.request_id, request.all_token_ids,
-                    self._slots(request.num_computed_tokens + num_new), request.num_computed_tokens):
+            end = self._slots(computed + num_new) if lookahead else computed + num_new
+            while not self.block_manager.append_slots(request.request_id, request.all_token_ids, end, computed):
                 victim = max(self.running, key=self._order)
                 budget += self._preempt(victim, out)
                 if victim is request:
@@ -246,11 +249,13 @@ class Scheduler:
     @staticmethod
     def _output(request: Request, tokens: list[int], logprobs: list[dict[int, float] | None],
                 prompt_logprobs: list | None) -> EngineCoreOutput:
+        status = request.status
         return EngineCoreOutput(
             request_id=request.parent_id or request.request_id, sample_index=request.sample_index,
             new_token_ids=tokens, new_logprobs=None if not logprobs or logprobs[0] is None else logprobs,
-            finish_reason=request.status.finish_reason, stop_token_id=request.stop_token_id,
-            num_prompt_tokens=request.num_prompt_tokens, num_cached_tokens=request.num_cached_tokens,
+            finish_reason=None if status == RequestStatus.RUNNING else status.finish_reason,
+            stop_token_id=request.stop_token_id,
+            num_prompt_tokens=len(request.prompt_token_ids), num_cached_tokens=request.num_cached_tokens,
             prompt_logprobs=prompt_logprobs, error=request.error,
             prompt_token_ids=None if prompt_logprobs is None else request.prompt_token_ids)
 
@@ -297,18 +302,20 @@ class Scheduler:
                 if token in request.eos_token_ids or token in params.stop_token_ids:
                     request.stop_token_id = token
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.min_tokens:
-            if (not params.ignore_eos and token in request.eos_token_ids) or token in params.stop_token_ids:
-                request.stop_token_id = token
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+        num_output = len(request.output_token_ids)
+        if num_output >= params.min_tokens and (
+                (not params.ignore_eos and token in request.eos_token_ids)
+                or (params.stop_token_ids and token in params.stop_token_ids)):
+            request.stop_token_id = token
+            return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.config.max_model_len:
+        if len(request.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def _scheduled(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledRequest:
-        reaches_end = request.num_computed_tokens + num_new - len(drafts) == request.num_tokens
+        reaches_end = request.num_computed_tokens + num_new - len(drafts) == len(request.all_token_ids)
         num_samples = 0 if not reaches_end else request.sampling_params.n if request.needs_fork else 1
         return ScheduledRequest(request, num_new, self.block_manager.live_block_table(request.request_id),
                                 num_samples, list(drafts) if drafts else [])
