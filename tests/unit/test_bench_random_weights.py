@@ -11,6 +11,7 @@ import pytest
 from bench import random_model
 from bench.offline import random_prompts
 from bench.random_model import random_weights_dtype, use_random_weights
+from bench.throughput_report import offline_rows
 from pagedserve.cli import build_parser, main
 
 
@@ -91,3 +92,8 @@ def test_bench_offline_runs_on_random_weights_and_writes_json(models_root, tmp_p
     assert result["results"]["engine_single"]["decode_tok_s"] > 0
     assert result["results"]["hf_float32_sequential"]["output_tokens"] == 1 * 8
     assert set(result["ratios"]) == {"engine_vs_hf_float32_sequential", "engine_vs_hf_float32_batch32"}
+    # bench/gpu_session.sh's closing table reads the same file
+    rows = offline_rows(tmp_path)
+    assert [r[0] for r in rows] == ["engine " + result["engine_config"]["attention_backend"],
+                                    "hf float32 sequential", "hf float32 batch32"]
+    assert rows[0][1] == result["results"]["engine_batch"]["output_tok_s"]
