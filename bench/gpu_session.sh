@@ -169,7 +169,8 @@ print(random_model_dir('$shape', '$dtype'))"
   kill -TERM "$server" 2> /dev/null
   timeout 40 tail --pid "$server" -f /dev/null || kill -KILL "$server" 2> /dev/null
 
-  cp "$res"/offline-*/offline-*.json "$res/offline-$backend"/offline-*.png "$res"/serve/serve-*.json "$OUT"/ 2> /dev/null
+  cp "$res"/offline-*/offline-*.json "$res/offline-$backend"/offline-*.png "$res"/serve/serve-*.json \
+    "$OUT"/ 2> /dev/null
   for log in "$res"/*.log; do  # one file of logs (few files come back from a device call), no progress bars
     echo "=== $(basename "$log")"; tr '\r' '\n' < "$log" | grep -a -v -E '[0-9]+/[0-9]+ \[' | cat -s | tail -n 40
   done > "$OUT/throughput-logs.txt"

@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="runs of the single-request decode measurement; cheap, and noisier than "
                         "the batch, so more of them (default: 7)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random prompts (default: 0)")
-    p.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate on the same model folder, on --device")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also run HF transformers generate on the same model folder, on --device")
     p.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size (default: 32)")
     p.add_argument("--hf-dtypes", default="float32,bfloat16", type=_dtype_list,
                    help="comma-separated dtypes to run HF in (default: float32,bfloat16; "

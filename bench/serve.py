@@ -2,8 +2,9 @@
 over the OpenAI API.
 
 Without --target it starts the server itself on the bundled model (or --model, or
---random-weights SHAPE: see bench.random_model), one backend at a time so that two never share cores: `pagedserve` (`pagedserve serve` with the engine
-flags given) or `hf` (bench.hf_server: HF transformers generate, one request at a time).
+--random-weights SHAPE: see bench.random_model), one backend at a time so that two never
+share cores: `pagedserve` (`pagedserve serve` with the engine flags given) or `hf`
+(bench.hf_server: HF transformers generate, one request at a time).
 `--backend openai --target http://HOST:PORT/v1` drives a running OpenAI-compatible server
 instead (pagedserve's HTTP API, vLLM, llama-server: see bench.openai_client).
 Each run sends --num-prompts requests of a dataset (see bench.datasets) on an arrival
