@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The GPU session for the CuPy kernels, in ONE device call of at most 10 minutes.
-# From the repository root on the GPU machine:
+# The GPU sessions, each ONE device call of at most 10 minutes. From the repository root on the
+# GPU machine:
 #
-#     bash bench/gpu_session.sh            # writes under $OUT (default /tmp/pagedserve-gpu)
+#     bash bench/gpu_session.sh [kernels]    # the CuPy kernels (below); about 80 s on an H200
+#     bash bench/gpu_session.sh throughput   # engine throughput on random weights (further below)
+#     bash bench/gpu_session.sh throughput-cpu   # the same steps on CPU, tiny shape, tiny workload:
+#                                                # checks the script itself on any machine (~2 min)
 #
+# Results and logs go under $OUT (default /tmp/pagedserve-gpu); summary.txt ends with a table.
+#
+# kernels:
 # 1. compiles every kernel instantiation in parallel processes (CuPy's disk cache);
 # 2. tests/kernels: each kernel against its float32 torch reference, the cupy backend
 #    against the torch backend (the CPU-side tests run in CI, not here);
@@ -12,16 +18,37 @@
 #    MoE, Phi-3 and Gemma 3 families and multi-LoRA the same way (peft is in the image);
 # 4. `bench kernels` (python -m bench.kernels): copy bandwidth, decode bandwidth grid,
 #    fixed and launch costs -> kernels-<stamp>.json and .png;
-# 5. compute-sanitizer memcheck and racecheck over a few kernel tests, in the time left;
-# then prints a short table (summary.txt).
-#
+# 5. compute-sanitizer memcheck and racecheck over a few kernel tests, in the time left.
 # It needs what the GPU image has (torch, cupy, transformers, pytest), no gguf, plus
 # llguidance for the e2e step (the engine imports it; carry its wheel, docs/kernels.md).
-# PYTHONPATH=. puts the repository on the path.
 # Afterwards: copy $OUT/kernels-*.json and $OUT/kernels-*.png into bench/results/ and
 # commit them with the numbers in README and docs/kernels.md; the logs stay out of git.
+#
+# throughput: a random-weight qwen2.5-0.5b (bench/random_model.py: nothing to download),
+# bf16, 1,024 requests x 128 prompt / 128 output tokens, greedy, eos ignored, at most 256
+# sequences, a 20 GiB KV cache; most important numbers first, each step under a time limit:
+# 1. build the random model folder (CPU, seconds);
+# 2. `bench offline --attention-backend cupy --compare-hf`: engine output tok/s, the
+#    single-stream decode rate, HF generate (bf16, bs 1 on a few prompts and bs 256) on the
+#    same GPU;
+# 3. `bench offline --attention-backend torch`: the same workload on the reference backend;
+# 4. one `pagedserve serve` (cupy), then `bench serve` at concurrency 256 over gRPC, and
+#    over HTTP (--backend openai: streaming /completions) on fresh prompts (another seed).
+# Besides the image it needs these wheels (cp312, manylinux x86-64; docs/kernels.md says how to
+# fetch and carry them): llguidance pyzmq grpcio grpcio-health-checking grpcio-reflection
+# protobuf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn,
+# at the versions of the dev environment. With them in .whl/ (carried), the script installs
+# them into /tmp/site itself. Afterwards: copy $OUT/offline-*.json and $OUT/serve-*.json into
+# bench/results/ and commit them; the logs stay out of git.
+#
+# PYTHONPATH=. puts the repository on the path.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+MODE=${1:-kernels}
+case $MODE in
+  kernels|throughput|throughput-cpu) ;;
+  *) echo "usage: bash bench/gpu_session.sh [kernels|throughput|throughput-cpu]" >&2; exit 2 ;;
+esac
 OUT=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -40,6 +67,12 @@ step() {  # step NAME LIMIT_S LOG COMMAND...: run under a time limit, record its
   echo "$name|$rc|$((SECONDS - t0))|$(grep -a -v '^\s*$' "$log" | tail -n 1 | cut -c1-90)" >> "$STEPS"
 }
 
+if compgen -G ".whl/*.whl" > /dev/null; then  # carried wheels (see above)
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+kernels_session() {
 {
   date -u
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
@@ -90,4 +123,59 @@ print(f"fixed cost (GPU)          {g:8.2f} us  target <= 10 us  {'ok' if g <= 10
 for k, v in fixed["host_us_per_launch"].items():
     print(f"host launch, {k:<21} {v:6.1f} us")
 PYEOF
+}
+
+throughput_session() {  # see the header: the most important numbers first
+  local shape=qwen2.5-0.5b device=cuda backend=cupy dtype=bfloat16 n=1024 len=128 seqs=256 kv=20
+  local repeats=3 hf=(--hf-dtypes bfloat16 --hf-batch-size 256 --hf-sequential-prompts 8)
+  if [[ $MODE == throughput-cpu ]]; then  # the same steps, sized for a CPU
+    shape=tiny device=cpu backend=cpu dtype=float32 n=32 len=16 seqs=16 kv=0.25 repeats=1
+    hf=(--hf-dtypes float32 --hf-batch-size 16 --hf-sequential-prompts 2)
+  fi
+  local res=/tmp/pagedserve-throughput
+  rm -rf "$res" && mkdir -p "$res"
+  local model=(--random-weights "$shape" --device "$device" --dtype "$dtype")
+  local engine=(--max-num-seqs "$seqs" --kv-cache-memory-gb "$kv")
+  local offline=(-m pagedserve bench offline "${model[@]}" "${engine[@]}" --num-prompts "$n" --input-len "$len"
+                 --output-len "$len")
+  local serve=(-m pagedserve bench serve "${model[@]}" --num-prompts "$n" --random-input-len "$len"
+               --random-output-len "$len" --max-concurrency "$seqs" --output-dir "$res/serve")
+  {
+    date -u
+    command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    echo "mode $MODE: $shape $dtype on $device, $n requests x $len in / $len out, $seqs seqs, KV $kv GiB"
+  } > "$OUT/summary.txt" 2>&1
+
+  step imports 60 "$res/imports.log" $PY -c "import llguidance, zmq, grpc_health, grpc_reflection, fastapi, uvicorn
+import engine.llm, frontend.server; print('imports ok')"
+  step build 150 "$res/build.log" $PY -c "from bench.random_model import random_model_dir
+print(random_model_dir('$shape', '$dtype'))"
+  step "offline-$backend" 240 "$res/offline-$backend.log" $PY "${offline[@]}" --attention-backend "$backend" \
+    --repeats "$repeats" --single-repeats 5 --compare-hf "${hf[@]}" --output-dir "$res/offline-$backend"
+  step offline-torch 150 "$res/offline-torch.log" $PY "${offline[@]}" --attention-backend torch \
+    --repeats 1 --single-repeats 3 --output-dir "$res/offline-torch"
+  # One server for both APIs: one start (model load, CUDA graphs) instead of two.
+  local grpc_port http_port engine_port
+  read -r grpc_port http_port engine_port < <($PY -c "from bench.servers import free_port as f; print(f(), f(), f())")
+  $PY -m pagedserve serve --model "$(tail -n 1 "$res/build.log")" --dtype "$dtype" --device "$device" \
+    --attention-backend "$backend" "${engine[@]}" --max-concurrent-streams "$n" --grpc-port "$grpc_port" \
+    --http-port "$http_port" --engine-address "tcp://127.0.0.1:$engine_port" > "$res/server.log" 2>&1 &
+  local server=$!
+  step server-up 150 "$res/server-up.log" bash -c "until $PY -m pagedserve health --address 127.0.0.1:$grpc_port \
+    --service pagedserve.v1.Generation; do kill -0 $server || exit 1; sleep 1; done"
+  step serve-grpc 150 "$res/serve-grpc.log" $PY "${serve[@]}" --target "127.0.0.1:$grpc_port" --label grpc
+  step serve-http 150 "$res/serve-http.log" $PY "${serve[@]}" --backend openai --label http --seed 1 \
+    --target "http://127.0.0.1:$http_port/v1"
+  kill -TERM "$server" 2> /dev/null
+  timeout 40 tail --pid "$server" -f /dev/null || kill -KILL "$server" 2> /dev/null
+
+  cp "$res"/offline-*/offline-*.json "$res/offline-$backend"/offline-*.png "$res"/serve/serve-*.json \
+    "$OUT"/ 2> /dev/null
+  for log in "$res"/*.log; do  # one file of logs (few files come back from a device call), no progress bars
+    echo "=== $(basename "$log")"; tr '\r' '\n' < "$log" | grep -a -v -E '[0-9]+/[0-9]+ \[' | cat -s | tail -n 40
+  done > "$OUT/throughput-logs.txt"
+  $PY -m bench.throughput_report "$OUT" "$STEPS" | tee -a "$OUT/summary.txt"
+}
+
+if [[ $MODE == kernels ]]; then kernels_session; else throughput_session; fi
 rm -f "$STEPS"

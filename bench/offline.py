@@ -1,12 +1,13 @@
 """`pagedserve bench offline`: engine throughput on a fixed workload, against HF transformers.
 
 Workload (defaults): 64 prompts of 128 random token ids, 128 output tokens each,
-greedy, eos ignored so every request produces exactly --output-len tokens.
+greedy, eos ignored so every request produces exactly --output-len tokens. The model is the
+bundled one, --model, or --random-weights SHAPE (bench/random_model.py: nothing to download).
 Measured, each a median over --repeats runs:
   - engine aggregate output throughput (all prompts in one `generate`)
   - engine single-request decode rate (one prompt alone, excluding its prefill)
-  - with --compare-hf: HF `generate` on the same prompts, one by one (bs 1) and in static
-    batches of --hf-batch-size.
+  - with --compare-hf: HF `generate` on the same model folder and prompts, on the engine's
+    --device, one by one (bs 1) and in static batches of --hf-batch-size.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tqdm import tqdm
 
 from bench.common import machine_info, median, print_table, write_result
 from bench.plots import plot_offline
+from bench.random_model import add_random_weights_arg, use_random_weights
 from engine.arg_utils import add_engine_args, engine_config_from_args
 
 
@@ -31,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="runs of the single-request decode measurement; cheap, and noisier than "
                         "the batch, so more of them (default: 7)")
     p.add_argument("--seed", type=int, default=0, help="seed for the random prompts (default: 0)")
-    p.add_argument("--compare-hf", action="store_true", help="also run HF transformers generate")
+    p.add_argument("--compare-hf", action="store_true",
+                   help="also run HF transformers generate on the same model folder, on --device")
     p.add_argument("--hf-batch-size", type=int, default=32, help="HF static batch size (default: 32)")
     p.add_argument("--hf-dtypes", default="float32,bfloat16", type=_dtype_list,
                    help="comma-separated dtypes to run HF in (default: float32,bfloat16; "
@@ -40,6 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run HF bs=1 on only the first N prompts (default: all; the rate barely "
                         "depends on N)")
     p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
+    add_random_weights_arg(p)
     add_engine_args(p, dtype="auto")
 
 
@@ -59,6 +63,7 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list
 
 def run(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
+    use_random_weights(args, "bench offline")
     config = engine_config_from_args(args)
     llm = LLM(**vars(config))
     prompts = random_prompts(args.num_prompts, args.input_len, llm.engine.vocab_size, args.seed)
@@ -73,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     path = write_result("offline", {
         "machine": machine_info(config.device), "engine_config": vars(config),
         "workload": {k: getattr(args, k) for k in ("num_prompts", "input_len", "output_len", "seed",
-                                                   "repeats", "single_repeats", "hf_batch_size", "hf_dtypes")},
+                                                   "repeats", "single_repeats", "hf_batch_size", "hf_dtypes",
+                                                   "random_weights")},
         "results": results, "ratios": ratios}, args.output_dir)
     chart = plot_offline(results, f"offline, {args.num_prompts} prompts x {args.input_len} in / "
                          f"{args.output_len} out, engine {config.dtype}", path.with_suffix(".png"))
@@ -122,7 +128,7 @@ def _time_hf(llm, prompts, args) -> dict:
     seq_prompts = prompts[:args.hf_sequential_prompts] if args.hf_sequential_prompts else prompts
     for dtype in args.hf_dtypes:
         model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs)
-        model = model.to(DTYPES[dtype]).eval()
+        model = model.to(device=args.device, dtype=DTYPES[dtype]).eval()
         out[f"hf_{dtype}_sequential"] = _time_hf_batches(
             model, seq_prompts, 1, args.output_len, f"HF {dtype} bs=1")
         out[f"hf_{dtype}_batch{args.hf_batch_size}"] = _time_hf_batches(
@@ -135,10 +141,12 @@ def _time_hf_batches(model, prompts, batch_size: int, output_len: int, label: st
     import torch
     start = time.perf_counter()
     for i in tqdm(range(0, len(prompts), batch_size), desc=label, unit="batch"):
-        batch = torch.tensor(prompts[i:i + batch_size])  # equal lengths: no padding needed
+        batch = torch.tensor(prompts[i:i + batch_size], device=model.device)  # equal lengths: no padding
         with torch.inference_mode():
             model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=output_len,
                            min_new_tokens=output_len, do_sample=False, pad_token_id=0)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
     seconds = time.perf_counter() - start
     tokens = len(prompts) * output_len
     return {"output_tokens": tokens, "seconds": [seconds], "output_tok_s": tokens / seconds}

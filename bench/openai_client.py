@@ -13,8 +13,8 @@ text chunks in order (`spread_token_times`); tokens of one chunk share its arriv
 the tokens of one gRPC Chunk do. TPOT depends only on the count; ITL sees gaps of 0 inside
 a chunk.
 
-The dataset is drawn from the model's local files (--model, --tokenizer: the bundled model by
-default): random prompts from its vocabulary size, as GetModelInfo reports it over gRPC, so
+The dataset is drawn from the model's local files (--model or --random-weights, --tokenizer:
+the bundled model by default): random prompts from its vocabulary size, as GetModelInfo reports it over gRPC, so
 every server of one model gets the same token ids; ShareGPT text counted by its tokenizer.
 """
 

@@ -8,11 +8,13 @@ Each shape is an HF config (the real model's sizes) plus a tokenizer:
   detokenization) over a 1,024-token LM head: its forward costs almost nothing, so a step's
   time is the host's (bench/host_step.py).
 
-Folders are cached under the pagedserve cache dir, one per (shape, dtype).
+Folders are cached under the pagedserve cache dir, one per (shape, dtype). `bench offline` and
+`bench serve` take `--random-weights SHAPE` (add_random_weights_arg, use_random_weights).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from pathlib import Path
 
@@ -37,16 +39,50 @@ SHAPES = {
 BUNDLED_TOKENIZER_SHAPES = {"tiny"}
 
 
+def add_random_weights_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--random-weights", default=None, choices=list(SHAPES), metavar="SHAPE",
+                   help=f"instead of --model: a model of this shape ({', '.join(SHAPES)}) with random weights "
+                        "(seed 0), built on first use under $PAGEDSERVE_CACHE_DIR/random-models (default "
+                        "~/.cache/pagedserve/random-models), nothing downloaded; its tokenizer is word-level, "
+                        "one word per token id (tiny: the bundled SmolLM2's); --dtype auto means bfloat16 "
+                        "on CUDA and float32 on any CPU")
+
+
+def use_random_weights(args: argparse.Namespace, command: str) -> None:
+    """With --random-weights SHAPE: point args.model at the shape's folder, built on first use,
+    in a concrete args.dtype (the folder is stored in it). SystemExit if --model names one too."""
+    shape = getattr(args, "random_weights", None)
+    if shape is None:
+        return
+    if args.model is not None:
+        raise SystemExit(f"{command}: error: --random-weights {shape} is the model: drop --model {args.model} "
+                         f"(or --random-weights)")
+    args.dtype = random_weights_dtype(args.dtype, args.device)
+    args.model = str(random_model_dir(shape, args.dtype))
+
+
+def random_weights_dtype(dtype: str, device: str) -> str:
+    """`dtype`, with auto made bfloat16 on CUDA and float32 on any CPU: unlike the engine's auto,
+    not bfloat16 on CPUs with bf16 instructions, so CPU runs compare across machines."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
+
+
 def random_model_dir(shape: str, dtype: str = "bfloat16", root: Path | None = None) -> Path:
     """The folder of `shape`'s random model in `dtype`, built on first use (seconds for the
     small shapes, about a minute for an 8B on a CPU)."""
-    from engine.models.loader import cache_dir
     if shape not in SHAPES:
         raise ValueError(f"--random-weights: unknown shape {shape!r} (known: {', '.join(SHAPES)})")
-    folder = (root or cache_dir() / "random-models") / f"{shape}-{dtype}"
+    folder = (root or random_models_root()) / f"{shape}-{dtype}"
     if not (folder / "config.json").is_file():
         build_random_model(shape, folder, dtype)
     return folder
+
+
+def random_models_root() -> Path:
+    from engine.models.loader import cache_dir
+    return cache_dir() / "random-models"
 
 
 def build_random_model(shape: str, folder: Path, dtype: str = "bfloat16", device: str = "cpu") -> Path:

@@ -1,9 +1,10 @@
 """`pagedserve bench serve`: latency and throughput of a server under load, over gRPC or
 over the OpenAI API.
 
-Without --target it starts the server itself on the bundled model (or --model), one backend
-at a time so that two never share cores: `pagedserve` (`pagedserve serve` with the engine
-flags given) or `hf` (bench.hf_server: HF transformers generate, one request at a time).
+Without --target it starts the server itself on the bundled model (or --model, or
+--random-weights SHAPE: see bench.random_model), one backend at a time so that two never
+share cores: `pagedserve` (`pagedserve serve` with the engine flags given) or `hf`
+(bench.hf_server: HF transformers generate, one request at a time).
 `--backend openai --target http://HOST:PORT/v1` drives a running OpenAI-compatible server
 instead (pagedserve's HTTP API, vLLM, llama-server: see bench.openai_client).
 Each run sends --num-prompts requests of a dataset (see bench.datasets) on an arrival
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import machine_info, write_result
+from bench.random_model import use_random_weights
 from bench.serve_args import ServePlan, add_arguments, check_args
 from bench.serve_metrics import rate_label, summarize
 from bench.serve_report import (print_run, print_runs, print_structured, print_structured_runs,
@@ -76,6 +78,7 @@ class _Bench:
 
 def run(args: argparse.Namespace) -> int:
     plan = check_args(args)
+    use_random_weights(args, "bench serve")  # the servers started here, hf too, and openai's local files
     config = engine_config_from_args(args)
     offline = time_offline(config, args) if args.compare_offline else None
     bench = _Bench(args, plan, config, offline)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.datasets import SHAREGPT_SAMPLE, length_range
+from bench.random_model import add_random_weights_arg
 from bench.serve_metrics import parse_goodput
 from bench.servers import BACKENDS
 from engine.arg_utils import add_engine_args
@@ -39,8 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "request at a time, behind the same gRPC API: bench.hf_server), or a comma list to run "
                         "the same workload on each in turn; hf takes --model, --tokenizer, --dtype, --device, "
                         "--num-threads and --max-model-len from the engine flags; openai: the OpenAI API of "
-                        "the server at --target (streaming /completions), with --model and --tokenizer naming "
-                        "the served model's local files, for its vocabulary and token counts (default: "
+                        "the server at --target (streaming /completions), with --model (or --random-weights) and "
+                        "--tokenizer naming the served model's local files, for its vocabulary and token counts "
+                        "(default: "
                         "pagedserve)")
     p.add_argument("--target", default=None, metavar="HOST:PORT|URL",
                    help="a running server to benchmark: HOST:PORT of a gRPC one, or with --backend openai the "
@@ -114,6 +116,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "pagedserve, no --target)")
     p.add_argument("--output-dir", type=Path, default=None,
                    help="where to write JSON and PNG (default: bench/results)")
+    add_random_weights_arg(p)
     add_engine_args(p, dtype="auto")
 
 
