@@ -18,7 +18,7 @@ from tokenizers.decoders import DecodeStream
 
 from frontend.tokenizer import cleans_up_spaces
 
-# Tokens kept before the held-back ones so that merges and spaces decode right.
+# Prompt tokens decoded before the first output token, so that its space and merges decode right.
 _CONTEXT_TOKENS = 6
 # Where a decode that is the backend's decode (and the clean-up) is defined: ours, transformers'.
 _PLAIN_DECODE = ("frontend.tokenizer", "transformers.tokenization_utils_base",
@@ -33,7 +33,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.context = list(prompt_token_ids[-_CONTEXT_TOKENS:])  # decoded before `pending`, not released
+        # Decoded before `pending` and not released again: the prompt's tail, then the last
+        # tokens released.
+        self.context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.pending: list[int] = []  # tokens whose text is held back
         self._backend = _stream_backend(tokenizer)
         self._stream: DecodeStream | None = None
@@ -49,7 +51,15 @@ class IncrementalDetokenizer:
             return self._release(self._diff(final=False))
         # One id, not a list of one: half the cost in the binding.
         ids = token_ids[0] if len(token_ids) == 1 else token_ids
-        return self._release(self._stream.step(self._backend, ids))
+        try:
+            return self._release(self._stream.step(self._backend, ids))
+        except Exception as e:  # tokenizers raises no narrower type
+            if "Invalid prefix" not in str(e):
+                raise
+        # The text decoded so far changed (stray byte tokens): DecodeStream gives up there,
+        # the window does not.
+        self._stream = None
+        return self._release(self._diff(final=False))
 
     def flush(self) -> str:
         """At the end of generation: whatever is left, even an incomplete character."""
@@ -59,7 +69,9 @@ class IncrementalDetokenizer:
     def _release(self, text: str | None) -> str:
         if not text:
             return ""
-        self.context, self.pending = self.pending[-_CONTEXT_TOKENS:], []
+        # All of the released tokens, as DecodeStream keeps them: the last few alone may begin
+        # inside a run of byte tokens, which byte fallback would then decode as U+FFFDs.
+        self.context, self.pending = self.pending, []
         return text
 
     def _diff(self, final: bool) -> str | None:
