@@ -111,6 +111,8 @@ class StopStringMatcher:
 
     def add(self, delta: str) -> tuple[str, str | None]:
         """Returns (text safe to release, the stop string matched or None)."""
+        if not self.stops:  # most requests: nothing is ever held back
+            return delta, None
         buffer = self.pending + delta
         hits = [(buffer.find(s), s) for s in self.stops]
         hits = [(i, s) for i, s in hits if i >= 0]
