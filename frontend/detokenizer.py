@@ -1,47 +1,104 @@
 """Incremental detokenization and stop-string matching, for the output processor (which
 serves gRPC, HTTP and the offline `LLM`).
 
-Decoding token by token breaks multi-byte characters and merges (a space may
-belong to the next token), so each step decodes a small window of recent
-tokens and emits only the text that is certain: never a trailing U+FFFD.
-Stop strings are matched on the text; anything that could still be the start
-of a stop string is held back until it is known not to be one.
+Decoding token by token breaks multi-byte characters and merges (a space may belong to the
+next token), so the new text is always decoded after a little context, the last tokens
+whose text was released (at first the prompt's tail), and only certain text is emitted:
+never a trailing U+FFFD while more tokens may come. Fast tokenizers do this in Rust with
+`tokenizers`' DecodeStream, one call per step; slow ones (and the clean-up of spaces some
+WordPiece tokenizers apply to the whole text) decode the context with and without the
+held-back tokens and take the difference, twice per step.
+Stop strings are matched on the text; anything that could still be the start of a stop
+string is held back until it is known not to be one.
 """
 
 from __future__ import annotations
 
-# Tokens kept before the read offset so that merges and spaces decode right.
+from tokenizers.decoders import DecodeStream
+
+from frontend.tokenizer import cleans_up_spaces
+
+# Prompt tokens decoded before the first output token, so that its space and merges decode right.
 _CONTEXT_TOKENS = 6
+# Where a decode that is the backend's decode (and the clean-up) is defined: ours, transformers'.
+_PLAIN_DECODE = ("frontend.tokenizer", "transformers.tokenization_utils_base",
+                 "transformers.tokenization_utils_tokenizers")
 
 
 class IncrementalDetokenizer:
+    """Token ids in, certain text out: `add` returns the text the new tokens complete, `flush`
+    at the end whatever is still held back. Both ways of decoding share one state, so a
+    stream can fall back to the window mid-way (see `flush`)."""
+
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.token_ids)
+        # Decoded before `pending` and not released again: the prompt's tail, then the last
+        # tokens released.
+        self.context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.pending: list[int] = []  # tokens whose text is held back
+        self._backend = _stream_backend(tokenizer)
+        self._stream: DecodeStream | None = None
+        # A prompt that ends inside a character: its "\ufffd" is no prefix of the text to
+        # come, which DecodeStream does not allow for; the window copes.
+        if self._backend is not None and not self._decode(self.context).endswith("\ufffd"):
+            self._stream = DecodeStream(self.context, skip_special_tokens=skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
         """Append tokens and return the newly certain text (maybe empty)."""
-        self.token_ids += token_ids
-        return self._advance(final=False)
+        self.pending += token_ids
+        if self._stream is None:
+            return self._release(self._diff(final=False))
+        # One id, not a list of one: half the cost in the binding.
+        ids = token_ids[0] if len(token_ids) == 1 else token_ids
+        try:
+            return self._release(self._stream.step(self._backend, ids))
+        except Exception as e:  # tokenizers raises no narrower type
+            if "Invalid prefix" not in str(e):
+                raise
+        # The text decoded so far changed (stray byte tokens): DecodeStream gives up there,
+        # the window does not.
+        self._stream = None
+        return self._release(self._diff(final=False))
 
     def flush(self) -> str:
         """At the end of generation: whatever is left, even an incomplete character."""
-        return self._advance(final=True)
+        self._stream = None  # it still holds `pending`: any later tokens go through the window
+        return self._release(self._diff(final=True))
 
-    def _advance(self, final: bool) -> str:
-        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        text = self._decode(self.token_ids[self.prefix_offset:])
+    def _release(self, text: str | None) -> str:
+        if not text:
+            return ""
+        # All of the released tokens, as DecodeStream keeps them: the last few alone may begin
+        # inside a run of byte tokens, which byte fallback would then decode as U+FFFDs.
+        self.context, self.pending = self.pending, []
+        return text
+
+    def _diff(self, final: bool) -> str | None:
+        """The window's way: the pending tokens' text after the context's, if certain."""
+        prefix = self._decode(self.context)
+        text = self._decode(self.context + self.pending)
         if len(text) <= len(prefix) or (text.endswith("\ufffd") and not final):
-            return ""  # nothing new, or an incomplete character waiting for its next byte
-        self.prefix_offset = max(self.read_offset, len(self.token_ids) - _CONTEXT_TOKENS)
-        self.read_offset = len(self.token_ids)
+            return None  # nothing new, or an incomplete character waiting for its next byte
         return text[len(prefix):]
 
     def _decode(self, token_ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _stream_backend(tokenizer):
+    """The Rust tokenizer whose decode is all of `tokenizer.decode`, or None: slow tokenizers
+    have none, a few (Whisper's, CodeGen's) decode their own way, and the clean-up of spaces
+    works on the whole text, not on a stream."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    own_decode = any(getattr(getattr(type(tokenizer), name, None), "__module__", None) not in _PLAIN_DECODE
+                     for name in ("decode", "_decode") if hasattr(type(tokenizer), name))
+    if backend is None or own_decode or cleans_up_spaces(
+            backend, getattr(tokenizer, "clean_up_tokenization_spaces", False)):
+        return None
+    return backend
 
 
 class StopStringMatcher:
@@ -54,6 +111,8 @@ class StopStringMatcher:
 
     def add(self, delta: str) -> tuple[str, str | None]:
         """Returns (text safe to release, the stop string matched or None)."""
+        if not self.stops:  # most requests: nothing is ever held back
+            return delta, None
         buffer = self.pending + delta
         hits = [(buffer.find(s), s) for s in self.stops]
         hits = [(i, s) for i, s in hits if i >= 0]

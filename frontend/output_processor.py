@@ -113,7 +113,9 @@ class RequestState:
             s = self.samples[out.sample_index]
             if s.finished:
                 continue  # a stop string ended it; the engine's last tokens are moot
-            delta = deltas.setdefault(s.index, SampleDelta(s.index))
+            delta = deltas.get(s.index)
+            if delta is None:
+                delta = deltas[s.index] = SampleDelta(s.index)
             if self._apply(s, out, delta):
                 to_stop.append(self.sample_engine_id(s.index))
         for delta in deltas.values():
@@ -143,18 +145,22 @@ class RequestState:
             raise InvalidRequest(out.error or "the engine refused the request")
         if out.finish_reason == "error":
             raise RequestFailed(out.error or "the engine could not finish the request")
-        tokens, logprobs = out.new_token_ids, out.new_logprobs or [None] * len(out.new_token_ids)
+        tokens = out.new_token_ids
         # Several tokens (speculative decoding's accepted run) with stop strings: one at a time,
         # so the sample ends at the token that completes a stop string, as it would unbatched.
         step = 1 if self.params.stop else max(1, len(tokens))
         for start in range(0, len(tokens), step):
-            chunk, last = tokens[start:start + step], start + step >= len(tokens)
+            last = start + step >= len(tokens)
+            chunk = tokens if start == 0 and last else tokens[start:start + step]
             s.num_tokens += len(chunk)
             delta.token_ids += chunk
             if self.params.logprobs is not None and out.new_logprobs:
                 delta.logprobs += [self._decode_logprobs(t, lp, self.params.logprobs)
-                                   for t, lp in zip(chunk, logprobs[start:start + step])]
-            text, stop = s.stops.add(s.detok.add(chunk) + (s.detok.flush() if out.finished and last else ""))
+                                   for t, lp in zip(chunk, out.new_logprobs[start:start + step])]
+            text = s.detok.add(chunk)
+            if out.finished and last:
+                text += s.detok.flush()
+            text, stop = s.stops.add(text)
             delta.text += text
             if stop is not None:
                 s.finish(delta, STOP_STRING, stop)

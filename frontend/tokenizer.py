@@ -45,9 +45,8 @@ class Tokenizer:
         self.special_tokens_map = {k: _token_text(config[k]) for k in _SPECIAL if config.get(k)}
         eos = self.special_tokens_map.get("eos_token")
         self.eos_token_id = backend.token_to_id(eos) if eos is not None else None
-        # transformers skips this clean-up for BPE models: it deletes real spaces there.
-        self._clean_up = (bool(config.get("clean_up_tokenization_spaces"))
-                          and type(backend.model).__name__ != "BPE")
+        self.clean_up_tokenization_spaces = bool(config.get("clean_up_tokenization_spaces"))
+        self._clean_up = cleans_up_spaces(backend, self.clean_up_tokenization_spaces)
 
     @classmethod
     def from_files(cls, files: dict[str, bytes]) -> Tokenizer:
@@ -66,6 +65,11 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
         return cls.from_files(files_from_dir(path))
+
+    @property
+    def backend_tokenizer(self) -> RustTokenizer:
+        """transformers' name for it: the incremental detokenizer decodes with it directly."""
+        return self.backend
 
     @property
     def vocab_size(self) -> int:
@@ -95,6 +99,12 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
             **{**self.special_tokens_map, **kwargs})
         return rendered[0]
+
+
+def cleans_up_spaces(backend: RustTokenizer, clean_up_tokenization_spaces: bool) -> bool:
+    """Whether decode cleans up spaces after the backend's decode, as transformers does. It
+    skips this for BPE models: it deletes real spaces there."""
+    return bool(clean_up_tokenization_spaces) and type(backend.model).__name__ != "BPE"
 
 
 def _token_text(value: object) -> str:

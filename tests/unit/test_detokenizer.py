@@ -5,8 +5,11 @@ the HF one (offline `LLM`) and the torch-free frontend one."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from helpers import LONG
 
 MIXED = "héllo 🤖 wörld 日本語, 👋👍🏽 and 中文字符!"
 ROBOT = " 🤖"  # 3 byte-level tokens, none a whole character
@@ -19,9 +22,35 @@ def frontend_tokenizer(bundled_tokenizer):
     return Tokenizer.from_files(tokenizer_files(bundled_tokenizer))
 
 
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer():
+    """Llama 2's way in miniature: "▁" for spaces, bytes for what the vocabulary lacks, and a
+    decoder that strips the text's first space, so a token decodes differently alone and
+    after context (unlike byte-level BPE, where the prompt's tail changes nothing)."""
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import decoders, models, normalizers
+
+    from frontend.tokenizer import Tokenizer
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
+              "▁", "▁Hello", "▁world", "▁a", "a", "b", "ab", "▁日本", "語", "."]
+    backend = RustTokenizer(models.Unigram([(p, -float(len(pieces) - i)) for i, p in enumerate(pieces)],
+                                           unk_id=0, byte_fallback=True))
+    backend.add_special_tokens(["<s>", "</s>"])
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return Tokenizer(backend, {"eos_token": "</s>"}, None)
+
+
 @pytest.fixture(params=["hf", "frontend"])
 def tok(request, bundled_tokenizer, frontend_tokenizer):
     return bundled_tokenizer if request.param == "hf" else frontend_tokenizer
+
+
+@pytest.fixture(params=["hf", "frontend", "sentencepiece"])
+def any_tok(request, bundled_tokenizer, frontend_tokenizer, sentencepiece_tokenizer):
+    return {"hf": bundled_tokenizer, "frontend": frontend_tokenizer,
+            "sentencepiece": sentencepiece_tokenizer}[request.param]
 
 
 def stream(tok, prompt: list[int], ids: list[int], chunk: int = 1, **kwargs) -> list[str]:
@@ -192,3 +221,108 @@ def test_no_stop_strings_releases_everything():
     matcher = StopStringMatcher([])
     assert matcher.add("any text") == ("any text", None)
     assert matcher.flush() == ""
+
+
+# --- DecodeStream against the window: the same deltas, add by add ---------------------------
+
+class WindowOnly:
+    """A tokenizer without a Rust backend (as a slow one is): the detokenizer's window path."""
+
+    def __init__(self, tok) -> None:
+        self.decode = tok.decode
+
+
+def reference_deltas(tok, prompt: list[int], chunks: list[list[int]], skip: bool) -> list[str]:
+    """The window detokenizer as it was before DecodeStream (read and prefix offsets into one
+    growing list, 6 tokens of context), kept as the oracle; its last delta is the flush."""
+    ids, prefix_at = list(prompt[-6:]), 0
+    read_at, deltas = len(ids), []
+    for chunk, final in [(c, False) for c in chunks] + [([], True)]:
+        ids += chunk
+        prefix = tok.decode(ids[prefix_at:read_at], skip_special_tokens=skip)
+        text = tok.decode(ids[prefix_at:], skip_special_tokens=skip)
+        if len(text) <= len(prefix) or (text.endswith("\ufffd") and not final):
+            deltas.append("")
+            continue
+        prefix_at, read_at = max(read_at, len(ids) - 6), len(ids)
+        deltas.append(text[len(prefix):])
+    return deltas
+
+
+def chunked(ids: list[int], sizes: list[int]) -> list[list[int]]:
+    """`ids` cut into chunks of the given sizes, repeated as needed."""
+    chunks, i = [], 0
+    while i < len(ids):
+        size = sizes[len(chunks) % len(sizes)]
+        chunks.append(ids[i:i + size])
+        i += size
+    return chunks
+
+
+def deltas_of(tok, prompt: list[int], chunks: list[list[int]], skip: bool) -> list[str]:
+    detok = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    # The fast path is the one under test (a prompt ending inside a character takes the window).
+    tail = tok.decode(prompt[-6:], skip_special_tokens=skip)
+    on_stream = not isinstance(tok, WindowOnly) and not tail.endswith("\ufffd")
+    assert (detok._stream is not None) == on_stream
+    return [detok.add(c) for c in chunks] + [detok.flush()]
+
+
+SIZES = st.lists(st.integers(1, 4), min_size=1, max_size=4)
+IDS = st.lists(st.integers(0, 10**6), max_size=24)  # taken modulo the vocabulary's size
+TEXT = st.lists(st.sampled_from([*"ab xy.,'\n", *"éß日本語中文", "🤖", "👍🏽", "  ", " <|im_end|>"]),
+                max_size=30).map("".join)
+fuzz = settings(max_examples=2000 if LONG else 100, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def in_vocab(tok, ids: list[int]) -> list[int]:
+    return [i % tok.backend_tokenizer.get_vocab_size() for i in ids]
+
+
+def split_text(tok, text: str, cut: int) -> tuple[list[int], list[int]]:
+    """Prompt and completion ids of one text: the prompt's last token may merge with the
+    first output token, or end inside a character."""
+    ids = tok.encode("Say:" + text, add_special_tokens=False)
+    return ids[:cut], ids[cut:]
+
+
+@fuzz
+@given(prompt=IDS, ids=IDS, sizes=SIZES, skip=st.booleans())
+def test_random_ids_stream_as_the_old_window_did(tok, prompt, ids, sizes, skip):
+    prompt, chunks = in_vocab(tok, prompt), chunked(in_vocab(tok, ids), sizes)
+    assert deltas_of(tok, prompt, chunks, skip) == reference_deltas(tok, prompt, chunks, skip)
+
+
+@fuzz
+@given(text=TEXT, cut=st.integers(0, 40), sizes=SIZES, skip=st.booleans())
+def test_text_streams_as_the_old_window_did(tok, text, cut, sizes, skip):
+    prompt, ids = split_text(tok, text, cut)
+    chunks = chunked(ids, sizes)
+    assert deltas_of(tok, prompt, chunks, skip) == reference_deltas(tok, prompt, chunks, skip)
+
+
+@fuzz
+@given(prompt=IDS, ids=IDS, text=TEXT, cut=st.integers(0, 40), sizes=SIZES, skip=st.booleans())
+def test_stream_and_window_paths_agree(any_tok, prompt, ids, text, cut, sizes, skip):
+    """Random ids (special tokens, stray bytes) and real text: the same deltas either way."""
+    for prompt, ids in [(in_vocab(any_tok, prompt), in_vocab(any_tok, ids)), split_text(any_tok, text, cut)]:
+        chunks = chunked(ids, sizes)
+        assert deltas_of(any_tok, prompt, chunks, skip) == deltas_of(WindowOnly(any_tok), prompt, chunks, skip)
+
+
+@fuzz
+@given(text=TEXT, cut=st.integers(1, 40), sizes=SIZES)
+def test_sentencepiece_text_is_the_whole_decode(sentencepiece_tokenizer, text, cut, sizes):
+    """Byte fallback and a first space that decodes differently alone: the streamed text is
+    the whole text's minus the prompt's. (The old window kept only 6 tokens after a release;
+    inside a run of byte tokens that decoded as U+FFFDs: "日日xx" lost an "x".)"""
+    tok = sentencepiece_tokenizer
+    prompt, ids = split_text(tok, text, cut)
+    full, prompt_text = tok.decode(prompt + ids), tok.decode(prompt)
+    assume(not prompt_text.endswith("\ufffd"))  # then the prompt's text is no prefix
+    # Nor may the 6 prompt tokens decoded as context begin inside a run of byte tokens (as
+    # before DecodeStream: the first output token is decoded after those 6).
+    assume(not tok.decode(prompt[-6:]).startswith("\ufffd"))
+    assert full.startswith(prompt_text)
+    assert "".join(deltas_of(tok, prompt, chunked(ids, sizes), False)) == full[len(prompt_text):]

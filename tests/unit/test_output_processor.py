@@ -272,3 +272,27 @@ def test_structured_outputs_cross_the_engine_socket():
         msg = type(structured_to_proto(params)).FromString(structured_to_proto(params).SerializeToString())
         assert structured_from_proto(msg) == params
     assert structured_to_proto(None) is None
+
+
+@pytest.mark.parametrize("chunk", [2, 5, 100])
+def test_runs_of_tokens_give_the_text_of_one_by_one(tok, chunk):
+    """Engine outputs of several tokens (speculative runs), no stop strings: one detokenizer
+    step per output, the same text, ids and counts as token by token."""
+    ids = encode(tok, STORY)
+    state = state_for(tok, SamplingParams())
+    runs = [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
+    results = [state.process([out(run, finish="length" if run is runs[-1] else None)]) for run in runs]
+    assert texts(results) == STORY
+    assert [d[0].token_ids for d, _ in results] == runs
+    assert results[-1][0][0].num_tokens == len(ids) and results[-1][0][0].finish_reason == LENGTH
+
+
+def test_vocabulary_entries_are_looked_up_only_for_logprobs(tok, monkeypatch):
+    looked_up = []
+    monkeypatch.setattr(tok, "convert_ids_to_tokens", lambda i: looked_up.append(i) or str(i))
+    ids = encode(tok, " fox jumps")
+    one_by_one(state_for(tok, SamplingParams()), ids, finish="length")
+    assert looked_up == []
+    state = state_for(tok, SamplingParams(logprobs=0))
+    state.process([out(ids, logprobs=[{t: -1.0} for t in ids])])
+    assert looked_up == ids
