@@ -46,20 +46,20 @@ class BlockTables:
     def gather(self, tables: list[list[int]], width: int) -> np.ndarray:
         """These tables as a [len(tables), width] array (entries past a table's end are 0).
         Rows of tables absent from this call are released: call once per forward."""
-        previous, current = self._rows, {}
+        previous, current, index = self._rows, {}, []
         for table in tables:
             key = id(table)
-            if key in current:  # a draft verification's rows share their sequence's table
-                continue
-            row = previous.pop(key, None)
-            if row is None or row.table is not table:
-                row = _Row(self._take_row(), table, 0)
-            if row.num_written != len(table):
-                self._write(row)
-            current[key] = row
+            row = current.get(key)  # a draft verification's rows share their sequence's table
+            if row is None:
+                row = previous.pop(key, None)
+                if row is None:
+                    row = _Row(self._take_row(), table, 0)
+                if row.num_written != len(table):
+                    self._write(row)
+                current[key] = row
+            index.append(row.index)
         self._free += [row.index for row in previous.values()]
         self._rows = current
-        index = np.fromiter((current[id(t)].index for t in tables), dtype=np.int64, count=len(tables))
         return self.array[index, :width]
 
     def _write(self, row: _Row) -> None:

@@ -77,8 +77,16 @@ def forward_row(s: ScheduledRequest) -> ForwardRow:
     return ForwardRow(tokens, start, s.block_ids, (1 + len(drafts)) if s.num_samples else 0)
 
 
+def _rng_key(seed: int | None, position: int) -> int | None:
+    """A seeded sample's randomness at output position `position` (None: unseeded): keyed by
+    (seed, position), not one stream per request. So its tokens depend on neither the batch
+    nor speculative decoding (which samples several positions in one step, and discards rows
+    past a rejection)."""
+    return None if seed is None else _mix(seed, position)
+
+
 def _mix(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): well-spread seeds for neighbouring positions."""
+    """splitmix64 of (seed, position): well-spread keys for neighbouring positions."""
     z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
@@ -331,13 +339,12 @@ class ModelRunner:
     def _decode_inputs(self, rows: list[ForwardRow]) -> DecodeInputs:
         """Single-token rows as arrays: O(1) Python work per row, the tables from `block_tables`."""
         n, bs = len(rows), self.block_size
-        token_ids = np.fromiter((f.token_ids[0] for f in rows), dtype=np.int64, count=n)
-        positions = np.fromiter((f.start for f in rows), dtype=np.int64, count=n)
+        columns = np.array([(f.token_ids[0], f.start, f.num_logits) for f in rows], dtype=np.int64).reshape(n, 3)
+        token_ids, positions = columns[:, 0].copy(), columns[:, 1].copy()
         width = int(positions.max()) // bs + 1 if n else 0
         tables = self.block_tables.gather([f.block_ids for f in rows], width)
         slots = tables[np.arange(n), positions // bs] * bs + positions % bs
-        logits_rows = np.flatnonzero(np.fromiter((f.num_logits for f in rows), dtype=np.int64, count=n))
-        return DecodeInputs(token_ids, positions, slots, tables, logits_rows)
+        return DecodeInputs(token_ids, positions, slots, tables, np.flatnonzero(columns[:, 2]))
 
     def _all_decode(self, order: list[ForwardRow]) -> bool:
         return 0 < len(order) <= self.graphs.max_batch and _num_leading_decodes(order) == len(order)
@@ -364,7 +371,7 @@ class ModelRunner:
                 for j in range(len(drafts) + 1):
                     position = r.num_output_tokens + j
                     rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids,
-                                            r.output_token_ids + drafts[:j], self._generator(r.seed, position),
+                                            r.output_token_ids + drafts[:j], _rng_key(r.seed, position),
                                             matcher, drafts[j] if j < len(drafts) else None))
                     owner.append(i)
                     logits_index.append(next_logits)
@@ -374,20 +381,11 @@ class ModelRunner:
                 seed = None if r.seed is None else r.seed + index
                 # A forking prompt's n rows share sample 0's matcher: none has a token yet.
                 rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                                        self._generator(seed, r.num_output_tokens), matcher))
+                                        _rng_key(seed, r.num_output_tokens), matcher))
                 owner.append(i)
                 logits_index.append(next_logits)
             next_logits += 1
         return rows, owner, logits_index
-
-    def _generator(self, seed: int | None, position: int) -> torch.Generator | None:
-        """A seeded sample's randomness for output position `position`: a generator keyed by
-        (seed, position), not one stream per request. So its tokens depend on neither the
-        batch nor speculative decoding (which samples several positions in one step, and
-        discards rows past a rejection)."""
-        if seed is None:
-            return None
-        return torch.Generator(self.device).manual_seed(_mix(seed, position))
 
     @staticmethod
     def _group(sampling: list[ScheduledRequest], row_owner: list[int], sampled) -> ModelRunnerOutput:

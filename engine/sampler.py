@@ -18,10 +18,11 @@ tokens, and the first sampled token that differs (see `_verify`: for one-hot dra
 exactly rejection sampling). Rows past a group's emitted run get token -1.
 
 Sampling uses the exponential race, argmax(p / q) with q ~ Exp(1), which draws
-from p without a cumsum or a renormalisation. A seeded row draws its q from its
-own generator, so its tokens do not depend on the rest of the batch. Every stage touches only
-the rows that need it, so an unconstrained row samples the same token whatever it is batched
-with. Columns past `num_tokens` (an LM head padded beyond the tokenizer) are never sampled.
+from p without a cumsum or a renormalisation. A seeded row's q is a pure function of its
+key and the column (a counter-based hash, `seeded_exponentials`): one batched op for every
+seeded row, no generator object per row, and its tokens do not depend on the rest of the
+batch. Every stage touches only the rows that need it, so an unconstrained row samples the
+same token whatever it is batched with. Columns past `num_tokens` (an LM head padded beyond the tokenizer) are never sampled.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated so far, before this step
-    generator: torch.Generator | None  # seeded per request; None: the global RNG
+    # A seeded row's randomness: a 64-bit key of (seed, output position); None: the global RNG.
+    rng_key: int | None
     matcher: GrammarMatcher | None = None  # structured output: what the grammar allows next
     # Speculative decoding: the draft token this row verifies. A group's rows are consecutive:
     # k rows with their drafts, then one (draft None) for the token after the last draft.
@@ -247,7 +249,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         index = _index(random_idx, logits)
         random_rows = [rows[i] for i in random_idx]
         probs = _filtered_probs(logits[index], random_rows)
-        token_ids[index] = _race(probs, [r.generator for r in random_rows])
+        token_ids[index] = _race(probs, [r.rng_key for r in random_rows])
     return _verify(token_ids.tolist(), rows)
 
 
@@ -378,23 +380,47 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: list[int], top_p: list[fl
     return sorted_logits.masked_fill_(drop, float("-inf"))
 
 
-def _race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+def _race(probs: torch.Tensor, rng_keys: list[int | None]) -> torch.Tensor:
     """argmax(p / q), q ~ Exp(1): a draw from p with one random vector per row."""
     q = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if len(unseeded) == len(generators):
+    seeded = [i for i, k in enumerate(rng_keys) if k is not None]
+    if not seeded:
         q.exponential_()
     else:
-        # One [V] draw per seeded row, so the row's stream ignores its neighbours.
-        for i, g in enumerate(generators):
-            if g is not None:
-                q[i].exponential_(generator=g)
-        if unseeded:
+        keys = torch.tensor([rng_keys[i] for i in seeded], dtype=torch.int64, device=probs.device)
+        q[_index(seeded, q)] = seeded_exponentials(keys, probs.shape[-1]).to(q.dtype)
+        if len(seeded) < len(rng_keys):
+            unseeded = [i for i, k in enumerate(rng_keys) if k is None]
             q[_index(unseeded, q)] = torch.empty(len(unseeded), probs.shape[-1],
                                                  device=probs.device).exponential_()
     # q == 0 would give 0/0 = nan for a filtered token, and argmax would pick it.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)
+
+
+# splitmix64's constants as int64 (torch has no uint64 arithmetic; int64 wraps the same way).
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
+_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
+_MIX2 = 0x94D049BB133111EB - (1 << 64)
+_UNIFORM_BITS = 23  # float32 holds (x + 0.5) / 2^23 exactly, strictly inside (0, 1)
+
+
+def seeded_exponentials(keys: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """[R, num_cols] float32 Exp(1) draws, entry (r, c) a pure function of (keys[r], c):
+    splitmix64's output c of the stream seeded by the key, cut to a uniform, then -log. Rows
+    are independent of each other and of any RNG state, on every device alike."""
+    cols = torch.arange(1, num_cols + 1, dtype=torch.int64, device=keys.device)
+    z = keys[:, None] + cols[None, :] * _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    u = (_shr(z, 64 - _UNIFORM_BITS).to(torch.float32) + 0.5) * 2.0 ** -_UNIFORM_BITS
+    return -torch.log(u)
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (>> is arithmetic on signed tensors)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def _collect_logprobs(raw_logprobs: torch.Tensor | None, logprob_idx: list[int],

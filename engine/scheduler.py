@@ -316,7 +316,8 @@ class Scheduler:
 
     def _scheduled(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledRequest:
         reaches_end = request.num_computed_tokens + num_new - len(drafts) == len(request.all_token_ids)
-        num_samples = 0 if not reaches_end else request.sampling_params.n if request.needs_fork else 1
+        n = request.sampling_params.n
+        num_samples = 0 if not reaches_end else n if n > 1 and request.needs_fork else 1
         return ScheduledRequest(request, num_new, self.block_manager.live_block_table(request.request_id),
                                 num_samples, list(drafts) if drafts else [])
 

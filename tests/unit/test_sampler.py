@@ -8,10 +8,14 @@ standard deviation is at most 0.007, so TOL = 0.03 is over four sigma.
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine.model_runner import _rng_key
+from engine.sampler import Sampler, SamplerOutput, SamplingRow, seeded_exponentials
 from engine.sampling_params import SamplingParams
 
 NUM_DRAWS = 5000
@@ -29,8 +33,7 @@ def _seed_global_rng():
 
 def row(params: SamplingParams | None = None, prompt: list[int] | None = None,
         output: list[int] | None = None, seed: int | None = None) -> SamplingRow:
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return SamplingRow(params or SamplingParams(), list(prompt or []), list(output or []), generator)
+    return SamplingRow(params or SamplingParams(), list(prompt or []), list(output or []), seed)
 
 
 def draw(params: SamplingParams, logits: torch.Tensor = LOGITS, n: int = NUM_DRAWS,
@@ -267,8 +270,14 @@ def test_logprobs_include_a_sampled_token_outside_the_top_n(num_logprobs, expect
 
 
 def seeded_tokens(batch: list[SamplingRow], position: int, steps: int = 20) -> list[int]:
+    """Row `position`'s tokens over `steps` output positions: a seeded row's key (its seed
+    here) is mixed with the position, as the runner does."""
     sampler, logits = Sampler([EOS]), LOGITS.expand(len(batch), -1).clone()
-    return [sampler(logits, batch).token_ids[position] for _ in range(steps)]
+    tokens = []
+    for step in range(steps):
+        rows = [dataclasses.replace(r, rng_key=_rng_key(r.rng_key, step)) for r in batch]
+        tokens.append(sampler(logits, rows).token_ids[position])
+    return tokens
 
 
 def test_seeded_row_is_independent_of_batch_and_position():
@@ -356,14 +365,28 @@ def test_verification_keeps_the_target_distribution():
 
 
 def test_verification_of_a_seeded_row_samples_what_it_samples_without_drafts():
-    """Row j draws from its own position's generator: with drafts or without, the same tokens."""
+    """Row j draws from its own position's key: with drafts or without, the same tokens."""
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
     params = SamplingParams(temperature=0.9, seed=1)
     plain = [Sampler([])(logits[j:j + 1], [row(params, seed=100 + j)]).token_ids[0] for j in range(3)]
     drafts = [plain[0], plain[1]]  # right drafts: the whole run is kept, plus the bonus
-    rows = [SamplingRow(params, [], [], torch.Generator().manual_seed(100 + j), None,
+    rows = [SamplingRow(params, [], [], 100 + j, None,
                         drafts[j] if j < 2 else None) for j in range(3)]
     assert Sampler([])(logits, rows).token_ids == plain
-    wrong = [SamplingRow(params, [], [], torch.Generator().manual_seed(100 + j), None,
+    wrong = [SamplingRow(params, [], [], 100 + j, None,
                          (plain[j] + 1) % 40 if j < 2 else None) for j in range(3)]
     assert Sampler([])(logits, wrong).token_ids == [plain[0], -1, -1]
+
+
+def test_seeded_exponentials_are_exp1_and_a_function_of_key_and_column_only():
+    keys = torch.tensor([3, 2**62 + 5, 7], dtype=torch.int64)
+    draws = seeded_exponentials(keys, 20_000)
+    assert torch.equal(draws[1:2], seeded_exponentials(keys[1:2], 20_000))  # alone or batched
+    assert torch.equal(draws[:, :100], seeded_exponentials(keys, 100))  # the vocabulary's size aside
+    assert not torch.equal(draws[0], draws[2])
+    assert draws.min() > 0 and torch.isfinite(draws).all()
+    # Exp(1): mean 1, variance 1, P(q > 1) = 1/e; and neighbouring columns uncorrelated.
+    flat = draws.flatten().double()
+    assert abs(flat.mean() - 1) < 0.02 and abs(flat.var() - 1) < 0.05
+    assert abs((flat > 1).double().mean() - math.exp(-1)) < 0.01
+    assert abs(torch.corrcoef(torch.stack([draws[0, :-1], draws[0, 1:]]))[0, 1]) < 0.03
