@@ -265,13 +265,18 @@ class ModelRunner:
         logits, the sampling rows' logits). Logits are None except on rank 0."""
         if self.workers is not None:
             broadcast_object(plan, self.shard)
-        self.backend.copy_blocks(self.kv_caches, plan.blocks_to_copy)
-        if plan.blocks_to_copy:  # copy-on-write replaced table entries in place
-            self.block_tables.invalidate()
+        self.copy_blocks(plan.blocks_to_copy)
         hidden, last_rows = self.forward(plan.rows)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in plan.logits_slices]
         logits = self.model.compute_logits(hidden[last_rows]) if plan.sample else None
         return prompt_logits, logits
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: copy whole KV blocks src -> dst before a forward. The copies replaced
+        table entries in place, so the persistent block tables are read again."""
+        self.backend.copy_blocks(self.kv_caches, pairs)
+        if pairs:
+            self.block_tables.invalidate()
 
     @staticmethod
     def _score_prompts(jobs: list[_PromptJob], logits: list[torch.Tensor]) -> dict[str, list[dict[int, float]]]:

@@ -56,7 +56,7 @@ class DraftModelProposer:
     def propose(self, requests: list[Request], max_drafts: list[int], block_tables: list[list[int]],
                 blocks_to_copy: Sequence[tuple[int, int]]) -> list[list[int]]:
         runner = self.runner
-        runner.backend.copy_blocks(runner.kv_caches, list(blocks_to_copy))
+        runner.copy_blocks(list(blocks_to_copy))
         drafts: list[list[int]] = [[] for _ in requests]
         starts = [self._valid(r) for r in requests]
         rows = [ForwardRow(r.all_token_ids[start:], start, table, 1)
