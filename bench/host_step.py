@@ -159,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
     ratios = {}
     if "baseline" in results:
         base, cur = results["baseline"], results["current"]
-        ratios = {"host_ratio": cur["host_ms"] / base["host_ms"], "output_ratio": cur["output_ms"] / base["output_ms"]}
+        ratios = {"host_ratio": cur["host_ms"] / base["host_ms"],
+                  "output_ratio": cur["output_ms"] / base["output_ms"]}
         print(f"host time per step: {ratios['host_ratio']:.3f}x the baseline's "
               f"(1/{1 / ratios['host_ratio']:.1f}); output processing {ratios['output_ratio']:.3f}x")
     payload = {"machine": machine_info(),

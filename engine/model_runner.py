@@ -344,7 +344,8 @@ class ModelRunner:
     def _decode_inputs(self, rows: list[ForwardRow]) -> DecodeInputs:
         """Single-token rows as arrays: O(1) Python work per row, the tables from `block_tables`."""
         n, bs = len(rows), self.block_size
-        columns = np.array([(f.token_ids[0], f.start, f.num_logits) for f in rows], dtype=np.int64).reshape(n, 3)
+        columns = np.array([(f.token_ids[0], f.start, f.num_logits) for f in rows],
+                           dtype=np.int64).reshape(n, 3)
         token_ids, positions = columns[:, 0].copy(), columns[:, 1].copy()
         width = int(positions.max()) // bs + 1 if n else 0
         tables = self.block_tables.gather([f.block_ids for f in rows], width)
