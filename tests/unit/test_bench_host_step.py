@@ -1,0 +1,33 @@
+"""`bench host-step`: the per-step host-time measurement, and --baseline's worktree run
+(tiny sizes: seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from bench import host_step, random_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return random_model.build_random_model("tiny", tmp_path_factory.mktemp("models") / "tiny", "float32")
+
+
+def test_measure_times_the_decode_steps_and_splits_out_the_model(tiny_dir):
+    result = host_step.measure(str(tiny_dir), num_seqs=4, input_len=8, output_len=6, repeats=1)
+    assert result["decode_steps"] >= 4  # the steps after every sequence has its first token
+    assert 0 < result["forward_ms"] < result["step_ms"]
+    assert result["host_ms"] == pytest.approx(result["step_ms"] - result["forward_ms"])
+    assert result["output_ms"] > 0
+    assert result["engine_file"].startswith(str(host_step.Path(host_step.__file__).parent.parent))
+
+
+def test_baseline_measures_another_commit_from_its_own_checkout(tiny_dir):
+    args = argparse.Namespace(num_seqs=2, input_len=8, output_len=4, repeats=1)
+    result = host_step.measure_ref("HEAD", args, tiny_dir)
+    assert len(result["commit"]) == 40 and result["host_ms"] > 0
+    assert "pagedserve-baseline-" in result["engine_file"]  # the worktree's engine, not ours
+    json.dumps(result)  # what the result file holds
