@@ -189,6 +189,6 @@ def plot_host_step(payload: dict, path: Path) -> Path:
     ax.set_xlabel(f"ms per decode step at {payload['workload']['num_seqs']} sequences (lower is better)")
     ax.set_title("Engine step: model vs host time (output processing apart: "
                  + ", ".join(f"{n} {r['output_ms']:.2f} ms" for n, r in zip(names, runs)) + ")", fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, fontsize=8)
     ax.margins(x=0.3)
     return save_figure(fig, path)
