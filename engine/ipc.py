@@ -62,11 +62,14 @@ def structured_from_proto(msg: ipc.StructuredOutputs) -> StructuredOutputsParams
     return StructuredOutputsParams(**{kind: getattr(msg, kind)})
 
 
-def output_to_proto(out: EngineCoreOutput, request_id: str) -> ipc.RequestOutput:
-    msg = ipc.RequestOutput(
-        request_id=request_id, sample_index=out.sample_index, new_token_ids=out.new_token_ids,
-        finish_reason=out.finish_reason or "", num_prompt_tokens=out.num_prompt_tokens,
-        num_cached_tokens=out.num_cached_tokens, error=out.error or "")
+def output_to_proto(out: EngineCoreOutput, request_id: str, batch: ipc.OutputBatch | None = None
+                    ) -> ipc.RequestOutput:
+    """`out` as a message; with `batch`, built in place as its next output (half the cost of
+    building one and appending a copy: this runs for every request every step)."""
+    fields = dict(request_id=request_id, sample_index=out.sample_index, new_token_ids=out.new_token_ids,
+                  finish_reason=out.finish_reason or "", num_prompt_tokens=out.num_prompt_tokens,
+                  num_cached_tokens=out.num_cached_tokens, error=out.error or "")
+    msg = ipc.RequestOutput(**fields) if batch is None else batch.outputs.add(**fields)
     if out.stop_token_id is not None:
         msg.stop_token_id = out.stop_token_id
     for token_id, logprobs in zip(out.new_token_ids, out.new_logprobs or ()):

@@ -210,15 +210,18 @@ class EngineProc:
                                   ipc.EngineResponse(lora_result=result).SerializeToString()])
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
-        batches: dict[str, ipc.OutputBatch] = {}
+        # One message per frontend per step, built in place (no copies): this runs in the step
+        # loop, for every request every step.
+        responses: dict[str, ipc.EngineResponse] = {}
         for out in outputs:
             frontend_id, request_id = out.request_id.split(":", 1)
-            batch = batches.setdefault(frontend_id, ipc.OutputBatch())
-            batch.outputs.append(output_to_proto(out, request_id))
-        for frontend_id, batch in batches.items():
-            batch.stats.CopyFrom(self.stats)
-            self.push.send_multipart([frontend_id.encode(),
-                                      ipc.EngineResponse(outputs=batch).SerializeToString()])
+            response = responses.get(frontend_id)
+            if response is None:
+                response = responses[frontend_id] = ipc.EngineResponse()
+            output_to_proto(out, request_id, response.outputs)
+        for frontend_id, response in responses.items():
+            response.outputs.stats.CopyFrom(self.stats)
+            self.push.send_multipart([frontend_id.encode(), response.SerializeToString()])
 
     def _reject(self, core_id: str, message: str, kind: int) -> None:
         frontend_id, request_id = core_id.split(":", 1)
