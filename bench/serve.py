@@ -46,7 +46,7 @@ from bench.serve_report import (print_run, print_runs, print_structured, print_s
                                 structured_summary, sweep_payload)
 from bench.serve_structured import group_summaries, scrape_step_seconds, step_phases
 from bench.serve_workload import build_workload, drive, time_offline
-from bench.servers import server_for
+from bench.servers import cpu_ms_per_token, server_cpu_s, server_for
 from engine.arg_utils import engine_config_from_args
 from engine.config import EngineConfig
 
@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
         # ShareGPT's and the structured prompts never change: on our own server, one per run.
         fresh = not args.target and plan.dataset in ("sharegpt", "structured") and len(runs) > 1
         for group in [[run] for run in runs] if fresh else [runs]:
-            with _serving(backend, bench) as (address, command, metrics_url):
-                results += [_one_run(address, command, metrics_url, backend, i, rate, ratio, bench)
+            with _serving(backend, bench) as (address, command, metrics_url, pid):
+                results += [_one_run(address, command, metrics_url, backend, i, rate, ratio, bench, pid)
                             for i, (rate, ratio) in group]
     if plan.dataset == "structured" and len(results) > 1:
         _write_structured(results, bench)
@@ -101,11 +101,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _serving(backend: str, bench: _Bench) -> Iterator[tuple[str, list[str] | None, str | None]]:
+def _serving(backend: str, bench: _Bench) -> Iterator[tuple[str, list[str] | None, str | None, int | None]]:
     """(address, the server's command line or None with --target, its engine's /metrics URL
-    or None) while the server runs."""
+    or None, its process id or None with --target) while the server runs."""
     if bench.args.target:  # always so with --backend openai: this benchmark starts no such server
-        yield bench.args.target, None, bench.args.metrics_url
+        yield bench.args.target, None, bench.args.metrics_url, None
         return
     # Streams beyond the frontend's cap would fail as RESOURCE_EXHAUSTED: the benchmark's
     # own concurrency limit is the one that should bind.
@@ -113,13 +113,13 @@ def _serving(backend: str, bench: _Bench) -> Iterator[tuple[str, list[str] | Non
                         engine_metrics=bench.plan.dataset == "structured")
     print(f"starting {backend} ...", flush=True)
     try:
-        yield server.start(), server.cmd[1:], server.metrics_url
+        yield server.start(), server.cmd[1:], server.metrics_url, server.proc.pid
     finally:
         server.stop()
 
 
 def _one_run(address: str, command: list[str] | None, metrics_url: str | None, backend: str, index: int,
-             rate: float, ratio: float | None, bench: _Bench) -> RunResult:
+             rate: float, ratio: float | None, bench: _Bench, pid: int | None = None) -> RunResult:
     args = bench.args
     name = args.label or backend
     label = f"{name} @ {rate_label(rate)} req/s" + ("" if ratio is None else f", {ratio:g} constrained")
@@ -128,8 +128,10 @@ def _one_run(address: str, command: list[str] | None, metrics_url: str | None, b
     before = None
     if ratio is not None and metrics_url:
         before = lambda: scrapes.append(scrape_step_seconds(metrics_url))  # noqa: E731
+    cpu_before = server_cpu_s(pid)
     records, duration_s = asyncio.run(drive(address, workload, rate, args, index, label, backend, before))
     summary = summarize(records, duration_s, bench.plan.slos)
+    summary.update(cpu_ms_per_token(cpu_before, server_cpu_s(pid), summary["output_tokens"]))
     ratios = _offline_ratios(summary, bench.offline)
     print_run(label, summary, bench.offline, ratios)
     structured = (None if ratio is None else

@@ -27,6 +27,9 @@ def print_run(label: str, summary: dict, offline: dict | None, ratios: dict) -> 
     if "goodput_req_s" in summary:
         slos = " ".join(f"{k}:{v:g}" for k, v in summary["goodput_slos_ms"].items())
         rows.append([f"goodput (req/s, {slos} ms)", summary["goodput_req_s"]])
+    for process in ("frontend", "engine"):  # a server this benchmark started
+        if f"{process}_cpu_ms_per_token" in summary:
+            rows.append([f"{process} CPU per output token (ms)", summary[f"{process}_cpu_ms_per_token"]])
     if summary["cached_tokens"]:
         rows.append(["prompt tokens from prefix cache", f"{summary['cached_tokens']} / {summary['prompt_tokens']}"])
     if offline:

@@ -134,3 +134,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def server_cpu_s(pid: int | None) -> dict[str, float] | None:
+    """CPU seconds (user + system) used so far by a server we started: its own process (for
+    `pagedserve serve`, the frontend) and its children (the engine). None without one."""
+    if pid is None:
+        return None
+    import psutil
+    try:
+        proc = psutil.Process(pid)
+        children = proc.children(recursive=True)
+        own = proc.cpu_times()
+        return {"frontend": own.user + own.system,
+                "engine": sum(t.user + t.system for t in (c.cpu_times() for c in children))}
+    except psutil.Error:  # it died meanwhile: the run reports its failures anyway
+        return None
+
+
+def cpu_ms_per_token(before: dict[str, float] | None, after: dict[str, float] | None,
+                     output_tokens: int) -> dict[str, float]:
+    """Each server process's CPU milliseconds per streamed output token over a run: the
+    frontend's is what bounds one frontend process (the GIL) at high concurrency."""
+    if before is None or after is None or not output_tokens:
+        return {}
+    return {f"{name}_cpu_ms_per_token": 1e3 * (after[name] - before[name]) / output_tokens for name in before}

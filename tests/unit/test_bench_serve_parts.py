@@ -203,3 +203,14 @@ def test_parse_goodput():
         with pytest.raises(ValueError):
             parse_goodput(bad)
 
+
+
+def test_cpu_ms_per_token_per_server_process():
+    from bench.servers import cpu_ms_per_token, server_cpu_s
+    import os
+    now = server_cpu_s(os.getpid())
+    assert set(now) == {"frontend", "engine"} and now["frontend"] > 0
+    assert server_cpu_s(None) is None
+    assert cpu_ms_per_token({"frontend": 1.0, "engine": 2.0}, {"frontend": 1.5, "engine": 4.0}, 1000) == {
+        "frontend_cpu_ms_per_token": 0.5, "engine_cpu_ms_per_token": 2.0}
+    assert cpu_ms_per_token(None, now, 10) == {} and cpu_ms_per_token(now, now, 0) == {}
