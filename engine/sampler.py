@@ -22,7 +22,8 @@ from p without a cumsum or a renormalisation. A seeded row's q is a pure functio
 key and the column (a counter-based hash, `seeded_exponentials`): one batched op for every
 seeded row, no generator object per row, and its tokens do not depend on the rest of the
 batch. Every stage touches only the rows that need it, so an unconstrained row samples the
-same token whatever it is batched with. Columns past `num_tokens` (an LM head padded beyond the tokenizer) are never sampled.
+same token whatever it is batched with. Columns past `num_tokens` (an LM head padded beyond
+the tokenizer) are never sampled.
 """
 
 from __future__ import annotations

@@ -235,13 +235,13 @@ class Scheduler:
         for token, token_logprobs in zip(tokens, logprobs):
             if self.stats is not None:
                 self.stats.observe_token(request, now, first_of_step=emitted == 0)
+            request.last_token_time = now
             request.append_output(token, token_logprobs)
             emitted += 1
             status = self._check_stop(request, token)
             if status is not None:
                 self._finish(request, status)
                 break
-        request.last_token_time = now
         if emitted < len(tokens):
             tokens, logprobs = tokens[:emitted], logprobs[:emitted]
         return self._output(request, tokens, logprobs, prompt_logprobs)
