@@ -140,7 +140,7 @@ class BlockManager:
         """The sequence's table itself, not a copy (a step's inputs read it; copying every
         table every step is O(context) per sequence). Read-only for the caller: it changes
         in place as the sequence grows, and is replaced if the sequence is freed."""
-        return (self._seqs.get(seq_id) or self._seq(seq_id)).block_ids
+        return self._seq(seq_id).block_ids
 
     def has_seq(self, seq_id: str) -> bool:
         return seq_id in self._seqs
@@ -217,7 +217,7 @@ class BlockManager:
         slots that speculative decoding's rejected drafts took stay allocated and are simply
         written again later. Returns False and changes nothing if blocks run short.
         """
-        state = self._seqs.get(seq_id) or self._seq(seq_id)  # (_seq raises for an unknown id)
+        state = self._seq(seq_id)
         first_write = state.num_tokens if num_computed_tokens is None else num_computed_tokens
         if self._fits_last_block(state, first_write, num_tokens):
             state.num_tokens = num_tokens

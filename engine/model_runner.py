@@ -112,12 +112,15 @@ def _forward_order(scheduled: list[ScheduledRequest], lora: bool) -> list[Schedu
     """Single-token rows and draft verifications run the batched decode path: they go first.
     With LoRA, then by adapter, so that each adapter's tokens are contiguous (engine/lora/ops.py)."""
     if lora:
-        return sorted(scheduled, key=lambda s: (s.num_new_tokens != 1 and not s.spec_token_ids,
-                                                s.request.lora_name or ""))
-    decodes = [s for s in scheduled if s.num_new_tokens == 1 or s.spec_token_ids]
+        return sorted(scheduled, key=lambda s: (not _runs_as_decodes(s), s.request.lora_name or ""))
+    decodes = [s for s in scheduled if _runs_as_decodes(s)]
     if len(decodes) == len(scheduled):
         return decodes
-    return decodes + [s for s in scheduled if s.num_new_tokens != 1 and not s.spec_token_ids]
+    return decodes + [s for s in scheduled if not _runs_as_decodes(s)]
+
+
+def _runs_as_decodes(s: ScheduledRequest) -> bool:
+    return s.num_new_tokens == 1 or bool(s.spec_token_ids)
 
 
 def _plain_greedy(s: ScheduledRequest) -> bool:

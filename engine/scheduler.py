@@ -97,7 +97,7 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         # The hot loop of a decode step: O(1) work per request (the block manager's append is
-        # O(1) unless a block is added), so no property or helper calls on the common path.
+        # O(1) unless a block is added), and no more calls per request than it needs.
         lookahead = self.config.num_lookahead_tokens
         for request in list(self.running):
             if budget <= 0:

@@ -633,4 +633,5 @@ def test_decode_inside_the_last_block_takes_the_fast_path():
     assert bm.live_block_table("a") is table and len(table) == 2
     bm.fork("a", "b")  # the last block is shared now: a write must copy it first
     assert not bm._fits_last_block(state, BS + 2, BS + 3)
-    bm.free("a"), bm.free("b")
+    bm.free("a")
+    bm.free("b")
