@@ -125,7 +125,8 @@ class Sampler:
 
 
 def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
-    return all(r.params.plain_greedy and (len(r.output_token_ids) >= r.params.min_tokens or r.matcher is not None) for r in rows)
+    return all(r.params.plain_greedy and (len(r.output_token_ids) >= r.params.min_tokens or r.matcher is not None)
+               for r in rows)
 
 
 def _greedy(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: int) -> SamplerOutput:
