@@ -13,70 +13,84 @@ block copies. Released entries are never read (engine/attention), so a stale one
 
     array [capacity, width] int64     row r = one sequence's table, 0 past its end
            ┌──────────────────────┐
-    row 0  │ 7  3 12  0  0 ...    │ ◄─ _Row(table=<list [7, 3, 12]>, num_written=3)
+    row 0  │ 7  3 12  0  0 ...    │ ◄─ the list [7, 3, 12], 3 entries written
     row 1  │ 5  9  0  0  0 ...    │
            └──────────────────────┘
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
-
-
-@dataclass(slots=True)
-class _Row:
-    index: int
-    table: list[int]  # the list it mirrors (kept so its id() stays unique while cached)
-    num_written: int  # leading entries copied into the array
 
 
 class BlockTables:
     def __init__(self, width: int, capacity: int = 64) -> None:
         self.array = np.zeros((capacity, max(width, 1)), dtype=np.int64)
-        self._rows: dict[int, _Row] = {}
+        self._rows: dict[int, int] = {}  # id(table) -> its row
+        self._tables: list[list[int] | None] = [None] * capacity  # per row: the list it mirrors,
+        # kept so that its id() stays unique while the row is in use
+        self._written = np.zeros(capacity, dtype=np.int64)  # per row: leading entries copied
         self._free = list(range(capacity - 1, -1, -1))
 
     def invalidate(self) -> None:
         """Forget every row: entries may have changed in place (copy-on-write)."""
-        self._free += [row.index for row in self._rows.values()]
+        for index in self._rows.values():
+            self._release(index)
         self._rows = {}
 
     def gather(self, tables: list[list[int]], width: int) -> np.ndarray:
         """These tables as a [len(tables), width] array (entries past a table's end are 0).
-        Rows of tables absent from this call are released: call once per forward."""
-        previous, current, index = self._rows, {}, []
-        for table in tables:
-            key = id(table)
-            row = current.get(key)  # a draft verification's rows share their sequence's table
-            if row is None:
-                row = previous.pop(key, None)
-                if row is None:
-                    row = _Row(self._take_row(), table, 0)
-                if row.num_written != len(table):
-                    self._write(row)
-                current[key] = row
-            index.append(row.index)
-        self._free += [row.index for row in previous.values()]
-        self._rows = current
-        return self.array[index, :width]
+        Rows of tables absent from this call are released: call once per forward.
 
-    def _write(self, row: _Row) -> None:
+        The per-table work is in C (map over ids, lengths, row indices); Python only
+        touches the tables that are new since the last call or have grown."""
+        keys = list(map(id, tables))
+        index = list(map(self._rows.get, keys))
+        if None in index:
+            for i, key in enumerate(keys):
+                if index[i] is None:
+                    # A draft verification's rows share their sequence's table: one row.
+                    index[i] = self._rows.get(key)
+                    if index[i] is None:
+                        index[i] = self._rows[key] = self._take_row(tables[i])
+        if len(self._rows) > len(keys) or len(self._rows) != len(set(keys)):
+            live = set(keys)
+            for key in [k for k in self._rows if k not in live]:
+                self._release(self._rows.pop(key))
+        rows = np.array(index, dtype=np.int64)
+        lengths = np.fromiter(map(len, tables), np.int64, len(tables))
+        for i in np.flatnonzero(lengths != self._written[rows]).tolist():
+            self._write(index[i], tables[i])
+        return self.array[rows, :width]
+
+    def _write(self, index: int, table: list[int]) -> None:
         """Copy the entries appended since the last write (a table never shrinks)."""
-        table, start = row.table, row.num_written
+        start = int(self._written[index])
+        if start == len(table):  # a shared table, written for an earlier row of this call
+            return
         if len(table) > self.array.shape[1]:
             grown = np.zeros((self.array.shape[0], len(table)), dtype=np.int64)
             grown[:, :self.array.shape[1]] = self.array
             self.array = grown
-        self.array[row.index, start:len(table)] = table[start:]
-        row.num_written = len(table)
+        if start == len(table) - 1:  # a decode's new block: one entry, no list slice
+            self.array[index, start] = table[start]
+        else:
+            self.array[index, start:len(table)] = table[start:]
+        self._written[index] = len(table)
 
-    def _take_row(self) -> int:
+    def _take_row(self, table: list[int]) -> int:
         if not self._free:
             old = self.array.shape[0]
             self.array = np.concatenate([self.array, np.zeros_like(self.array)])
+            self._written = np.concatenate([self._written, np.zeros_like(self._written)])
+            self._tables += [None] * old
             self._free = list(range(2 * old - 1, old - 1, -1))
         index = self._free.pop()
         self.array[index] = 0
+        self._written[index] = 0
+        self._tables[index] = table
         return index
+
+    def _release(self, index: int) -> None:
+        self._tables[index] = None
+        self._free.append(index)

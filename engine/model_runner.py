@@ -12,6 +12,7 @@ runs it (`run_plan`) through the same collectives; only rank 0 gets logits and s
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -50,6 +51,24 @@ class ForwardRow:
 
 
 @dataclass(slots=True)
+class SteadyRows:
+    """A step's steady decodes (SchedulerOutput.num_steady) as columns, built without a
+    ForwardRow each: every one computes its last token and needs its logits."""
+
+    token_ids: np.ndarray  # [n] int64
+    positions: np.ndarray  # [n] int64
+    block_tables: list[list[int]]  # the block manager's live tables
+
+    @classmethod
+    def of(cls, entries: list[ScheduledRequest]) -> SteadyRows:
+        requests = list(map(_request, entries))
+        n = len(requests)
+        return cls(np.fromiter([r.all_token_ids[-1] for r in requests], np.int64, n),
+                   np.fromiter([r.num_computed_tokens for r in requests], np.int64, n),
+                   [s.block_ids for s in entries])
+
+
+@dataclass(slots=True)
 class StepPlan:
     """One step as every tensor-parallel rank runs it (rank 0 broadcasts it): the rows to
     compute, from which each rank builds the same input ids, positions, slot mappings and
@@ -59,6 +78,7 @@ class StepPlan:
     rows: list[ForwardRow]
     logits_slices: list[tuple[int, int]] = field(default_factory=list)  # hidden rows [a, b) scored for prompt logprobs
     sample: bool = False  # then the LM head on the rows that sample
+    steady: SteadyRows | None = None  # steady decodes, which run before `rows`
 
 
 @dataclass(slots=True)
@@ -121,6 +141,26 @@ def _forward_order(scheduled: list[ScheduledRequest], lora: bool) -> list[Schedu
 
 def _runs_as_decodes(s: ScheduledRequest) -> bool:
     return s.num_new_tokens == 1 or bool(s.spec_token_ids)
+
+
+def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
+    """`values` then `fill` up to `size` (np.pad costs 10 µs a call)."""
+    if len(values) == size:
+        return values
+    out = np.full(size, fill, dtype=values.dtype)
+    out[:len(values)] = values
+    return out
+
+
+def _all_plain_greedy(steady: list[ScheduledRequest], others: list[ScheduledRequest]) -> bool:
+    """Whether every sampling row is plain greedy (steady decodes sample one row each, with
+    no drafts, so only their request decides)."""
+    return (all([r.structured is None and r.sampling_params.plain_greedy
+                 and len(r.output_token_ids) >= r.sampling_params.min_tokens for r in map(_request, steady)])
+            and all(_plain_greedy(s) for s in others))
+
+
+_request = operator.attrgetter("request")
 
 
 def _plain_greedy(s: ScheduledRequest) -> bool:
@@ -213,38 +253,44 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        # Single-token rows and draft verifications run the batched decode path; put them first.
-        # Then by LoRA adapter, so that each adapter's tokens are contiguous (engine/lora/ops.py).
-        order = _forward_order(sched.scheduled, self.lora is not None)
-        sampling = [s for s in order if s.num_samples]
-        jobs, slices = self._prompt_jobs(order)
+        # Steady decodes run first, as columns (SteadyRows); then the other single-token rows
+        # and draft verifications (the batched decode path), then prefill chunks. With LoRA,
+        # every row goes by adapter instead, so that each adapter's tokens are contiguous
+        # (engine/lora/ops.py).
+        num_steady = 0 if self.lora is not None else sched.num_steady
+        steady = sched.scheduled[:num_steady]
+        order = _forward_order(sched.scheduled[num_steady:], self.lora is not None)
+        sampling = steady + [s for s in order if s.num_samples]
+        jobs, slices = self._prompt_jobs(order, first_row=num_steady)
         rows = [forward_row(s) for s in order]
         if self.lora is not None:
             self.lora.assign_slots([s.request.lora_name for s in order], rows)
-        plan = StepPlan(list(sched.blocks_to_copy), rows, slices, bool(sampling))
+        plan = StepPlan(list(sched.blocks_to_copy), rows, slices, bool(sampling),
+                        SteadyRows.of(steady) if steady else None)
         prompt_logits, logits = self.run_plan(plan)
         prompt_lps = self._score_prompts(jobs, prompt_logits)
         if not sampling:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start)
-        if all(_plain_greedy(s) for s in sampling):  # the hot path: no per-row sampling state
+        if _all_plain_greedy(steady, sampling[num_steady:]):  # the hot path: no per-row sampling state
             model_end = time.perf_counter()
             tokens = self.sampler.argmax(logits[:len(sampling)])
-            return ModelRunnerOutput([s.request.request_id for s in sampling], [[t] for t in tokens],
-                                     [[None]] * len(sampling), prompt_lps, model_end - start,
-                                     time.perf_counter() - model_end)
+            rest = sampling[num_steady:]
+            return ModelRunnerOutput([s.request.request_id for s in rest], [[t] for t in tokens[num_steady:]],
+                                     [[None]] * len(rest), prompt_lps, model_end - start,
+                                     time.perf_counter() - model_end, steady_token_ids=tokens[:num_steady])
         rows, row_owner, logits_index = self._sampling_rows(sampling)
         logits = logits[:logits_index[-1] + 1]
         model_end = time.perf_counter()
         if logits_index != list(range(len(logits))):  # forking prompts sample n tokens from one row
             logits = logits[torch.tensor(logits_index, device=logits.device)]
         sampled = self.sampler(logits, rows)
-        out = self._group(sampling, row_owner, sampled)
+        out = self._group(sampling, row_owner, sampled, num_steady)
         out.prompt_logprobs = prompt_lps
         out.model_s, out.sample_s = model_end - start, time.perf_counter() - model_end
         out.grammar_s = sampled.grammar_s
         return out
 
-    def forward(self, rows: list[ForwardRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, rows: list[ForwardRow], steady: SteadyRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the model over `rows` (single-token rows and verifications first, for the batched
         decode path): (hidden states, the indices of the rows whose logits are needed, in order).
 
@@ -255,9 +301,9 @@ class ModelRunner:
         token goes through the same kernels as without speculation."""
         if any(f.num_logits > 1 for f in rows):
             rows = [one for f in rows for one in _as_decodes(f)]
-        if self.graphs is not None and self._all_decode(rows):
-            return self._run_graph(rows)
-        input_ids, positions, meta, last_rows = self._prepare(rows)
+        if self.graphs is not None and self._all_decode(rows, steady):
+            return self._run_graph(rows, steady)
+        input_ids, positions, meta, last_rows = self._prepare(rows, steady)
         if self.lora is not None:
             self.lora.set_tokens(rows)
         return self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches)), last_rows
@@ -269,7 +315,7 @@ class ModelRunner:
         if self.workers is not None:
             broadcast_object(plan, self.shard)
         self.copy_blocks(plan.blocks_to_copy)
-        hidden, last_rows = self.forward(plan.rows)
+        hidden, last_rows = self.forward(plan.rows, plan.steady)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in plan.logits_slices]
         logits = self.model.compute_logits(hidden[last_rows]) if plan.sample else None
         return prompt_logits, logits
@@ -290,14 +336,16 @@ class ModelRunner:
             out.setdefault(r.request_id, []).extend(prompt_logprobs(scores, targets, r.sampling_params.prompt_logprobs))
         return out
 
-    def _prompt_jobs(self, order: list[ScheduledRequest]) -> tuple[list[_PromptJob], list[tuple[int, int]]]:
+    def _prompt_jobs(self, order: list[ScheduledRequest], first_row: int
+                     ) -> tuple[list[_PromptJob], list[tuple[int, int]]]:
         """The hidden rows to score for requests that asked for prompt_logprobs: their
         chunk's rows, not only the last one, in slices that bound the [rows, vocab] logits.
-        Row offsets are the same in `_prepare`'s packing and the decode graph's (one token each)."""
+        Row offsets are the same in `_prepare`'s packing and the decode graph's (one token
+        each); `order` starts at row `first_row`, after the steady decodes."""
         jobs, slices = [], []
         if all(s.request.sampling_params.prompt_logprobs is None for s in order):
             return jobs, slices
-        row = 0
+        row = first_row
         for s in order:
             r = s.request
             if r.needs_prompt_logprobs:
@@ -310,17 +358,20 @@ class ModelRunner:
             row += s.num_new_tokens
         return jobs, slices
 
-    def _prepare(self, rows: list[ForwardRow]):
-        """The flat step inputs of `rows`, single-token rows first: (input ids, positions,
-        attention metadata, the rows whose logits are needed). Decode rows are built as
-        arrays over the persistent block tables; prefill chunks (a few per step) one by one."""
+    def _prepare(self, rows: list[ForwardRow], steady: SteadyRows | None):
+        """The flat step inputs of the steady decodes then `rows`, single-token rows first:
+        (input ids, positions, attention metadata, the rows whose logits are needed). Decode
+        rows are built as arrays over the persistent block tables; prefill chunks (a few per
+        step) one by one."""
         bs = self.block_size
-        num_decode = _num_leading_decodes(rows)
-        decode = self._decode_inputs(rows[:num_decode])
+        num_leading = _num_leading_decodes(rows)
+        decode = self._decode_inputs(rows[:num_leading], steady)
+        num_decode = len(decode.token_ids)
         input_ids, positions, slots = [decode.token_ids], [decode.positions], [decode.slots]
         last_rows = [decode.logits_rows]
         prefills, row = [], num_decode
-        for f in rows[num_decode:]:
+        rows = rows[num_leading:]
+        for f in rows:
             start, end = f.start, f.start + len(f.token_ids)
             pos = np.arange(start, end, dtype=np.int64)
             table = np.asarray(f.block_ids[:(end + bs - 1) // bs], dtype=np.int64)
@@ -338,29 +389,39 @@ class ModelRunner:
         self.backend.prepare(meta)
         input_ids, positions, last_rows = (np.concatenate(a) for a in (input_ids, positions, last_rows))
         if self.pad_shapes:  # padding rows: token 0 at position 0, no slot, never sampled
-            padding = bucket(len(input_ids)) - len(input_ids)
-            input_ids = np.pad(input_ids, (0, padding))
-            positions = np.pad(positions, (0, padding))
-            last_rows = np.pad(last_rows, (0, bucket(len(last_rows)) - len(last_rows)), mode="edge")
+            size = bucket(len(input_ids))
+            input_ids, positions = _padded(input_ids, size, 0), _padded(positions, size, 0)
+            if len(last_rows):  # padding repeats the last row: never sampled
+                last_rows = _padded(last_rows, bucket(len(last_rows)), last_rows[-1])
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last_rows)
 
-    def _decode_inputs(self, rows: list[ForwardRow]) -> DecodeInputs:
-        """Single-token rows as arrays: O(1) Python work per row, the tables from `block_tables`."""
+    def _decode_inputs(self, rows: list[ForwardRow], steady: SteadyRows | None) -> DecodeInputs:
+        """The steady decodes, then single-token `rows`, as arrays: O(1) Python work per row,
+        the tables from `block_tables`."""
         n, bs = len(rows), self.block_size
         columns = np.array([(f.token_ids[0], f.start, f.num_logits) for f in rows],
                            dtype=np.int64).reshape(n, 3)
-        token_ids, positions = columns[:, 0].copy(), columns[:, 1].copy()
+        token_ids, positions, logits = columns[:, 0], columns[:, 1], columns[:, 2]
+        tables = [f.block_ids for f in rows]
+        if steady is not None:
+            token_ids = np.concatenate([steady.token_ids, token_ids])
+            positions = np.concatenate([steady.positions, positions])
+            logits = np.concatenate([np.ones(len(steady.token_ids), dtype=np.int64), logits])
+            tables = steady.block_tables + tables
+        n = len(tables)
         width = int(positions.max()) // bs + 1 if n else 0
-        tables = self.block_tables.gather([f.block_ids for f in rows], width)
+        tables = self.block_tables.gather(tables, width)
         slots = tables[np.arange(n), positions // bs] * bs + positions % bs
-        return DecodeInputs(token_ids, positions, slots, tables, np.flatnonzero(columns[:, 2]))
+        return DecodeInputs(np.ascontiguousarray(token_ids), np.ascontiguousarray(positions), slots, tables,
+                            np.flatnonzero(logits))
 
-    def _all_decode(self, order: list[ForwardRow]) -> bool:
-        return 0 < len(order) <= self.graphs.max_batch and _num_leading_decodes(order) == len(order)
+    def _all_decode(self, rows: list[ForwardRow], steady: SteadyRows | None) -> bool:
+        n = len(rows) + (0 if steady is None else len(steady.token_ids))
+        return 0 < n <= self.graphs.max_batch and _num_leading_decodes(rows) == len(rows)
 
-    def _run_graph(self, order: list[ForwardRow]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_graph(self, rows: list[ForwardRow], steady: SteadyRows | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A pure-decode step through the captured graph of its batch-size bucket."""
-        inputs = self._decode_inputs(order)
+        inputs = self._decode_inputs(rows, steady)
         hidden = self.graphs.run(inputs.token_ids, inputs.positions, inputs.slots, inputs.block_tables)
         return hidden, self._tensor(inputs.logits_rows)
 
@@ -397,12 +458,19 @@ class ModelRunner:
         return rows, owner, logits_index
 
     @staticmethod
-    def _group(sampling: list[ScheduledRequest], row_owner: list[int], sampled) -> ModelRunnerOutput:
-        out = ModelRunnerOutput(request_ids=[s.request.request_id for s in sampling],
-                                token_ids=[[] for _ in sampling], logprobs=[[] for _ in sampling])
-        for owner, token, logprobs in zip(row_owner, sampled.token_ids, sampled.logprobs):
+    def _group(sampling: list[ScheduledRequest], row_owner: list[int], sampled, num_steady: int
+               ) -> ModelRunnerOutput:
+        """The sampled rows by request. The first `num_steady` requests are steady decodes,
+        which own the first `num_steady` rows, one each."""
+        rest = sampling[num_steady:]
+        out = ModelRunnerOutput(request_ids=[s.request.request_id for s in rest],
+                                token_ids=[[] for _ in rest], logprobs=[[] for _ in rest],
+                                steady_token_ids=sampled.token_ids[:num_steady],
+                                steady_logprobs=sampled.logprobs[:num_steady])
+        for owner, token, logprobs in zip(row_owner[num_steady:], sampled.token_ids[num_steady:],
+                                          sampled.logprobs[num_steady:]):
             if token == NOT_EMITTED:  # a verification row past the accepted run
                 continue
-            out.token_ids[owner].append(token)
-            out.logprobs[owner].append(logprobs)
+            out.token_ids[owner - num_steady].append(token)
+            out.logprobs[owner - num_steady].append(logprobs)
         return out

@@ -30,6 +30,9 @@ class SchedulerOutput:
     """What to run this step. Decodes and prefill chunks share one list."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # The first num_steady entries are steady decodes: one token each (the request's last,
+    # at position num_computed_tokens), one sample, no drafts.
+    num_steady: int = 0
     num_batched_tokens: int = 0
     # Copy-on-write block copies (src, dst) that must happen before the forward.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
@@ -59,6 +62,11 @@ class ModelRunnerOutput:
     model_s: float = 0.0
     sample_s: float = 0.0
     grammar_s: float | None = None  # structured output's bitmask (within sample_s); None: no constrained row
+    # The steady decodes' tokens (SchedulerOutput.scheduled[:len(steady_token_ids)]), one
+    # each; the fields above hold the other requests. steady_logprobs: one entry (or None)
+    # each, or None when no row asked.
+    steady_token_ids: list[int] = field(default_factory=list)
+    steady_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -89,11 +90,21 @@ class Request:
     # keys of its blocks (engine.lora.block_extra_keys), so no two adapters share KV.
     lora_name: str | None = None
     block_extra_keys: tuple = ()
+    # The scheduler's decode lease (BlockManager.decode_room): steps it may still decode with
+    # no call to the block manager, and the ScheduledRequest each of those steps reuses.
+    decode_room: int = 0
+    decode_entry: object = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.seed is None and self.sampling_params.seed is not None:
-            self.seed = self.sampling_params.seed + self.sample_index
+        params = self.sampling_params
+        if self.seed is None and params.seed is not None:
+            self.seed = params.seed + self.sample_index
+        # Cheap tests the scheduler makes each step before its full stop check: only a token
+        # in stop_candidates, or reaching length_limit tokens, can end the request by itself.
+        self.stop_candidates = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
+        self.length_limit = (len(self.prompt_token_ids) + params.max_tokens if params.max_tokens is not None
+                             else sys.maxsize)
 
     @property
     def num_prompt_tokens(self) -> int:

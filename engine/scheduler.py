@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from itertools import repeat
 
 from engine.block_manager import BlockManager
 from engine.errors import InvalidRequest
@@ -96,29 +97,51 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # The hot loop of a decode step: O(1) work per request (the block manager's append is
-        # O(1) unless a block is added), and no more calls per request than it needs.
-        lookahead = self.config.num_lookahead_tokens
+        # The hot loop of a decode step. A steady decode (one token, no drafts) holding a
+        # lease from the block manager (BlockManager.decode_room) costs a decrement and an
+        # append of its standing entry; the others take the general path below. The steady
+        # ones go first in out.scheduled (out.num_steady of them), for the runner's array path.
+        steady: list[ScheduledRequest] = []
         for request in list(self.running):
             if budget <= 0:
                 break
-            if request.status != RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            computed = request.num_computed_tokens
-            num_new = min(len(request.all_token_ids) - computed, budget)
-            # Drafts follow a decode's one token, as far as the budget goes.
-            drafts = request.spec_token_ids[:max(0, budget - num_new)] if request.spec_token_ids else ()
-            num_new += len(drafts)
-            end = self._slots(computed + num_new) if lookahead else computed + num_new
-            while not self.block_manager.append_slots(request.request_id, request.all_token_ids, end, computed):
-                victim = max(self.running, key=self._order)
-                budget += self._preempt(victim, out)
-                if victim is request:
-                    break
-            else:
-                out.scheduled.append(self._scheduled(request, num_new, drafts))
-                budget -= num_new
+            if request.decode_room and not request.spec_token_ids:
+                request.decode_room -= 1
+                steady.append(request.decode_entry)
+                budget -= 1
+                continue
+            if request.status == RequestStatus.RUNNING:  # else preempted earlier in this loop
+                budget = self._schedule_one(request, out, steady, budget)
+        out.scheduled[:0] = steady
+        out.num_steady = len(steady)
         return budget
+
+    def _schedule_one(self, request: Request, out: SchedulerOutput, steady: list[ScheduledRequest],
+                      budget: int) -> int:
+        """A running request's share of the step through the block manager (preempting
+        others, or itself, when blocks run short); then a decode lease for the next steps."""
+        lookahead = self.config.num_lookahead_tokens
+        computed = request.num_computed_tokens
+        num_new = min(len(request.all_token_ids) - computed, budget)
+        # Drafts follow a decode's one token, as far as the budget goes.
+        drafts = request.spec_token_ids[:max(0, budget - num_new)] if request.spec_token_ids else ()
+        num_new += len(drafts)
+        end = self._slots(computed + num_new) if lookahead else computed + num_new
+        while not self.block_manager.append_slots(request.request_id, request.all_token_ids, end, computed):
+            victim = max(self.running, key=self._order)
+            budget += self._preempt(victim, out, steady)
+            if victim is request:
+                return budget
+        entry = self._scheduled(request, num_new, drafts)
+        request.decode_room = 0
+        if num_new == 1 and entry.num_samples == 1 and not drafts and request.output_token_ids:
+            steady.append(entry)  # a decode: it stays one until it finishes or gets drafts
+            request.decode_entry = entry
+            if not lookahead:  # a draft model's lookahead slots take the general path
+                request.decode_room = self.block_manager.decode_room(request.request_id)
+        else:
+            out.scheduled.append(entry)
+        return budget - num_new
 
     def _slots(self, end: int) -> int:
         """Tokens the table must cover when this step computes up to `end`: with a draft model,
@@ -195,8 +218,11 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput
                            ) -> list[EngineCoreOutput]:
         """Advance computed tokens, append sampled ones, fork n>1 prompts, finish stopped requests."""
+        num_steady = len(result.steady_token_ids)
+        now = time.monotonic()
+        outputs = self._append_steady(sched.scheduled[:num_steady], result, now)
         drafted = {}
-        for s in sched.scheduled:
+        for s in sched.scheduled[num_steady:]:
             request = s.request
             request.num_computed_tokens += s.num_new_tokens
             if request.spec_token_ids:
@@ -205,8 +231,6 @@ class Scheduler:
                 drafted[request.request_id] = s
         for request_id, entries in result.prompt_logprobs.items():
             self.requests[request_id].prompt_logprobs += entries
-        outputs = []
-        now = time.monotonic()
         for request_id, tokens, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
             request = self.requests[request_id]
             if drafted and request_id in drafted:
@@ -219,6 +243,36 @@ class Scheduler:
                 outputs.append(self._append_run(request, tokens, logprobs, now))
         if any(o.finish_reason is not None for o in outputs):  # one pass, not a list.remove each
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def _append_steady(self, steady: list[ScheduledRequest], result: ModelRunnerOutput, now: float
+                       ) -> list[EngineCoreOutput]:
+        """The steady decodes' one token each: `_append_run`'s work, inlined, with the full
+        stop check only where a cheap test says the token may end the request."""
+        if self.stats is not None:
+            self.stats.observe_decodes([s.request for s in steady], now)
+        max_model_len, outputs = self.config.max_model_len, []
+        logprobs = result.steady_logprobs or repeat(None)
+        for s, token, token_logprobs in zip(steady, result.steady_token_ids, logprobs):
+            request = s.request
+            request.num_computed_tokens += 1
+            request.last_token_time = now
+            request.output_token_ids.append(token)
+            request.all_token_ids.append(token)
+            if token_logprobs is not None:
+                request.output_logprobs.append(token_logprobs)
+            num_tokens = len(request.all_token_ids)
+            if (token in request.stop_candidates or num_tokens >= request.length_limit
+                    or num_tokens >= max_model_len or request.structured is not None):
+                status = self._check_stop(request, token)
+                if status is not None:
+                    self._finish(request, status)
+                    outputs.append(self._output(request, [token], [token_logprobs], None))
+                    continue
+            outputs.append(EngineCoreOutput(
+                request.parent_id or request.request_id, request.sample_index, [token],
+                None if token_logprobs is None else [token_logprobs], None, None,
+                len(request.prompt_token_ids), request.num_cached_tokens))
         return outputs
 
     def _rollback(self, s: ScheduledRequest, num_accepted: int) -> None:
@@ -273,6 +327,7 @@ class Scheduler:
     def _fork(self, parent: Request, count: int) -> list[Request]:
         """Siblings 1..count of an n>1 prompt, sharing its blocks copy-on-write."""
         siblings = []
+        parent.decode_room = 0  # its last block is shared from here on: no lease
         for index in range(1, count + 1):
             child = Request(
                 request_id=sample_request_id(parent.parent_id, index),
@@ -321,9 +376,12 @@ class Scheduler:
         return ScheduledRequest(request, num_new, self.block_manager.live_block_table(request.request_id),
                                 num_samples, list(drafts) if drafts else [])
 
-    def _preempt(self, victim: Request, out: SchedulerOutput) -> int:
+    def _preempt(self, victim: Request, out: SchedulerOutput, steady: list[ScheduledRequest]) -> int:
         """Free the victim's blocks and requeue it; returns budget given back."""
-        taken_back = next((k for k, s in enumerate(out.scheduled) if s.request is victim), None)
+        victim.decode_room = 0  # its lease ends with its blocks
+        # Where this step already scheduled it, if it did: (list, index).
+        taken_back = next(((entries, k) for entries in (steady, out.scheduled)
+                           for k, s in enumerate(entries) if s.request is victim), None)
         self.running.remove(victim)
         # Blocks it filled this step were cached, but their KV will never be written: uncache them.
         self.block_manager.free(victim.request_id, step_discarded=taken_back is not None)
@@ -337,7 +395,8 @@ class Scheduler:
         self._push_waiting(victim)
         if taken_back is None:
             return 0
-        return out.scheduled.pop(taken_back).num_new_tokens  # give its budget back
+        entries, k = taken_back
+        return entries.pop(k).num_new_tokens  # give its budget back
 
     def _live_copies(self, out: SchedulerOutput) -> list[tuple[int, int]]:
         # A copy into a block that a preempted request gave back is moot.

@@ -83,6 +83,11 @@ class IterationStats:
         else:
             self.itls_s.append(now - request.last_token_time)
 
+    def observe_decodes(self, requests: list[Request], now: float) -> None:
+        """`observe_token` for requests that get one token each this step, none its first."""
+        self.num_generation_tokens += len(requests)
+        self.itls_s += [now - r.last_token_time for r in requests if r.last_token_time is not None]
+
     def observe_finished(self, request: Request, now: float) -> None:
         queue_s = None if request.scheduled_time is None else request.scheduled_time - request.arrival_time
         reason = request.status.finish_reason

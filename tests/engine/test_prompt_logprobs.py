@@ -151,9 +151,9 @@ def test_preempted_mid_prefill_scores_once(bundled_path, prompts, reference, mon
     preempted = []
     original = core.scheduler._preempt
 
-    def recording_preempt(victim, out):
+    def recording_preempt(victim, *args):
         preempted.append((victim.request_id, victim.num_computed_tokens, victim.num_output_tokens))
-        return original(victim, out)
+        return original(victim, *args)
 
     monkeypatch.setattr(core.scheduler, "_preempt", recording_preempt)
     # "long" holds 6 of the 8 blocks and decodes; "a" prefills 15 tokens a step next to it, and

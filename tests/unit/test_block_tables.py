@@ -17,7 +17,7 @@ def test_an_appended_block_is_written_and_nothing_else_is():
     tables = BlockTables(width=4)
     a = [7, 3]
     tables.gather([a], 2)
-    index = tables._rows[id(a)].index
+    index = tables._rows[id(a)]
     tables.array[index, 0] = 99  # were the whole row rewritten, this would be undone
     a.append(12)
     assert tables.gather([a], 3).tolist() == [[99, 3, 12]]
@@ -27,7 +27,7 @@ def test_a_new_table_with_the_same_contents_gets_a_fresh_row():
     tables = BlockTables(width=4)
     a = [7, 3]
     tables.gather([a], 2)
-    tables.array[tables._rows[id(a)].index, 0] = 99
+    tables.array[tables._rows[id(a)], 0] = 99
     resumed = [7, 3]  # a preempted sequence's new table, say
     assert tables.gather([resumed], 2).tolist() == [[7, 3]]
 

@@ -57,12 +57,16 @@ class FakeRunner:
         if check is not None:
             check(out)
         result = ModelRunnerOutput()
-        for s in out.scheduled:
+        for k, s in enumerate(out.scheduled):
             if s.num_samples:
                 rid = s.request.request_id
+                sampled = ([tokens[rid]] * s.num_samples if tokens and rid in tokens
+                           else [100 * self.num_steps + j for j in range(s.num_samples)])
+                if k < out.num_steady:  # as the model runner reports steady decodes
+                    result.steady_token_ids += sampled
+                    continue
                 result.request_ids.append(rid)
-                result.token_ids.append([tokens[rid]] * s.num_samples if tokens and rid in tokens
-                                        else [100 * self.num_steps + j for j in range(s.num_samples)])
+                result.token_ids.append(sampled)
                 result.logprobs.append([None] * s.num_samples)
         return out, self.sched.update_from_output(out, result)
 
@@ -195,6 +199,22 @@ def test_preemption_takes_newest_and_it_resumes_first_with_outputs_kept(make):
     runner.drain()
     assert c.output_token_ids[:3] == [100, 200, 400] and c.num_output_tokens == 4
     assert c.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_a_steady_decode_goes_through_the_block_manager_about_twice_a_block(make):
+    sched, runner = make(num_blocks=16)
+    calls = []
+    append_slots = sched.block_manager.append_slots
+    sched.block_manager.append_slots = lambda *args: calls.append(args[2]) or append_slots(*args)
+    sched.add_request(make_request("A", 3, max_tokens=24))
+    runner.step()  # the prefill
+    steady = 0
+    while sched.requests:
+        out, _ = runner.step()
+        steady += out.num_steady
+    # Per block: the call that adds it, then the one that grants the lease for its room.
+    assert len(calls) <= 2 * 7 and steady == 23
+    assert sched.block_manager.num_free_blocks == 16
 
 
 def test_priority_policy_admits_lower_value_first_and_preempts_highest_value(make):
@@ -380,7 +400,7 @@ def _check_step(sched: Scheduler, out: SchedulerOutput | None) -> None:
 
 
 BASE = list(range(5000, 5008))
-spec = st.tuples(st.integers(0, 8), st.integers(1, 6), st.integers(1, 4), st.integers(1, 3),
+spec = st.tuples(st.integers(0, 8), st.integers(1, 6), st.integers(1, 10), st.integers(1, 3),
                  st.integers(0, 2), st.integers(0, 6), st.none() | st.integers(0, 12))
 
 
