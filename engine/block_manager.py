@@ -244,21 +244,21 @@ class BlockManager:
         self._register_full_blocks(state, token_ids)
         return True
 
-    def decode_room(self, seq_id: str) -> int:
-        """A decode lease: how many more tokens the sequence can append, one per step, with
-        no call here. That is the room left in its last block, where nothing else needs
-        doing (see `_fits_last_block`): the sequence alone holds the block, there is no
-        window to release behind, and the latest call registered no block whose KV the
+    def decode_lease(self, seq_id: str) -> int:
+        """A decode lease: the sequence may write KV at positions below the returned one, one
+        per step, with no call here (0: no lease). That is its last block's room, where nothing
+        else needs doing (see `_fits_last_block`): the sequence alone holds the block, there is
+        no window to release behind, and the latest call registered no block whose KV the
         step has yet to write. The scheduler spends the lease on its own and calls
-        `append_slots` again once it is spent; `fork` and `free` end it (the scheduler
-        forgets the lease when it forks or preempts). Meanwhile the table covers fewer
-        tokens here than the sequence has, which only `append_slots` reads, and corrects."""
+        `append_slots` again once it is spent; `fork` and `free` end it (the scheduler forgets
+        the lease when it forks or preempts). Meanwhile the table covers fewer tokens here
+        than the sequence has, which only `append_slots` reads, and corrects."""
         state = self._seq(seq_id)
         block_ids = state.block_ids
         if (self.sliding_window is not None or state.num_written_hashes != len(state.block_hashes)
                 or self._blocks[block_ids[-1]].ref_count != 1):
             return 0
-        return len(block_ids) * self.block_size - state.num_tokens
+        return len(block_ids) * self.block_size
 
     def _fits_last_block(self, state: _SeqBlocks, first_write: int, num_tokens: int) -> bool:
         """The decode step's O(1) case, which needs none of append_slots' work: the step writes

@@ -90,13 +90,15 @@ class Request:
     # keys of its blocks (engine.lora.block_extra_keys), so no two adapters share KV.
     lora_name: str | None = None
     block_extra_keys: tuple = ()
-    # The scheduler's decode lease (BlockManager.decode_room): steps it may still decode with
-    # no call to the block manager, and the ScheduledRequest each of those steps reuses.
-    decode_room: int = 0
+    # The scheduler's decode lease (BlockManager.decode_lease): it decodes with no call to
+    # the block manager while num_computed_tokens < decode_lease_end, each step reusing
+    # decode_entry (its ScheduledRequest).
+    decode_lease_end: int = 0
     decode_entry: object = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        self.caller_id = self.parent_id or self.request_id  # the id its outputs go out under
         params = self.sampling_params
         if self.seed is None and params.seed is not None:
             self.seed = params.seed + self.sample_index
@@ -105,6 +107,11 @@ class Request:
         self.stop_candidates = frozenset(params.stop_token_ids).union(() if params.ignore_eos else self.eos_token_ids)
         self.length_limit = (len(self.prompt_token_ids) + params.max_tokens if params.max_tokens is not None
                              else sys.maxsize)
+        # From which output token on each next token is its logits' argmax and nothing more,
+        # the sampler's hot path (SamplingParams.plain_greedy; min_tokens masks eos before
+        # it, a grammar always); sys.maxsize: never.
+        self.greedy_from = (params.min_tokens if params.plain_greedy and params.structured_outputs is None
+                            else sys.maxsize)
 
     @property
     def num_prompt_tokens(self) -> int:

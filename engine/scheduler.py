@@ -20,8 +20,12 @@ step loop never waits for a compile.
 from __future__ import annotations
 
 import heapq
+import operator
 import time
+from collections import deque
 from itertools import repeat
+
+import numpy as np
 
 from engine.block_manager import BlockManager
 from engine.errors import InvalidRequest
@@ -29,6 +33,27 @@ from engine.config import SchedulerConfig
 from engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus, sample_request_id
 from engine.stats import IterationStats, SpecDecodingStats
+
+
+_num_computed = operator.attrgetter("num_computed_tokens")
+_lease_end = operator.attrgetter("decode_lease_end")
+_spec_token_ids = operator.attrgetter("spec_token_ids")
+_decode_entry = operator.attrgetter("decode_entry")
+_request = operator.attrgetter("request")
+_output_token_ids = operator.attrgetter("output_token_ids")
+_all_token_ids = operator.attrgetter("all_token_ids")
+_prompt_token_ids = operator.attrgetter("prompt_token_ids")
+_length_limit = operator.attrgetter("length_limit")
+_stop_candidates = operator.attrgetter("stop_candidates")
+_structured = operator.attrgetter("structured")
+_caller_id = operator.attrgetter("caller_id")
+_sample_index = operator.attrgetter("sample_index")
+_num_cached = operator.attrgetter("num_cached_tokens")
+
+
+def _consume(iterator) -> None:
+    """Run an iterator of side effects (map over appends, setattr) to its end, in C."""
+    deque(iterator, maxlen=0)
 
 
 class Scheduler:
@@ -97,21 +122,26 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        # The hot loop of a decode step. A steady decode (one token, no drafts) holding a
-        # lease from the block manager (BlockManager.decode_room) costs a decrement and an
-        # append of its standing entry; the others take the general path below. The steady
-        # ones go first in out.scheduled (out.num_steady of them), for the runner's array path.
-        steady: list[ScheduledRequest] = []
-        for request in list(self.running):
-            if budget <= 0:
-                break
-            if request.decode_room and not request.spec_token_ids:
-                request.decode_room -= 1
-                steady.append(request.decode_entry)
-                budget -= 1
-                continue
-            if request.status == RequestStatus.RUNNING:  # else preempted earlier in this loop
-                budget = self._schedule_one(request, out, steady, budget)
+        # The hot loop of a decode step. A steady decode (one token, no drafts) holding a lease
+        # from the block manager (BlockManager.decode_lease) only appends its standing entry;
+        # the others take the general path, `_schedule_one`. When every running request is a
+        # leased decode, as in most steps, the loop over them runs in C (map over attrgetters).
+        # The steady ones go first in out.scheduled (out.num_steady of them), for the runner.
+        running = self.running
+        if (len(running) <= budget and all(map(operator.lt, map(_num_computed, running), map(_lease_end, running)))
+                and not any(map(_spec_token_ids, running))):
+            steady = list(map(_decode_entry, running))
+            budget -= len(steady)
+        else:
+            steady = []
+            for request in list(running):
+                if budget <= 0:
+                    break
+                if request.num_computed_tokens < request.decode_lease_end and not request.spec_token_ids:
+                    steady.append(request.decode_entry)
+                    budget -= 1
+                elif request.status == RequestStatus.RUNNING:  # else preempted earlier in this loop
+                    budget = self._schedule_one(request, out, steady, budget)
         out.scheduled[:0] = steady
         out.num_steady = len(steady)
         return budget
@@ -133,12 +163,12 @@ class Scheduler:
             if victim is request:
                 return budget
         entry = self._scheduled(request, num_new, drafts)
-        request.decode_room = 0
+        request.decode_lease_end = 0
         if num_new == 1 and entry.num_samples == 1 and not drafts and request.output_token_ids:
             steady.append(entry)  # a decode: it stays one until it finishes or gets drafts
             request.decode_entry = entry
             if not lookahead:  # a draft model's lookahead slots take the general path
-                request.decode_room = self.block_manager.decode_room(request.request_id)
+                request.decode_lease_end = self.block_manager.decode_lease(request.request_id)
         else:
             out.scheduled.append(entry)
         return budget - num_new
@@ -247,32 +277,39 @@ class Scheduler:
 
     def _append_steady(self, steady: list[ScheduledRequest], result: ModelRunnerOutput, now: float
                        ) -> list[EngineCoreOutput]:
-        """The steady decodes' one token each: `_append_run`'s work, inlined, with the full
-        stop check only where a cheap test says the token may end the request."""
+        """The steady decodes' one token each: `_append_run`'s work as C loops (map over the
+        requests' lists and attributes), with the full stop check only for the few requests
+        a cheap test says the token may end."""
+        requests = list(map(_request, steady))
+        tokens = result.steady_token_ids
         if self.stats is not None:
-            self.stats.observe_decodes([s.request for s in steady], now)
-        max_model_len, outputs = self.config.max_model_len, []
-        logprobs = result.steady_logprobs or repeat(None)
-        for s, token, token_logprobs in zip(steady, result.steady_token_ids, logprobs):
-            request = s.request
-            request.num_computed_tokens += 1
-            request.last_token_time = now
-            request.output_token_ids.append(token)
-            request.all_token_ids.append(token)
-            if token_logprobs is not None:
-                request.output_logprobs.append(token_logprobs)
-            num_tokens = len(request.all_token_ids)
-            if (token in request.stop_candidates or num_tokens >= request.length_limit
-                    or num_tokens >= max_model_len or request.structured is not None):
-                status = self._check_stop(request, token)
-                if status is not None:
-                    self._finish(request, status)
-                    outputs.append(self._output(request, [token], [token_logprobs], None))
-                    continue
-            outputs.append(EngineCoreOutput(
-                request.parent_id or request.request_id, request.sample_index, [token],
-                None if token_logprobs is None else [token_logprobs], None, None,
-                len(request.prompt_token_ids), request.num_cached_tokens))
+            self.stats.observe_decodes(requests, now)
+        _consume(map(list.append, map(_output_token_ids, requests), tokens))
+        _consume(map(list.append, map(_all_token_ids, requests), tokens))
+        _consume(map(setattr, requests, repeat("num_computed_tokens"), map(operator.add, map(_num_computed, requests),
+                                                                          repeat(1))))
+        _consume(map(setattr, requests, repeat("last_token_time"), repeat(now)))
+        n = len(requests)
+        lengths = np.fromiter(map(len, map(_all_token_ids, requests)), np.int64, n)
+        limits = np.fromiter(map(_length_limit, requests), np.int64, n)
+        may_stop = (np.fromiter(map(operator.contains, map(_stop_candidates, requests), tokens), bool, n)
+                    | (lengths >= np.minimum(limits, self.config.max_model_len)))
+        if any(map(_structured, requests)):  # its grammar takes every token
+            may_stop |= np.fromiter(map(operator.is_not, map(_structured, requests), repeat(None)), bool, n)
+        outputs = list(map(EngineCoreOutput, map(_caller_id, requests), map(_sample_index, requests),
+                           [[token] for token in tokens], repeat(None), repeat(None), repeat(None),
+                           map(len, map(_prompt_token_ids, requests)), map(_num_cached, requests)))
+        if result.steady_logprobs is not None:
+            for request, output, token_logprobs in zip(requests, outputs, result.steady_logprobs):
+                if token_logprobs is not None:
+                    request.output_logprobs.append(token_logprobs)
+                    output.new_logprobs = [token_logprobs]
+        for i in np.flatnonzero(may_stop).tolist():
+            request = requests[i]
+            status = self._check_stop(request, tokens[i])
+            if status is not None:
+                self._finish(request, status)
+                outputs[i] = self._output(request, outputs[i].new_token_ids, outputs[i].new_logprobs, None)
         return outputs
 
     def _rollback(self, s: ScheduledRequest, num_accepted: int) -> None:
@@ -307,7 +344,7 @@ class Scheduler:
         # Positional: a slots dataclass built from keywords costs 3x as much, once per
         # request per step.
         return EngineCoreOutput(
-            request.parent_id or request.request_id, request.sample_index, tokens,
+            request.caller_id, request.sample_index, tokens,
             None if not logprobs or logprobs[0] is None else logprobs,
             None if status == RequestStatus.RUNNING else status.finish_reason, request.stop_token_id,
             len(request.prompt_token_ids), request.num_cached_tokens, prompt_logprobs,
@@ -327,7 +364,7 @@ class Scheduler:
     def _fork(self, parent: Request, count: int) -> list[Request]:
         """Siblings 1..count of an n>1 prompt, sharing its blocks copy-on-write."""
         siblings = []
-        parent.decode_room = 0  # its last block is shared from here on: no lease
+        parent.decode_lease_end = 0  # its last block is shared from here on: no lease
         for index in range(1, count + 1):
             child = Request(
                 request_id=sample_request_id(parent.parent_id, index),
@@ -378,7 +415,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput, steady: list[ScheduledRequest]) -> int:
         """Free the victim's blocks and requeue it; returns budget given back."""
-        victim.decode_room = 0  # its lease ends with its blocks
+        victim.decode_lease_end = 0  # its lease ends with its blocks
         # Where this step already scheduled it, if it did: (list, index).
         taken_back = next(((entries, k) for entries in (steady, out.scheduled)
                            for k, s in enumerate(entries) if s.request is victim), None)

@@ -319,32 +319,32 @@ def test_free_with_discarded_step_keeps_the_first_copy_of_duplicates():
     bm.check_invariants()
 
 
-def test_decode_room_is_the_last_blocks_room_when_nothing_else_needs_doing():
+def test_a_decode_lease_is_the_last_blocks_room_when_nothing_else_needs_doing():
     bm = make(10)
     tokens = prompt(0, 6)  # blocks [0, 1]; block 1 holds 2 of 4 tokens
     alloc(bm, "a", tokens)
-    assert bm.decode_room("a") == 0  # block 0 was hashed by this call: its KV comes this step
+    assert bm.decode_lease("a") == 0  # block 0 was hashed by this call: its KV comes this step
     tokens.append(60)  # a decode writes position 6, then the lease covers position 7
-    assert bm.append_slots("a", tokens, 7, 6) and bm.decode_room("a") == 1
+    assert bm.append_slots("a", tokens, 7, 6) and bm.decode_lease("a") == 8  # position 7 is leased
     tokens.append(61)  # spent without a call; the next decode crosses into a new block
     tokens.append(62)
     assert bm.append_slots("a", tokens, 9, 8) and bm.block_table("a") == [0, 1, 2]
-    assert bm.decode_room("a") == 0  # block 1 was hashed by this call
+    assert bm.decode_lease("a") == 0  # block 1 was hashed by this call
     tokens.append(63)
-    assert bm.append_slots("a", tokens, 10, 9) and bm.decode_room("a") == 2
+    assert bm.append_slots("a", tokens, 10, 9) and bm.decode_lease("a") == 12
     bm.check_invariants()
     bm.free("a")
 
 
-def test_no_decode_room_in_a_shared_last_block_or_under_a_window():
+def test_no_decode_lease_in_a_shared_last_block_or_under_a_window():
     bm = make(10)
     tokens = prompt(0, 6)
     alloc(bm, "a", tokens)
     bm.fork("a", "b")  # block 1 is shared: the next write copies it first
-    assert bm.decode_room("a") == bm.decode_room("b") == 0
+    assert bm.decode_lease("a") == bm.decode_lease("b") == 0
     windowed = BlockManager(10, block_size=BS, enable_prefix_caching=True, sliding_window=8)
     alloc(windowed, "w", prompt(100, 6))
-    assert windowed.decode_room("w") == 0
+    assert windowed.decode_lease("w") == 0
 
 
 def test_fork_shares_blocks_and_copies_on_write():
