@@ -247,16 +247,15 @@ class BlockManager:
     def decode_lease(self, seq_id: str) -> int:
         """A decode lease: the sequence may write KV at positions below the returned one, one
         per step, with no call here (0: no lease). That is its last block's room, where nothing
-        else needs doing (see `_fits_last_block`): the sequence alone holds the block, there is
-        no window to release behind, and the latest call registered no block whose KV the
-        step has yet to write. The scheduler spends the lease on its own and calls
+        else needs doing (see `_fits_last_block`): the sequence alone holds the block and there
+        is no window to release behind. The scheduler spends the lease on its own and calls
         `append_slots` again once it is spent; `fork` and `free` end it (the scheduler forgets
-        the lease when it forks or preempts). Meanwhile the table covers fewer tokens here
-        than the sequence has, which only `append_slots` reads, and corrects."""
+        the lease when it forks or preempts). Meanwhile the table covers fewer tokens here than
+        the sequence has, which only `append_slots` reads, and corrects. A step that spends the
+        lease makes no call, so its discarding (`free(step_discarded=...)`) concerns none."""
         state = self._seq(seq_id)
         block_ids = state.block_ids
-        if (self.sliding_window is not None or state.num_written_hashes != len(state.block_hashes)
-                or self._blocks[block_ids[-1]].ref_count != 1):
+        if self.sliding_window is not None or self._blocks[block_ids[-1]].ref_count != 1:
             return 0
         return len(block_ids) * self.block_size
 

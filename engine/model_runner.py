@@ -166,8 +166,10 @@ def _all_plain_greedy(steady: list[ScheduledRequest], others: list[ScheduledRequ
     """Whether every sampling row is plain greedy. Steady decodes sample one row each, with
     no drafts, so only their request decides (Request.greedy_from)."""
     requests = list(map(_request, steady))
-    return (all(map(operator.ge, map(len, map(_output_token_ids, requests)), map(_greedy_from, requests)))
-            and all(_plain_greedy(s) for s in others))
+    if requests and max(map(_greedy_from, requests)) > 0:  # some are not, or not yet (min_tokens)
+        if not all(map(operator.ge, map(len, map(_output_token_ids, requests)), map(_greedy_from, requests))):
+            return False
+    return all(_plain_greedy(s) for s in others)
 
 
 def _plain_greedy(s: ScheduledRequest) -> bool:

@@ -70,6 +70,7 @@ class Scheduler:
         # last outputs go out with the next step's.
         self.failed_outputs: list[EngineCoreOutput] = []
         self.finished_request_ids: set[str] = set()
+        self._appended: set[str] = set()  # running requests this step scheduled via append_slots
         self.num_preemptions = 0  # total since start, for metrics
         self.spec_stats = SpecDecodingStats()  # totals since start, for metrics
 
@@ -133,7 +134,7 @@ class Scheduler:
             steady = list(map(_decode_entry, running))
             budget -= len(steady)
         else:
-            steady = []
+            steady, self._appended = [], set()  # who went through the block manager this step
             for request in list(running):
                 if budget <= 0:
                     break
@@ -162,6 +163,7 @@ class Scheduler:
             budget += self._preempt(victim, out, steady)
             if victim is request:
                 return budget
+        self._appended.add(request.request_id)
         entry = self._scheduled(request, num_new, drafts)
         request.decode_lease_end = 0
         if num_new == 1 and entry.num_samples == 1 and not drafts and request.output_token_ids:
@@ -415,13 +417,15 @@ class Scheduler:
 
     def _preempt(self, victim: Request, out: SchedulerOutput, steady: list[ScheduledRequest]) -> int:
         """Free the victim's blocks and requeue it; returns budget given back."""
-        victim.decode_lease_end = 0  # its lease ends with its blocks
         # Where this step already scheduled it, if it did: (list, index).
         taken_back = next(((entries, k) for entries in (steady, out.scheduled)
                            for k, s in enumerate(entries) if s.request is victim), None)
+        # Was it scheduled through the block manager this step (not on its lease)? Then blocks
+        # that call filled were cached, but their KV will never be written: uncache them.
+        discarded = taken_back is not None and victim.request_id in self._appended
+        victim.decode_lease_end = 0  # its lease ends with its blocks
         self.running.remove(victim)
-        # Blocks it filled this step were cached, but their KV will never be written: uncache them.
-        self.block_manager.free(victim.request_id, step_discarded=taken_back is not None)
+        self.block_manager.free(victim.request_id, step_discarded=discarded)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
