@@ -56,6 +56,9 @@ class FrontendConfig:
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
     api_key: str | None = None  # guards the HTTP API's /v1 routes
     allow_runtime_lora: bool = False  # the admin LoRA routes without an API key
+    # Several frontend processes share the gRPC and HTTP ports (`serve --api-server-count`):
+    # SO_REUSEPORT, so the kernel spreads new connections over them.
+    reuse_port: bool = False
 
 
 async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> None:
@@ -69,7 +72,8 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
         from pagedserve.metrics_http import serve_metrics
         serve_metrics(config.metrics_host, config.metrics_port)
     # The metrics interceptor is outermost, so it counts what the guard refuses.
-    server = grpc.aio.server(interceptors=[MetricsInterceptor(metrics), DecodeGuard()])
+    server = grpc.aio.server(interceptors=[MetricsInterceptor(metrics), DecodeGuard()],
+                             options=[("grpc.so_reuseport", 1)] if config.reuse_port else None)
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     address = f"{config.host}:{port}"
     health_servicer = health.aio.HealthServicer()
@@ -85,7 +89,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
         from frontend.http.app import start_http
         from frontend.http.context import HttpContext
         ctx = HttpContext(llm, metrics, config.served_model_names, config.api_key, config.allow_runtime_lora)
-        http = await start_http(ctx, config.host, config.http_port)
+        http = await start_http(ctx, config.host, config.http_port, config.reuse_port)
         llm.http_address = http[2]
         print(f"http listening on {http[2]}", flush=True)
     await llm.pool.start(config.engine_addresses, config.engine_dns, config.engine_dns_interval_s)

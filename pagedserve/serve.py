@@ -7,6 +7,11 @@ the engine's exit code.
 
 `--data-parallel-size N` starts N engine children on N endpoints (tcp ports PORT, PORT+1, ...;
 ipc paths PATH-0, PATH-1, ...; engine metrics ports likewise) behind the one frontend.
+
+`--api-server-count N` runs N frontend processes on the same gRPC and HTTP ports (this one and
+N-1 spawned children, each connected to every engine): the kernel spreads new connections
+over them (SO_REUSEPORT), so N cores parse, detokenize and stream. A signal to `serve` is
+passed on to the children, which drain as this one does; if one dies, `serve` stops.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -38,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="engine processes behind the one frontend, each with the same engine flags (without "
                         "--num-threads, each gets its share of the cores); with --engine-metrics-port PORT they "
                         "serve /metrics on PORT, PORT+1, ... (default: 1)")
+    p.add_argument("--api-server-count", type=_positive_int, default=1, metavar="N",
+                   help="frontend processes sharing the gRPC and HTTP ports: the kernel spreads new connections "
+                        "over them (SO_REUSEPORT), so N cores parse, detokenize and stream (a gRPC channel is one "
+                        "connection: spread load with several channels); needs fixed ports; with --metrics-port "
+                        "PORT, frontend i serves /metrics on PORT+i (default: 1)")
     add_log_level_arg(p)
     add_drain_arg(p, "on SIGTERM, let running streams finish for at most this long, refusing new "
                      "ones; a second signal stops at once")
@@ -51,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _FRONTEND_ONLY = {"--host": 1, "--grpc-port": 1, "--max-concurrent-streams": 1, "--engine-timeout-s": 1,
                   "--engine-address": 1, "--log-level": 1, "--metrics-port": 1, "--engine-metrics-port": 1,
                   "--log-prompts": 0, "--http-port": 1, "--served-model-name": -1, "--api-key": 1,
-                  "--data-parallel-size": 1, "--routing-policy": 1, "--allow-runtime-lora": 0}
+                  "--data-parallel-size": 1, "--routing-policy": 1, "--allow-runtime-lora": 0,
+                  "--api-server-count": 1}
 
 
 def engine_addresses(address: str, n: int) -> list[str]:
@@ -90,15 +102,21 @@ def engine_command(args: argparse.Namespace, argv: list[str], address: str | Non
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     configure_logging(args.log_level)
+    if args.api_server_count > 1 and (args.grpc_port == 0 or args.http_port == 0):
+        print("error: --api-server-count N > 1 needs fixed --grpc-port and --http-port (not 0): the N "
+              "frontends share them", file=sys.stderr)
+        return 2
     import uvloop
     addresses = engine_addresses(args.engine_address, args.data_parallel_size)
     port = args.engine_metrics_port
     engines = [subprocess.Popen(engine_command(args, argv, address, None if port is None or port == 0 else port + i))
                for i, address in enumerate(addresses)]
-    died: list[subprocess.Popen] = []
+    config = config_from_args(args, addresses)
+    config.reuse_port = args.api_server_count > 1
+    died: list[int] = []  # exit codes of children that ended on their own
     try:
-        uvloop.run(_frontend(config_from_args(args, addresses), engines, died))
-        return (died[0].returncode or 1) if died else 0
+        uvloop.run(_frontend(config, engines, died, args.api_server_count))
+        return (died[0] or 1) if died else 0
     finally:
         for engine in engines:
             engine.terminate()
@@ -111,26 +129,79 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 engine.wait()
 
 
-async def _frontend(config, engines: list[subprocess.Popen], died: list[subprocess.Popen]) -> None:
-    """The frontend, stopped as a signal would stop it if an engine exits on its own (a bad
-    --model at start-up, a crash): `serve` must not outlive its engines."""
+async def _frontend(config, engines: list[subprocess.Popen], died: list[int], api_server_count: int) -> None:
+    """The frontend here, and api_server_count - 1 more in spawned children, stopped as a signal
+    would stop them if an engine or a child frontend exits on its own (a bad --model at
+    start-up, a crash): `serve` must not outlive its parts."""
     from frontend.server import serve as serve_frontend
     stop, loop = asyncio.Event(), asyncio.get_running_loop()
 
-    def watch(engine: subprocess.Popen) -> None:
-        code = engine.wait()
+    def watch(name: str, wait) -> None:
+        code = wait()
         if stop.is_set():
             return  # we are stopping it
-        log.error("engine exited with code %s (pid %d); stopping", code, engine.pid)
-        died.append(engine)
+        log.error("%s exited with code %s; stopping", name, code)
+        died.append(code)
         try:
             loop.call_soon_threadsafe(stop.set)
         except RuntimeError:
             pass  # the loop is closed: the frontend has stopped already
 
     for engine in engines:
-        threading.Thread(target=watch, args=(engine,), name=f"engine-watch-{engine.pid}", daemon=True).start()
-    await serve_frontend(config, stop)
+        threading.Thread(target=watch, args=(f"engine (pid {engine.pid})", engine.wait),
+                         name=f"engine-watch-{engine.pid}", daemon=True).start()
+    children = [_start_frontend(config, i) for i in range(1, api_server_count)]
+    for child in children:
+        threading.Thread(target=watch, args=(f"frontend {child.name} (pid {child.pid})", _joiner(child)),
+                         name=f"frontend-watch-{child.pid}", daemon=True).start()
+    forward = asyncio.ensure_future(_pass_on_stop(stop, children))
+    try:
+        await serve_frontend(config, stop)
+    finally:
+        forward.cancel()
+        await loop.run_in_executor(None, _stop_frontends, children, config.drain_timeout_s + ENGINE_STOP_TIMEOUT_S)
+
+
+def _start_frontend(config, index: int):
+    """Frontend `index` (1, 2, ...) in a spawned process: the same config on the same ports;
+    its /metrics, if any, on metrics_port + index."""
+    import dataclasses
+    import multiprocessing
+
+    from frontend.server import run as run_frontend
+    metrics_port = None if config.metrics_port is None else config.metrics_port + index
+    child = multiprocessing.get_context("spawn").Process(
+        target=run_frontend, args=(dataclasses.replace(config, metrics_port=metrics_port),),
+        name=f"frontend-{index}", daemon=False)
+    child.start()
+    return child
+
+
+def _joiner(child):
+    def wait() -> int | None:
+        child.join()
+        return child.exitcode
+    return wait
+
+
+async def _pass_on_stop(stop: asyncio.Event, children) -> None:
+    """A signal to `serve` (which sets `stop`) drains the child frontends too."""
+    await stop.wait()
+    for child in children:
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGTERM)
+
+
+def _stop_frontends(children, timeout_s: float) -> None:
+    for child in children:
+        if child.is_alive():
+            os.kill(child.pid, signal.SIGTERM)
+    for child in children:
+        child.join(timeout_s)
+        if child.is_alive():
+            log.warning("frontend %s did not stop in %ss; killing it", child.name, timeout_s)
+            child.kill()
+            child.join()
 
 
 def _positive_int(text: str) -> int:

@@ -204,10 +204,14 @@ class _Server(uvicorn.Server):
         yield
 
 
-async def start_http(ctx: HttpContext, host: str, port: int) -> tuple[_Server, asyncio.Task, str]:
-    """Serve in the background; returns the server, its task and the bound HOST:PORT."""
+async def start_http(ctx: HttpContext, host: str, port: int, reuse_port: bool = False
+                     ) -> tuple[_Server, asyncio.Task, str]:
+    """Serve in the background; returns the server, its task and the bound HOST:PORT.
+    `reuse_port`: other frontend processes bind the same port (SO_REUSEPORT)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     config = uvicorn.Config(build_app(ctx), lifespan="off", access_log=False, log_config=None,
                             timeout_graceful_shutdown=1)
