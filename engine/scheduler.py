@@ -12,6 +12,11 @@ the proposer after the previous step): they are scheduled with its last token, c
 budget, and get KV slots; rejected ones are rolled back by lowering `num_computed_tokens`, their
 slots written again later. Drafts are never given to the block manager's hashing.
 
+A request that only decodes (one token a step, no drafts) is a steady decode: it holds a lease
+from the block manager on the rest of its last block (`BlockManager.decode_lease`), and until
+the lease is spent it is scheduled and updated without a call there, by C loops over the
+running requests (`map` over attrgetters) where every one of them is such a decode.
+
 A request with structured output first waits in `waiting_for_grammar` while its grammar
 compiles in a worker thread; each `schedule()` moves the compiled ones into the queue, so the
 step loop never waits for a compile.

@@ -78,7 +78,8 @@ def test_two_frontends_share_the_ports_and_each_serves_its_connections(two_front
     # local subchannel pool: else gRPC shares one connection between channels to one target.)
     tokens = []
     for _ in range(16):
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}", options=options) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
             fe_like = type("Stub", (), {"generation": stub})
             tokens.append(generate(fe_like, text="Hello there", sampling=greedy(4), timeout=60).tokens[0])
