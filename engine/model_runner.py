@@ -25,6 +25,7 @@ from engine.attention import AttentionMetadata, PrefillChunk, get_attention_back
 from engine.block_tables import BlockTables
 from engine.config import EngineConfig
 from engine.cpu_tuning import bucket, tune_cpu
+from engine.keyed_random import mix
 from engine.distributed.state import SINGLE, TPShard, all_reduce_min, broadcast_object
 from engine.layers.parallel import check_shardable, local_sizes
 from engine.models.llama import ForwardContext
@@ -109,18 +110,8 @@ def forward_row(s: ScheduledRequest) -> ForwardRow:
 
 def _rng_key(seed: int | None, position: int) -> int | None:
     """A seeded sample's randomness at output position `position` (None: unseeded): keyed by
-    (seed, position), not one stream per request. So its tokens depend on neither the batch
-    nor speculative decoding (which samples several positions in one step, and discards rows
-    past a rejection)."""
-    return None if seed is None else _mix(seed, position)
-
-
-def _mix(seed: int, position: int) -> int:
-    """splitmix64 of (seed, position): well-spread keys for neighbouring positions."""
-    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+    (seed, position), not one stream per request (engine/keyed_random.py)."""
+    return None if seed is None else mix(seed, position)
 
 
 @dataclass(slots=True)

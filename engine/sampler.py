@@ -19,7 +19,7 @@ exactly rejection sampling). Rows past a group's emitted run get token -1.
 
 Sampling uses the exponential race, argmax(p / q) with q ~ Exp(1), which draws
 from p without a cumsum or a renormalisation. A seeded row's q is a pure function of its
-key and the column (a counter-based hash, `seeded_exponentials`): one batched op for every
+key and the column (a counter-based hash, engine/keyed_random.py): one batched op for every
 seeded row, no generator object per row, and its tokens do not depend on the rest of the
 batch. Every stage touches only the rows that need it, so an unconstrained row samples the
 same token whatever it is batched with. Columns past `num_tokens` (an LM head padded beyond
@@ -40,6 +40,7 @@ import cpu_kernels
 from cpu_kernels import ops
 
 from engine.sampling_params import SamplingParams
+from engine.keyed_random import seeded_exponentials
 from engine.spec_decode.rejection import greedy_verify
 from engine.structured_output.backend import GrammarBackend, GrammarMatcher
 
@@ -405,31 +406,6 @@ def _race(probs: torch.Tensor, rng_keys: list[int | None]) -> torch.Tensor:
     # q == 0 would give 0/0 = nan for a filtered token, and argmax would pick it.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
     return (probs / q).argmax(dim=-1)
-
-
-# splitmix64's constants as int64 (torch has no uint64 arithmetic; int64 wraps the same way).
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)
-_MIX1 = 0xBF58476D1CE4E5B9 - (1 << 64)
-_MIX2 = 0x94D049BB133111EB - (1 << 64)
-_UNIFORM_BITS = 23  # float32 holds (x + 0.5) / 2^23 exactly, strictly inside (0, 1)
-
-
-def seeded_exponentials(keys: torch.Tensor, num_cols: int) -> torch.Tensor:
-    """[R, num_cols] float32 Exp(1) draws, entry (r, c) a pure function of (keys[r], c):
-    splitmix64's output c of the stream seeded by the key, cut to a uniform, then -log. Rows
-    are independent of each other and of any RNG state, on every device alike."""
-    cols = torch.arange(1, num_cols + 1, dtype=torch.int64, device=keys.device)
-    z = keys[:, None] + cols[None, :] * _GOLDEN
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    z = z ^ _shr(z, 31)
-    u = (_shr(z, 64 - _UNIFORM_BITS).to(torch.float32) + 0.5) * 2.0 ** -_UNIFORM_BITS
-    return -torch.log(u)
-
-
-def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
-    """Logical right shift of int64 (>> is arithmetic on signed tensors)."""
-    return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
 def _collect_logprobs(raw_logprobs: torch.Tensor | None, logprob_idx: list[int],

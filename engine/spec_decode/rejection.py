@@ -25,18 +25,21 @@ for proposers that sample their drafts from a full q; `greedy_verify` serves bot
 
 Randomness: every row draws K uniforms (acceptance tests, slot j uses uniform j), then one [V]
 vector of Exp(1) (the final token's exponential race), however many drafts it has or accepts.
-A seeded row draws them from its own generator in that order, so the same seed and the same
-drafts give the same tokens whatever the row is batched with; unseeded rows draw in one call.
+A seeded row's are columns 1..K and K+1..K+V of its key's stream (engine/keyed_random.py), so
+the same key and the same drafts give the same tokens whatever the row is batched with, with
+no generator per row; unseeded rows draw in one call.
 """
 
 from __future__ import annotations
 
 import torch
 
+from engine.keyed_random import seeded_uniforms
+
 
 def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
                      num_drafts: torch.Tensor, draft_probs: torch.Tensor | None,
-                     generators: list[torch.Generator | None]) -> tuple[torch.Tensor, torch.Tensor]:
+                     keys: list[int | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of each row's drafts and emit one more token after it.
 
     target_probs [B, K+1, V]: the target's processed probs (temperature, top-k/p, min-p applied)
@@ -44,14 +47,14 @@ def rejection_sample(target_probs: torch.Tensor, draft_token_ids: torch.Tensor,
     draft_token_ids [B, K]: entries past num_drafts[b] are padding, any value.
     num_drafts [B]: 0..K drafts proposed per row.
     draft_probs [B, K, V] or None: what each draft was sampled from; None means one-hot.
-    generators: per row, a seeded request's generator (on the probs' device) or None.
+    keys: per row, a seeded request's key (engine/keyed_random.py) or None.
 
     Returns token_ids [B, K+1] padded with -1, and num_emitted [B] in 1..num_drafts+1.
     """
     batch_size, num_slots, vocab_size = target_probs.shape
     max_drafts = num_slots - 1
     device = target_probs.device
-    uniforms, exponentials = _draw(generators, max_drafts, vocab_size, device)
+    uniforms, exponentials = _draw(keys, max_drafts, vocab_size, device)
     slots = torch.arange(max_drafts, device=device)
     is_draft = slots < num_drafts.unsqueeze(1)  # [B, K]
     drafts = torch.where(is_draft, draft_token_ids, 0)  # padding may be -1: keep gathers in range
@@ -119,24 +122,19 @@ def _final_probs(target_probs: torch.Tensor, drafts: torch.Tensor, draft_probs: 
     return torch.where(empty, p, residual)
 
 
-def _draw(generators: list[torch.Generator | None], max_drafts: int, vocab_size: int,
+def _draw(keys: list[int | None], max_drafts: int, vocab_size: int,
           device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, K] uniforms and [B, V] exponentials; a seeded row draws its K, then its V."""
-    uniforms = torch.empty(len(generators), max_drafts, device=device)
-    exponentials = torch.empty(len(generators), vocab_size, device=device)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if len(unseeded) == len(generators):
-        uniforms.uniform_()
-        exponentials.exponential_()
-        return uniforms, exponentials
-    for i, g in enumerate(generators):
-        if g is not None:
-            uniforms[i].uniform_(generator=g)
-            exponentials[i].exponential_(generator=g)
-    if unseeded:
-        index = torch.tensor(unseeded, dtype=torch.long, device=device)
-        uniforms[index] = torch.empty(len(unseeded), max_drafts, device=device).uniform_()
-        exponentials[index] = torch.empty(len(unseeded), vocab_size, device=device).exponential_()
+    """[B, K] uniforms and [B, V] exponentials; a seeded row's are its key's columns 1..K,
+    then K+1..K+V."""
+    uniforms = torch.empty(len(keys), max_drafts, device=device).uniform_()
+    exponentials = torch.empty(len(keys), vocab_size, device=device).exponential_()
+    seeded = [i for i, key in enumerate(keys) if key is not None]
+    if seeded:
+        index = torch.tensor(seeded, dtype=torch.long, device=device)
+        draws = seeded_uniforms(torch.tensor([keys[i] for i in seeded], dtype=torch.int64, device=device),
+                                max_drafts + vocab_size)
+        uniforms[index] = draws[:, :max_drafts]
+        exponentials[index] = -torch.log(draws[:, max_drafts:])
     return uniforms, exponentials
 
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from engine.spec_decode import rejection
+from engine.keyed_random import mix, seeded_uniforms
 from engine.spec_decode.rejection import greedy_verify, rejection_sample
 
 VOCAB = 8
@@ -234,8 +235,8 @@ def random_batch(batch_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
     return target, drafts, num_drafts, draft_probs
 
 
-def seeded(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def seeded(seed: int) -> int:
+    return mix(seed, 0)
 
 
 @pytest.mark.parametrize("with_draft_probs", [False, True])
@@ -264,26 +265,24 @@ def test_seeded_row_repeats_and_ignores_its_batch(with_draft_probs):
 
 
 def test_seeded_row_draws_k_uniforms_then_v_exponentials_whatever_the_outcome():
-    """The documented draw order, replayed by hand for one-hot drafts: slot j is accepted iff
-    uniform j < p_j(d_j), and the last token is argmax(residual / E)."""
+    """The documented draws, replayed by hand for one-hot drafts: slot j is accepted iff
+    uniform j (its key's column j + 1) < p_j(d_j), and the last token is argmax(residual / E),
+    E from the key's columns K+1..K+V."""
     drafts = torch.tensor([[0, 1, 2]])
     base = torch.tensor([0.5, 0.25, 0.125, 0.125, 0.0, 0.0, 0.0, 0.0])  # sums to 1 exactly
     target = torch.stack([base.roll(j) for j in range(K + 1)]).unsqueeze(0)  # p_j(d_j) = 0.5, 0.5, 0.5
     outcomes = set()
     for seed in range(40):
-        replay = seeded(seed)
-        uniforms = torch.empty(K).uniform_(generator=replay)
-        exponentials = torch.empty(VOCAB).exponential_(generator=replay)
+        draws = seeded_uniforms(torch.tensor([seeded(seed)]), K + VOCAB)[0]
+        uniforms, exponentials = draws[:K], -torch.log(draws[K:])
         num_accepted = next((j for j in range(K) if uniforms[j] >= 0.5), K)
         residual = target[0, num_accepted].clone()
         if num_accepted < K:
             residual[drafts[0, num_accepted]] = 0.0
         expected = drafts[0, :num_accepted].tolist() + [int((residual / exponentials).argmax())]
 
-        generator = seeded(seed)
-        token_ids, num_emitted = rejection_sample(target, drafts, torch.tensor([K]), None, [generator])
+        token_ids, num_emitted = rejection_sample(target, drafts, torch.tensor([K]), None, [seeded(seed)])
         assert token_ids[0, :num_emitted[0]].tolist() == expected
-        assert torch.equal(generator.get_state(), replay.get_state())  # the same amount, always
         outcomes.add(int(num_emitted[0]))
     assert outcomes == {1, 2, 3, 4}
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from engine.model_runner import _rng_key
-from engine.sampler import Sampler, SamplerOutput, SamplingRow, seeded_exponentials
+from engine.keyed_random import seeded_exponentials
+from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
 
 NUM_DRAWS = 5000
