@@ -136,11 +136,11 @@ async def _frontend(config, engines: list[subprocess.Popen], died: list[int], ap
     from frontend.server import serve as serve_frontend
     stop, loop = asyncio.Event(), asyncio.get_running_loop()
 
-    def watch(name: str, wait) -> None:
+    def watch(name: str, pid: int, wait) -> None:
         code = wait()
         if stop.is_set():
             return  # we are stopping it
-        log.error("%s exited with code %s; stopping", name, code)
+        log.error("%s exited with code %s (pid %d); stopping", name, code, pid)
         died.append(code)
         try:
             loop.call_soon_threadsafe(stop.set)
@@ -148,11 +148,11 @@ async def _frontend(config, engines: list[subprocess.Popen], died: list[int], ap
             pass  # the loop is closed: the frontend has stopped already
 
     for engine in engines:
-        threading.Thread(target=watch, args=(f"engine (pid {engine.pid})", engine.wait),
+        threading.Thread(target=watch, args=("engine", engine.pid, engine.wait),
                          name=f"engine-watch-{engine.pid}", daemon=True).start()
     children = [_start_frontend(config, i) for i in range(1, api_server_count)]
     for child in children:
-        threading.Thread(target=watch, args=(f"frontend {child.name} (pid {child.pid})", _joiner(child)),
+        threading.Thread(target=watch, args=(f"frontend {child.name}", child.pid, _joiner(child)),
                          name=f"frontend-watch-{child.pid}", daemon=True).start()
     forward = asyncio.ensure_future(_pass_on_stop(stop, children))
     try:
