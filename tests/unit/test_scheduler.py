@@ -400,7 +400,8 @@ def _check_step(sched: Scheduler, out: SchedulerOutput | None) -> None:
 
 
 BASE = list(range(5000, 5008))
-spec = st.tuples(st.integers(0, 8), st.integers(1, 6), st.integers(1, 10), st.integers(1, 3),
+# At most 8 + 6 prompt and 6 output tokens: a sequence fits the smallest pool (5 blocks of 4).
+spec = st.tuples(st.integers(0, 8), st.integers(1, 6), st.integers(1, 6), st.integers(1, 3),
                  st.integers(0, 2), st.integers(0, 6), st.none() | st.integers(0, 12))
 
 
