@@ -115,7 +115,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     config.reuse_port = args.api_server_count > 1
     died: list[int] = []  # exit codes of children that ended on their own
     try:
-        uvloop.run(_frontend(config, engines, died, args.api_server_count))
+        uvloop.run(_frontend(config, engines, died, args.api_server_count, args.log_level))
         return (died[0] or 1) if died else 0
     finally:
         for engine in engines:
@@ -129,7 +129,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 engine.wait()
 
 
-async def _frontend(config, engines: list[subprocess.Popen], died: list[int], api_server_count: int) -> None:
+async def _frontend(config, engines: list[subprocess.Popen], died: list[int], api_server_count: int,
+                    log_level: str) -> None:
     """The frontend here, and api_server_count - 1 more in spawned children, stopped as a signal
     would stop them if an engine or a child frontend exits on its own (a bad --model at
     start-up, a crash): `serve` must not outlive its parts."""
@@ -150,7 +151,7 @@ async def _frontend(config, engines: list[subprocess.Popen], died: list[int], ap
     for engine in engines:
         threading.Thread(target=watch, args=("engine", engine.pid, engine.wait),
                          name=f"engine-watch-{engine.pid}", daemon=True).start()
-    children = [_start_frontend(config, i) for i in range(1, api_server_count)]
+    children = [_start_frontend(config, i, log_level) for i in range(1, api_server_count)]
     for child in children:
         threading.Thread(target=watch, args=(f"frontend {child.name}", child.pid, _joiner(child)),
                          name=f"frontend-watch-{child.pid}", daemon=True).start()
@@ -158,23 +159,30 @@ async def _frontend(config, engines: list[subprocess.Popen], died: list[int], ap
     try:
         await serve_frontend(config, stop)
     finally:
-        forward.cancel()
-        await loop.run_in_executor(None, _stop_frontends, children, config.drain_timeout_s + ENGINE_STOP_TIMEOUT_S)
+        stop.set()  # (already set, unless the frontend failed): the children drain too
+        await forward
+        await loop.run_in_executor(None, _join_frontends, children, config.drain_timeout_s + ENGINE_STOP_TIMEOUT_S)
 
 
-def _start_frontend(config, index: int):
+def _start_frontend(config, index: int, log_level: str):
     """Frontend `index` (1, 2, ...) in a spawned process: the same config on the same ports;
     its /metrics, if any, on metrics_port + index."""
     import dataclasses
     import multiprocessing
 
-    from frontend.server import run as run_frontend
     metrics_port = None if config.metrics_port is None else config.metrics_port + index
     child = multiprocessing.get_context("spawn").Process(
-        target=run_frontend, args=(dataclasses.replace(config, metrics_port=metrics_port),),
+        target=_run_frontend, args=(dataclasses.replace(config, metrics_port=metrics_port), log_level),
         name=f"frontend-{index}", daemon=False)
     child.start()
     return child
+
+
+def _run_frontend(config, log_level: str) -> int:
+    """A spawned frontend's process: a fresh interpreter, so its logging is set up again."""
+    from frontend.server import run as run_frontend
+    configure_logging(log_level)
+    return run_frontend(config)
 
 
 def _joiner(child):
@@ -185,17 +193,16 @@ def _joiner(child):
 
 
 async def _pass_on_stop(stop: asyncio.Event, children) -> None:
-    """A signal to `serve` (which sets `stop`) drains the child frontends too."""
+    """A signal to `serve` (which sets `stop`) drains the child frontends too: one SIGTERM
+    each (a second would cut their drain short)."""
     await stop.wait()
     for child in children:
         if child.is_alive():
             os.kill(child.pid, signal.SIGTERM)
 
 
-def _stop_frontends(children, timeout_s: float) -> None:
-    for child in children:
-        if child.is_alive():
-            os.kill(child.pid, signal.SIGTERM)
+def _join_frontends(children, timeout_s: float) -> None:
+    """Wait for the signalled children to drain and exit; kill those that outlast `timeout_s`."""
     for child in children:
         child.join(timeout_s)
         if child.is_alive():
