@@ -157,10 +157,10 @@ def _all_plain_greedy(steady: list[ScheduledRequest], others: list[ScheduledRequ
     """Whether every sampling row is plain greedy. Steady decodes sample one row each, with
     no drafts, so only their request decides (Request.greedy_from)."""
     requests = list(map(_request, steady))
-    if requests and max(map(_greedy_from, requests)) > 0:  # some are not, or not yet (min_tokens)
-        if not all(map(operator.ge, map(len, map(_output_token_ids, requests)), map(_greedy_from, requests))):
-            return False
-    return all(_plain_greedy(s) for s in others)
+    # One max() decides in the common case, where no request waits on min_tokens or samples.
+    steady_greedy = (not requests or max(map(_greedy_from, requests)) == 0
+                     or all(map(operator.ge, map(len, map(_output_token_ids, requests)), map(_greedy_from, requests))))
+    return steady_greedy and all(_plain_greedy(s) for s in others)
 
 
 def _plain_greedy(s: ScheduledRequest) -> bool:

@@ -75,7 +75,7 @@ class Scheduler:
         # last outputs go out with the next step's.
         self.failed_outputs: list[EngineCoreOutput] = []
         self.finished_request_ids: set[str] = set()
-        self._appended: set[str] = set()  # running requests this step scheduled via append_slots
+        self._appended: set[str] = set()  # running requests this step scheduled via append_slots (not a lease)
         self.num_preemptions = 0  # total since start, for metrics
         self.spec_stats = SpecDecodingStats()  # totals since start, for metrics
 
@@ -134,12 +134,13 @@ class Scheduler:
         # leased decode, as in most steps, the loop over them runs in C (map over attrgetters).
         # The steady ones go first in out.scheduled (out.num_steady of them), for the runner.
         running = self.running
+        self._appended.clear()
         if (len(running) <= budget and all(map(operator.lt, map(_num_computed, running), map(_lease_end, running)))
                 and not any(map(_spec_token_ids, running))):
             steady = list(map(_decode_entry, running))
             budget -= len(steady)
         else:
-            steady, self._appended = [], set()  # who went through the block manager this step
+            steady = []
             for request in list(running):
                 if budget <= 0:
                     break
