@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.block_manager import FREED_BLOCK, BlockManager
-from unit.test_block_manager import _ops, _Sim, run_random_operations
+from unit.test_block_manager_decode import _ops, _Sim, run_random_operations
 
 BS, W = 4, 6  # a query at position p sees p - 5 .. p
 X = FREED_BLOCK
