@@ -148,12 +148,16 @@ throughput_session() {  # see the header: the most important numbers first
 
   step imports 60 "$res/imports.log" $PY -c "import llguidance, zmq, grpc_health, grpc_reflection, fastapi, uvicorn
 import engine.llm, frontend.server; print('imports ok')"
+  if ! grep -q "imports ok" "$res/imports.log"; then  # nothing below can run: stop, spend no more device time
+    cat "$res/imports.log" >> "$OUT/summary.txt"; $PY -m bench.throughput_report "$OUT" "$STEPS"; return 1
+  fi
   step build 150 "$res/build.log" $PY -c "from bench.random_model import random_model_dir
 print(random_model_dir('$shape', '$dtype'))"
   step "offline-$backend" 240 "$res/offline-$backend.log" $PY "${offline[@]}" --attention-backend "$backend" \
     --repeats "$repeats" --single-repeats 5 --compare-hf "${hf[@]}" --output-dir "$res/offline-$backend"
-  step offline-torch 150 "$res/offline-torch.log" $PY "${offline[@]}" --attention-backend torch \
-    --repeats 1 --single-repeats 3 --output-dir "$res/offline-torch"
+  step gpu-busy 90 "$res/gpu-busy.log" $PY -m pagedserve bench gpu-busy --random-weights "$shape" --device "$device" \
+    --dtype "$dtype" --attention-backend "$backend" --num-seqs "$seqs" --input-len "$len" --kv-cache-memory-gb "$kv" \
+    --output-dir "$res/gpu-busy"
   # One server for both APIs: one start (model load, CUDA graphs) instead of two.
   local grpc_port http_port engine_port
   read -r grpc_port http_port engine_port < <($PY -c "from bench.servers import free_port as f; print(f(), f(), f())")
@@ -168,9 +172,16 @@ print(random_model_dir('$shape', '$dtype'))"
     --target "http://127.0.0.1:$http_port/v1"
   kill -TERM "$server" 2> /dev/null
   timeout 40 tail --pid "$server" -f /dev/null || kill -KILL "$server" 2> /dev/null
+  step offline-torch 150 "$res/offline-torch.log" $PY "${offline[@]}" --attention-backend torch \
+    --repeats 1 --single-repeats 3 --output-dir "$res/offline-torch"
+  # Last, in the time left: the loop at production size (weights built on the CPU first: minutes).
+  [[ $MODE == throughput ]] && step gpu-busy-8b 300 "$res/gpu-busy-8b.log" $PY -m pagedserve bench gpu-busy \
+    --random-weights llama-3-8b --device cuda --dtype bfloat16 --attention-backend cupy --num-seqs 256 \
+    --input-len "$len" --kv-cache-memory-gb 30 --output-dir "$res/gpu-busy-8b"
 
-  cp "$res"/offline-*/offline-*.json "$res/offline-$backend"/offline-*.png "$res"/serve/serve-*.json \
-    "$OUT"/ 2> /dev/null
+  # At most 8 files come back from a device call: JSONs, a summary and one file of logs (the
+  # plots are drawn again from the JSONs).
+  cp "$res"/offline-*/offline-*.json "$res"/serve/serve-*.json "$res"/gpu-busy*/gpu-busy-*.json "$OUT"/ 2> /dev/null
   for log in "$res"/*.log; do  # one file of logs (few files come back from a device call), no progress bars
     echo "=== $(basename "$log")"; tr '\r' '\n' < "$log" | grep -a -v -E '[0-9]+/[0-9]+ \[' | cat -s | tail -n 40
   done > "$OUT/throughput-logs.txt"

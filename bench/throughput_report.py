@@ -1,7 +1,10 @@
 """The closing table of `bash bench/gpu_session.sh throughput`: each step's outcome, then the
-numbers of the offline and serve JSONs it left in OUT, side by side.
+numbers of the offline, serve and gpu-busy JSONs it left in OUT, side by side.
 
     python -m bench.throughput_report OUT STEPS_FILE
+    python -m bench.throughput_report --plot DIR PNG [JSON...]   # one chart of a session's output tok/s
+
+The plot is drawn afterwards, from the JSONs (a device call returns few files).
 """
 
 from __future__ import annotations
@@ -45,7 +48,61 @@ def serve_rows(out: Path) -> list[list[object]]:
     return rows
 
 
+def gpu_busy_rows(out: Path) -> list[list[object]]:
+    rows = []
+    for path in sorted(out.glob("gpu-busy-*.json")):
+        r = json.loads(path.read_text())
+        res = r["results"]
+        busy = res.get("gpu_busy")
+        rows.append([f"{r['workload']['model']}, {r['workload']['num_seqs']} seqs", f"{res['timed']['step_ms']:.2f}", f"{res['bound_ms']:.2f}",
+                     f"{res['step_ms_over_bound']:.2f}", "" if busy is None else f"{100 * busy:.1f}%",
+                     path.name])
+    return rows
+
+
+# The targets of issue 28 (H100, random qwen2.5-0.5b, 256 streams), output tok/s.
+TARGETS = {"offline": 40_000, "gRPC": 40_000, "HTTP": 30_000}
+
+
+def plot(paths: list[Path], png: Path) -> Path:
+    """Horizontal bars of output tok/s: the engine offline (each backend), HF, and serving."""
+    from bench.plots import save_figure
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = []  # (label, tok/s, target or None)
+    gpu = "GPU"
+    for path in paths:
+        r = json.loads(path.read_text())
+        gpu = r.get("machine", {}).get("gpu") or gpu
+        if r.get("benchmark") == "offline" or path.name.startswith("offline-"):
+            backend = r["engine_config"]["attention_backend"]
+            rows.append((f"offline, {backend} attention", r["results"]["engine_batch"]["output_tok_s"],
+                         TARGETS["offline"] if backend == "cupy" else None))
+            rows += [(f"HF generate, {name[3:].replace('_', ' ')}", res["output_tok_s"], None)
+                     for name, res in r["results"].items() if name.startswith("hf_") and "batch" in name]
+        elif path.name.startswith("serve-"):
+            api = "gRPC" if r["label"] == "grpc" else "HTTP"
+            rows.append((f"serve, {api}, concurrency {r['max_concurrency']}",
+                         r["results"][r["api"]]["output_tok_s"], TARGETS[api]))
+    rows.sort(key=lambda row: row[1])
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 1.4))
+    bars = ax.barh([row[0] for row in rows], [row[1] for row in rows],
+                   color=["tab:gray" if row[0].startswith("HF") else "tab:blue" for row in rows])
+    ax.bar_label(bars, fmt="%.0f", padding=3)
+    for i, (_, _, target) in enumerate(rows):
+        if target:
+            ax.plot([target, target], [i - 0.4, i + 0.4], color="tab:red", lw=2)
+    ax.set_xlabel("output tokens / s (red: the issue's target)")
+    ax.set_title(f"{gpu}: random-weight qwen2.5-0.5b bf16, 128 in / 128 out, 256 streams", fontsize=9)
+    ax.margins(x=0.12)
+    return save_figure(fig, png)
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--plot":
+        print(plot([Path(p) for p in argv[2:]], Path(argv[1])))
+        return 0
     out, steps = Path(argv[0]), Path(argv[1])
     print_steps(steps)
     offline, serve = offline_rows(out), serve_rows(out)
@@ -56,6 +113,10 @@ def main(argv: list[str]) -> int:
         print()
         print_table(["serve", "concurrency", "output tok/s", "TTFT p50 ms", "TPOT p50 ms", "done / failed",
                      "file"], serve)
+    busy = gpu_busy_rows(out)
+    if busy:
+        print()
+        print_table(["gpu-busy: decode", "step ms", "bound ms", "step / bound", "GPU busy", "file"], busy)
     if not offline and not serve:
         print("\nno offline or serve JSON: see throughput-logs.txt")
         return 1

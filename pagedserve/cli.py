@@ -122,6 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "almost nothing, 256 concurrent greedy decodes; per decode step, the engine step's "
                     "wall time minus the model's, and the offline output processing. --baseline REF "
                     "measures another commit in the same run."))
+    from bench.gpu_busy import add_arguments as add_gpu_busy
+    add_gpu_busy(bench_kinds.add_parser(
+        "gpu-busy", help="the GPU's busy share of the decode phase at 256 sequences, and the bandwidth bound",
+        description="GPU-utilisation benchmark: a random-weight model, 256 concurrent greedy decodes through "
+                    "EngineCore.step(); the decode steps' wall time, the device time of their kernels "
+                    "(torch.profiler, CUDA activity) and the step's memory-bandwidth bound (weights plus KV "
+                    "over the measured copy bandwidth)."))
     return parser
 
 
@@ -169,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "host-step":
         from bench.host_step import run
+        return run(args)
+    if args.command == "bench" and args.bench == "gpu-busy":
+        from bench.gpu_busy import run
         return run(args)
     if args.command == "bench" and args.bench == "soak":
         from bench.soak import run
