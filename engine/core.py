@@ -12,6 +12,7 @@ import time
 from concurrent import futures
 from dataclasses import dataclass
 
+from engine.async_step import InflightStep
 from engine.block_manager import BlockManager
 from engine.lora.adapter import LoraAdapter
 from engine.config import EngineConfig, SchedulerConfig
@@ -80,6 +81,9 @@ class EngineCore:
             self.iteration_stats)
         for name, path in (config.lora_modules or {}).items():  # a bad one stops the start, named
             self.load_lora(name, path)
+        # A speculator proposes from each step's tokens, on the host: no step goes ahead.
+        self.async_scheduling = bool(config.async_scheduling) and self.speculator is None
+        self._inflight: InflightStep | None = None  # the step launched and not yet resolved
 
     def _fit_max_model_len(self, max_model_len: int) -> int:
         # A sequence longer than the whole pool would preempt itself forever: never admit one.
@@ -167,12 +171,17 @@ class EngineCore:
                     if r.request_id in wanted or r.parent_id in wanted]
         status = RequestStatus.FINISHED_STOPPED if stopped else RequestStatus.FINISHED_ABORTED
         self.scheduler.remove_requests(internal, status)
+        self._drop_idle_inflight()
 
     def abort_requests_with_prefix(self, prefix: str) -> None:
         """Abort every request whose id starts with `prefix` (a vanished client's namespace)."""
         self.abort_requests([r for r in self.scheduler.requests if r.startswith(prefix)])
 
     def step(self) -> list[EngineCoreOutput]:
+        """One step's outputs. With async scheduling, the next step may already be running on
+        the device when this returns (engine/async_step.py)."""
+        if self._inflight is not None:
+            return self._finish_inflight(0.0)
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -182,6 +191,9 @@ class EngineCore:
                 self._wait_for_grammars()
             return self.scheduler.take_failed_outputs()
         schedule_s = time.perf_counter() - start
+        if self.async_scheduling and self.model_runner.can_launch(sched):
+            self._inflight = self.model_runner.launch(sched)
+            return self._finish_inflight(schedule_s)
         result = self.model_runner.execute(sched)
         outputs = self.scheduler.take_failed_outputs() + self.scheduler.update_from_output(sched, result)
         if self.speculator is not None:
@@ -191,6 +203,30 @@ class EngineCore:
             self.iteration_stats.observe_step(schedule_s, result.model_s, result.sample_s,
                                               sched.num_batched_tokens, result.grammar_s)
         return outputs
+
+    def _finish_inflight(self, schedule_s: float) -> list[EngineCoreOutput]:
+        """Launch the next step where it can go ahead, then wait for the one in flight and
+        return its outputs: the caller's work on them overlaps the next step."""
+        current, self._inflight = self._inflight, None
+        start = time.perf_counter()
+        ahead = self.scheduler.schedule_ahead()
+        if ahead is not None and self.model_runner.can_launch(ahead):
+            self._inflight = self.model_runner.launch(ahead, previous=current)
+        schedule_s += time.perf_counter() - start
+        result = current.result()
+        outputs = self.scheduler.take_failed_outputs() + self.scheduler.update_from_output(current.sched, result)
+        if self.iteration_stats is not None:
+            self.iteration_stats.observe_step(schedule_s, result.model_s, 0.0, current.sched.num_batched_tokens,
+                                              None)
+        self._drop_idle_inflight()
+        return outputs
+
+    def _drop_idle_inflight(self) -> None:
+        """A step in flight whose requests have all ended gives nobody anything: wait for it
+        and forget it, so that an engine with no requests has nothing in flight."""
+        if self._inflight is not None and not self.scheduler.running:
+            self._inflight.result()
+            self._inflight = None
 
     def _wait_for_grammars(self) -> None:
         """Nothing can run until a grammar compiles: wait a moment for one rather than spin
@@ -216,7 +252,7 @@ class EngineCore:
         return self.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -46,6 +46,11 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((n, width), dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        pin = device.type == "cuda"
+        self._staging = [(torch.zeros(4 * n, dtype=torch.long, pin_memory=pin),
+                          torch.zeros(n * width, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # after each set's latest copies
+        self._turn = 0
         self.workspace: torch.Tensor | None = None  # the split-K scratch the graphs captured
 
     @property
@@ -80,24 +85,40 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-            block_tables: np.ndarray) -> torch.Tensor:
+            block_tables: np.ndarray, device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Replay for these n decode rows (int64 arrays; n <= max_batch, `block_tables`
         [n, w] with w <= the captured width); returns hidden [n, H], a view of the graph's
         output, valid until the next replay. Columns past w keep older entries: no row's
-        context reaches them, so attention never reads them."""
+        context reaches them, so attention never reads them. `device_input_ids` ([n], on the
+        device) replace `input_ids`: the tokens of a step still running (async scheduling).
+
+        The inputs go up through pinned staging buffers with asynchronous copies, so the host
+        never waits here for a step already on the device. There are two sets, used in turn;
+        before a set is written again, the event recorded after its last copies must have
+        fired (with async scheduling it has: the caller waited for that step in between)."""
         n, width = block_tables.shape
         batch = next(b for b in self.buckets if b >= n)
-        ints = np.zeros((4, batch), dtype=np.int64)
-        ints[2, n:] = -1  # padding rows: no slot, context 0
-        ints[0, :n], ints[1, :n], ints[2, :n], ints[3, :n] = input_ids, positions, slots, positions + 1
-        tables = np.zeros((batch, width), dtype=np.int32)
-        tables[:n] = block_tables
-        ints = torch.from_numpy(ints).to(self.input_ids.device)
-        self.input_ids[:batch].copy_(ints[0])
-        self.positions[:batch].copy_(ints[1])
-        self.slot_mapping[:batch].copy_(ints[2])
-        self.context_lens[:batch].copy_(ints[3])
-        self.block_tables[:batch, :width].copy_(torch.from_numpy(tables).to(self.input_ids.device))
+        turn = self._turn
+        self._turn ^= 1
+        ints, tables = self._staging[turn]
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()
+        ints, tables = ints[:4 * batch].view(4, batch), tables[:batch * width].view(batch, width)  # contiguous
+        ints_np, tables_np = ints.numpy(), tables.numpy()
+        ints_np[2, n:] = -1  # padding rows: no slot, context 0
+        ints_np[(0, 1, 3), n:] = 0
+        ints_np[0, :n], ints_np[1, :n], ints_np[2, :n], ints_np[3, :n] = input_ids, positions, slots, positions + 1
+        tables_np[:n] = block_tables
+        tables_np[n:] = 0
+        self.input_ids[:batch].copy_(ints[0], non_blocking=True)
+        self.positions[:batch].copy_(ints[1], non_blocking=True)
+        self.slot_mapping[:batch].copy_(ints[2], non_blocking=True)
+        self.context_lens[:batch].copy_(ints[3], non_blocking=True)
+        self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
+        self._copied[turn] = torch.cuda.Event()
+        self._copied[turn].record()
+        if device_input_ids is not None:
+            self.input_ids[:n].copy_(device_input_ids)
         graph, hidden = self.graphs[batch]
         graph.replay()
         return hidden[:n]

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from engine.async_step import InflightStep
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.block_tables import BlockTables
 from engine.config import EngineConfig
@@ -288,6 +289,39 @@ class ModelRunner:
         out.model_s, out.sample_s = model_end - start, time.perf_counter() - model_end
         out.grammar_s = sampled.grammar_s
         return out
+
+    def can_launch(self, sched: SchedulerOutput) -> bool:
+        """Whether `launch` can run this step (engine/async_step.py): every row a steady, plain
+        greedy decode, on one rank, with no adapters and no block copies."""
+        n = sched.num_steady
+        return (0 < n == len(sched.scheduled) and self.lora is None and self.workers is None
+                and not sched.blocks_to_copy and (self.graphs is None or n <= self.graphs.max_batch)
+                and _all_plain_greedy(sched.scheduled, []))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, previous: InflightStep | None = None) -> InflightStep:
+        """Start a `can_launch` step without waiting for the device. After `previous` (launched,
+        not yet resolved), each row computes the token that step samples for it, still on the
+        device, one position further than the request's counters say."""
+        start = time.perf_counter()
+        requests = list(map(_request, sched.scheduled))
+        steady = SteadyRows.of(sched.scheduled)
+        device_ids = None
+        if previous is not None:
+            steady.positions += 1
+            device_ids = previous.input_ids(requests)
+        n = len(requests)
+        if self.graphs is not None:
+            inputs = self._decode_inputs([], steady)
+            hidden = self.graphs.run(inputs.token_ids, inputs.positions, inputs.slots, inputs.block_tables,
+                                     device_ids)
+        else:
+            input_ids, positions, meta, _ = self._prepare([], steady)
+            if device_ids is not None:
+                input_ids[:n].copy_(device_ids)
+            hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
+        tokens = self.sampler.argmax_tensor(self.model.compute_logits(hidden[:n]))
+        return InflightStep.launched(sched, requests, tokens, start)
 
     def forward(self, rows: list[ForwardRow], steady: SteadyRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the model over `rows` (single-token rows and verifications first, for the batched

@@ -81,10 +81,14 @@ class Sampler:
 
     def argmax(self, logits: torch.Tensor) -> list[int]:
         """Greedy tokens of plain rows (see SamplingParams.plain_greedy)."""
+        return self.argmax_tensor(logits).tolist()
+
+    def argmax_tensor(self, logits: torch.Tensor) -> torch.Tensor:
+        """`argmax`'s tokens as an int64 tensor on the logits' device (no wait for it)."""
         if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
             logits = logits[:, :self.num_tokens]
         # The upcast is exact, and CPU argmax over bf16 is ~5x slower than upcast + fp32 argmax.
-        return _argmax(logits.float()).tolist()
+        return _argmax(logits.float())
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         lm_head_rows = logits.shape[-1]  # what a grammar's bitmask covers

@@ -54,6 +54,7 @@ _structured = operator.attrgetter("structured")
 _caller_id = operator.attrgetter("caller_id")
 _sample_index = operator.attrgetter("sample_index")
 _num_cached = operator.attrgetter("num_cached_tokens")
+_status = operator.attrgetter("status")
 
 
 def _consume(iterator) -> None:
@@ -152,6 +153,41 @@ class Scheduler:
         out.scheduled[:0] = steady
         out.num_steady = len(steady)
         return budget
+
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """The next step, scheduled while the current one still runs (engine/async_step.py), or
+        None where it must wait for the current step's outputs.
+
+        It goes ahead only where every running request is a steady decode and no waiting one
+        could be admitted (admission, preemption and copies are the synchronous path's). The
+        requests' counters do not yet include the token in flight: each runs one position
+        further (the runner adds it), so its lease must cover that slot, and a spent lease is
+        renewed here through the block manager. Blocks full up to the token in flight are
+        hashed then: that token is known, and the step in flight writes its KV. Finished ids
+        stay for the next synchronous step (only a speculator reads them, and none runs ahead)."""
+        running = self.running
+        if (not running or self.waiting_for_grammar or self.failed_outputs
+                or len(running) > self.config.max_num_batched_tokens or any(map(_spec_token_ids, running))
+                or self.waiting and len(running) + self.waiting[0][1].num_seats <= self.config.max_num_seqs):
+            return None
+        slots = list(map(operator.add, map(_num_computed, running), repeat(2)))  # through the next position
+        if not all(map(operator.le, slots, map(_lease_end, running))):
+            for request, end in zip(running, slots):
+                if end > request.decode_lease_end and not self._renew_lease(request, end):
+                    return None
+        return SchedulerOutput(list(map(_decode_entry, running)), num_steady=len(running),
+                               num_batched_tokens=len(running))
+
+    def _renew_lease(self, request: Request, end: int) -> bool:
+        """Grow a steady decode's table to `end` tokens while the step before is in flight, and
+        lease the new room; False (the synchronous path decides) if blocks run short or it
+        has no lease to renew (not a steady decode)."""
+        if not request.decode_lease_end or request.decode_entry is None:
+            return False
+        if not self.block_manager.append_slots(request.request_id, request.all_token_ids, end, end - 1):
+            return False
+        request.decode_lease_end = self.block_manager.decode_lease(request.request_id)
+        return request.decode_lease_end >= end
 
     def _schedule_one(self, request: Request, out: SchedulerOutput, steady: list[ScheduledRequest],
                       budget: int) -> int:
@@ -290,6 +326,13 @@ class Scheduler:
         a cheap test says the token may end."""
         requests = list(map(_request, steady))
         tokens = result.steady_token_ids
+        if not all(map(operator.is_, map(_status, requests), repeat(RequestStatus.RUNNING))):
+            # A step scheduled ahead (engine/async_step.py) ran requests that ended (or were
+            # aborted) with the step before: their tokens here are past the end, dropped.
+            keep = [i for i, r in enumerate(requests) if r.status == RequestStatus.RUNNING]
+            requests, tokens = [requests[i] for i in keep], [tokens[i] for i in keep]
+            if result.steady_logprobs is not None:
+                result.steady_logprobs = [result.steady_logprobs[i] for i in keep]
         if self.stats is not None:
             self.stats.observe_decodes(requests, now)
         _consume(map(list.append, map(_output_token_ids, requests), tokens))

@@ -111,4 +111,5 @@ def assert_engine_idle(core) -> None:
     stats = core.stats()
     assert stats.num_running == 0 and stats.num_waiting == 0, stats
     assert stats.num_free_kv_blocks == stats.num_kv_blocks, f"leaked KV blocks: {stats}"
+    assert not core.has_unfinished_requests(), "a step still in flight (async scheduling)"
     core.block_manager.check_invariants()

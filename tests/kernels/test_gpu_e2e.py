@@ -17,9 +17,12 @@ from gpu_skip import pytestmark  # noqa: F401  (skips this module without a GPU)
 MAX_NEW = 24
 VOCAB = 512
 CONFIGS = {
-    "graphs": dict(cuda_graphs=True),
+    "graphs": dict(cuda_graphs=True, async_scheduling=False),
     "eager": dict(cuda_graphs=False),
-    "chunked_bs32": dict(cuda_graphs=True, block_size=32, max_num_batched_tokens=64),
+    "chunked_bs32": dict(cuda_graphs=True, block_size=32, max_num_batched_tokens=64, async_scheduling=False),
+    # Decode steps one ahead (engine/async_step.py): plain greedy rows (ignore_eos rather than
+    # min_tokens, which keeps a row off the argmax-only path until it is reached).
+    "async": dict(cuda_graphs=True, async_scheduling=True),
 }
 
 
@@ -87,7 +90,11 @@ def test_cupy_backend_matches_hf(tiny_llama, config):
     runner = llm.engine.model_runner
     assert (runner.graphs is not None) == CONFIGS[config]["cuda_graphs"]
     replays = count_replays(runner)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
+    launches = count_launches(runner)
+    if config == "async":
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    else:
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)
     for _ in range(2):  # the second run is served partly from the prefix cache
         outs = llm.generate(prompts, params)
         for i, (out, ref) in enumerate(zip(outs, reference)):
@@ -95,6 +102,19 @@ def test_cupy_backend_matches_hf(tiny_llama, config):
     assert llm.engine.stats().num_prefix_cache_hits > 0
     if runner.graphs is not None:
         assert replays[0] > 0, "no decode step went through a CUDA graph"
+    assert (launches[0] > 0) == (config == "async")
+
+
+def count_launches(runner) -> list[int]:
+    """Steps launched ahead of the one before (previous= given), on this runner."""
+    count = [0]
+    launch = runner.launch
+
+    def counted(sched, previous=None):
+        count[0] += previous is not None
+        return launch(sched, previous)
+    runner.launch = counted
+    return count
 
 
 def count_replays(runner) -> list[int]:

@@ -1,0 +1,110 @@
+"""Async scheduling (engine/async_step.py) on the bundled model, on CPU: the same pipeline as on
+a GPU (steps scheduled and launched one ahead, stops applied one step late), with the forward
+run synchronously. Nothing it does may change an output."""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.model_runner import ModelRunner
+from helpers import assert_no_leak
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts of ModelRunner.launch calls: 'ahead' (after a step in flight) and 'first'."""
+    counts = collections.Counter()
+    launch = ModelRunner.launch
+
+    def counted(self, sched, previous=None):
+        counts["ahead" if previous is not None else "first"] += 1
+        return launch(self, sched, previous)
+    monkeypatch.setattr(ModelRunner, "launch", counted)
+    return counts
+
+
+def _workload(seed: int, vocab: int):
+    """Prompts sharing prefixes (prefix caching), of mixed lengths (chunking), with stop tokens
+    that end some requests early, mixed with steps that must stay synchronous: a seeded
+    temperature sample, greedy n=2, min_tokens, logprobs."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(100, vocab) for _ in range(24)]
+    prompts, params = [], []
+    for i in range(28):
+        prompts.append(shared[:rng.randrange(0, 24)] + [rng.randrange(100, vocab) for _ in range(rng.randrange(2, 50))])
+        params.append(SamplingParams(temperature=0, max_tokens=rng.randrange(1, 56),
+                                     stop_token_ids=[rng.randrange(100, 2000) for _ in range(40)]))
+    params[3] = SamplingParams(temperature=0.8, seed=5, max_tokens=30)
+    params[7] = SamplingParams(temperature=0, n=2, max_tokens=30)
+    params[11] = SamplingParams(temperature=0, min_tokens=12, max_tokens=20)
+    params[13] = SamplingParams(temperature=0, logprobs=2, max_tokens=18)
+    return prompts, params
+
+
+def _run(bundled_path, async_scheduling: bool, **engine):
+    llm = LLM(str(bundled_path), dtype="float32", async_scheduling=async_scheduling, **engine)
+    prompts, params = _workload(0, llm.engine.vocab_size)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_no_leak(llm)
+    return llm, [[(c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("engine", [
+    dict(max_num_seqs=8, num_kv_blocks=64, max_num_batched_tokens=64),  # chunked prefills, prefix hits
+    dict(max_num_seqs=12, num_kv_blocks=14, max_num_batched_tokens=48),  # preemptions as well
+], ids=["chunked", "preempting"])
+def test_outputs_equal_the_synchronous_engines(bundled_path, launches, engine):
+    _, expected = _run(bundled_path, False, **engine)
+    assert not launches
+    llm, got = _run(bundled_path, True, **engine)
+    assert got == expected
+    assert launches["ahead"] > 10  # steps did go ahead (fewer while preempted requests wait)
+    if engine["num_kv_blocks"] == 14:
+        assert llm.engine.scheduler.num_preemptions > 0
+    finish = collections.Counter(c[1] for r in got for c in r)
+    assert finish["stop"] > 0 and finish["length"] > 0  # stops came one step late, unseen
+
+
+def test_aborts_while_a_step_is_in_flight_lose_nothing(bundled_path, launches):
+    config = EngineConfig(model=str(bundled_path), dtype="float32", num_kv_blocks=64, async_scheduling=True)
+    core = EngineCore(config, (2,))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(6):
+        core.add_request(f"r{i}", [100 + i, 200, 300 + i], params)
+    tokens = collections.defaultdict(list)
+    for step in range(60):
+        if step == 5:
+            assert core._inflight is not None  # the abort lands between a launch and its result
+            core.abort_requests(["r1", "r4"])
+        for out in core.step():
+            assert not (step >= 5 and out.request_id in ("r1", "r4")), "an aborted request's token came out"
+            tokens[out.request_id] += out.new_token_ids
+        if not core.has_unfinished_requests():
+            break
+    assert not core.has_unfinished_requests()
+    assert {len(tokens[f"r{i}"]) for i in (0, 2, 3, 5)} == {40}
+    assert len(tokens["r1"]) < 40 and len(tokens["r4"]) < 40
+    assert launches["ahead"] > 30
+
+
+def test_a_seeded_request_does_not_depend_on_its_batch(bundled_path):
+    llm = LLM(str(bundled_path), dtype="float32", num_kv_blocks=128, async_scheduling=True)
+    seeded = SamplingParams(temperature=1.0, seed=99, max_tokens=20)
+    alone = llm.generate(["Tell me a joke"], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    greedy = SamplingParams(temperature=0, max_tokens=30)
+    batch = llm.generate(["Hello", "Tell me a joke", "Once upon a time"], [greedy, seeded, greedy], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    assert_no_leak(llm)
+
+
+def test_off_by_default_on_cpu_and_with_a_speculator(bundled_path):
+    assert EngineConfig(model=str(bundled_path)).async_scheduling is False  # no CUDA graphs here
+    config = EngineConfig(model=str(bundled_path), dtype="float32", num_kv_blocks=32, async_scheduling=True,
+                          speculative_method="ngram")
+    assert EngineCore(config, (2,)).async_scheduling is False  # it proposes from each step's tokens
