@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per sequence (default: 64)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=20.0, help="KV cache budget (default: 20)")
+    p.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
+                   help="launch decode steps one ahead (default: the engine's, on with CUDA graphs)")
     p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
 
 
@@ -47,13 +49,14 @@ def run(args: argparse.Namespace) -> int:
     from engine.models.loader import eos_token_ids, load_tokenizer
     torch.set_flush_denormal(True)
     dtype = random_weights_dtype(args.dtype, args.device)
-    model_dir = random_model_dir(args.random_weights, dtype)
+    model_dir = random_model_dir(args.random_weights, dtype, device=args.device)
     tokenizer = load_tokenizer(model_dir)
     config = EngineConfig(model=str(model_dir), dtype=dtype, device=args.device,
                           attention_backend=args.attention_backend, max_num_seqs=args.num_seqs,
                           kv_cache_memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=False,
                           max_num_batched_tokens=max(8192, args.num_seqs),
-                          max_model_len=args.input_len + args.output_len + 16)
+                          max_model_len=args.input_len + args.output_len + 16,
+                          async_scheduling=args.async_scheduling)
     core = EngineCore(config, eos_token_ids(tokenizer), tokenizer=tokenizer)
     workload = _Workload(core, tokenizer, args.num_seqs, args.input_len, args.output_len)
     workload.run("warm-up", profile=False)  # kernels compiled, caches and graphs warm
@@ -80,7 +83,8 @@ def run(args: argparse.Namespace) -> int:
                "workload": {"model": f"random {args.random_weights} ({dtype})", "num_seqs": args.num_seqs,
                             "input_len": args.input_len, "output_len": args.output_len,
                             "attention_backend": core.model_runner.backend.name,
-                            "cuda_graphs": core.model_runner.graphs is not None},
+                            "cuda_graphs": core.model_runner.graphs is not None,
+                            "async_scheduling": core.async_scheduling},
                "results": result}
     path = write_result("gpu-busy", payload, Path(args.output_dir) if args.output_dir else RESULTS_DIR)
     print(f"wrote {path}")

@@ -31,15 +31,20 @@
 # 2. `bench offline --attention-backend cupy --compare-hf`: engine output tok/s, the
 #    single-stream decode rate, HF generate (bf16, bs 1 on a few prompts and bs 256) on the
 #    same GPU;
-# 3. `bench offline --attention-backend torch`: the same workload on the reference backend;
+# 3. `bench gpu-busy` with async scheduling and without: the decode step's wall time, the
+#    GPU's busy share and the bandwidth bound at 256 sequences;
 # 4. one `pagedserve serve` (cupy), then `bench serve` at concurrency 256 over gRPC, and
-#    over HTTP (--backend openai: streaming /completions) on fresh prompts (another seed).
+#    over HTTP (--backend openai: streaming /completions) on fresh prompts (another seed);
+# 5. step 2 again with --no-async-scheduling (no HF), then with `--attention-backend torch`;
+# 6. in the time left, `bench gpu-busy` on a random llama-3-8b (weights built on the GPU).
 # Besides the image it needs these wheels (cp312, manylinux x86-64; docs/kernels.md says how to
 # fetch and carry them): llguidance pyzmq grpcio grpcio-health-checking grpcio-reflection
-# protobuf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn,
-# at the versions of the dev environment. With them in .whl/ (carried), the script installs
-# them into /tmp/site itself. Afterwards: copy $OUT/offline-*.json and $OUT/serve-*.json into
-# bench/results/ and commit them; the logs stay out of git.
+# protobuf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn
+# annotated-doc opentelemetry-api typing-extensions, at the versions of the dev environment.
+# With them in .whl/ (carried), the script installs them into /tmp/site itself; if the imports
+# fail it stops at once. Afterwards: unpack $OUT/results.tar (the JSONs) into bench/results/,
+# draw the chart (python -m bench.throughput_report --plot PNG JSON...) and commit them; the
+# logs stay out of git.
 #
 # PYTHONPATH=. puts the repository on the path.
 set -uo pipefail
@@ -155,9 +160,11 @@ import engine.llm, frontend.server; print('imports ok')"
 print(random_model_dir('$shape', '$dtype'))"
   step "offline-$backend" 240 "$res/offline-$backend.log" $PY "${offline[@]}" --attention-backend "$backend" \
     --repeats "$repeats" --single-repeats 5 --compare-hf "${hf[@]}" --output-dir "$res/offline-$backend"
-  step gpu-busy 90 "$res/gpu-busy.log" $PY -m pagedserve bench gpu-busy --random-weights "$shape" --device "$device" \
-    --dtype "$dtype" --attention-backend "$backend" --num-seqs "$seqs" --input-len "$len" --kv-cache-memory-gb "$kv" \
-    --output-dir "$res/gpu-busy"
+  local busy=(-m pagedserve bench gpu-busy --random-weights "$shape" --device "$device" --dtype "$dtype"
+              --attention-backend "$backend" --num-seqs "$seqs" --input-len "$len" --kv-cache-memory-gb "$kv")
+  # Async scheduling against the synchronous loop, same run (on a CPU both run synchronously).
+  step gpu-busy 90 "$res/gpu-busy.log" $PY "${busy[@]}" --async-scheduling --output-dir "$res/gpu-busy"
+  step gpu-busy-sync 90 "$res/gpu-busy-sync.log" $PY "${busy[@]}" --no-async-scheduling --output-dir "$res/gpu-busy"
   # One server for both APIs: one start (model load, CUDA graphs) instead of two.
   local grpc_port http_port engine_port
   read -r grpc_port http_port engine_port < <($PY -c "from bench.servers import free_port as f; print(f(), f(), f())")
@@ -172,20 +179,24 @@ print(random_model_dir('$shape', '$dtype'))"
     --target "http://127.0.0.1:$http_port/v1"
   kill -TERM "$server" 2> /dev/null
   timeout 40 tail --pid "$server" -f /dev/null || kill -KILL "$server" 2> /dev/null
+  step "offline-$backend-sync" 120 "$res/offline-$backend-sync.log" $PY "${offline[@]}" --attention-backend \
+    "$backend" --no-async-scheduling --repeats 1 --single-repeats 3 --output-dir "$res/offline-$backend-sync"
   step offline-torch 150 "$res/offline-torch.log" $PY "${offline[@]}" --attention-backend torch \
     --repeats 1 --single-repeats 3 --output-dir "$res/offline-torch"
-  # Last, in the time left: the loop at production size (weights built on the CPU first: minutes).
+  # Last, in the time left: the loop at production size (its random weights built on the GPU).
   [[ $MODE == throughput ]] && step gpu-busy-8b 300 "$res/gpu-busy-8b.log" $PY -m pagedserve bench gpu-busy \
     --random-weights llama-3-8b --device cuda --dtype bfloat16 --attention-backend cupy --num-seqs 256 \
-    --input-len "$len" --kv-cache-memory-gb 30 --output-dir "$res/gpu-busy-8b"
+    --input-len "$len" --kv-cache-memory-gb 30 --output-dir "$res/gpu-busy"
 
-  # At most 8 files come back from a device call: JSONs, a summary and one file of logs (the
-  # plots are drawn again from the JSONs).
-  cp "$res"/offline-*/offline-*.json "$res"/serve/serve-*.json "$res"/gpu-busy*/gpu-busy-*.json "$OUT"/ 2> /dev/null
+  # At most 8 files come back from a device call: the JSONs in one tar, a summary and one file
+  # of logs (the plots are drawn again from the JSONs).
+  mkdir -p "$res/json"
+  cp "$res"/offline-*/offline-*.json "$res"/serve/serve-*.json "$res"/gpu-busy/gpu-busy-*.json "$res/json"/ 2> /dev/null
+  (cd "$res/json" && tar -cf "$OUT/results.tar" ./*.json)
   for log in "$res"/*.log; do  # one file of logs (few files come back from a device call), no progress bars
     echo "=== $(basename "$log")"; tr '\r' '\n' < "$log" | grep -a -v -E '[0-9]+/[0-9]+ \[' | cat -s | tail -n 40
   done > "$OUT/throughput-logs.txt"
-  $PY -m bench.throughput_report "$OUT" "$STEPS" | tee -a "$OUT/summary.txt"
+  $PY -m bench.throughput_report "$res/json" "$STEPS" | tee -a "$OUT/summary.txt"
 }
 
 if [[ $MODE == kernels ]]; then kernels_session; else throughput_session; fi

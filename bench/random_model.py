@@ -69,14 +69,15 @@ def random_weights_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if device.startswith("cuda") else "float32"
 
 
-def random_model_dir(shape: str, dtype: str = "bfloat16", root: Path | None = None) -> Path:
+def random_model_dir(shape: str, dtype: str = "bfloat16", root: Path | None = None, device: str = "cpu") -> Path:
     """The folder of `shape`'s random model in `dtype`, built on first use (seconds for the
-    small shapes, about a minute for an 8B on a CPU)."""
+    small shapes; an 8B takes minutes on a CPU, so build it on `device` where that is a GPU:
+    other random values, the same sizes)."""
     if shape not in SHAPES:
         raise ValueError(f"--random-weights: unknown shape {shape!r} (known: {', '.join(SHAPES)})")
     folder = (root or random_models_root()) / f"{shape}-{dtype}"
     if not (folder / "config.json").is_file():
-        build_random_model(shape, folder, dtype)
+        build_random_model(shape, folder, dtype, device)
     return folder
 
 

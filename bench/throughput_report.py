@@ -1,7 +1,7 @@
 """The closing table of `bash bench/gpu_session.sh throughput`: each step's outcome, then the
-numbers of the offline, serve and gpu-busy JSONs it left in OUT, side by side.
+numbers of the offline, serve and gpu-busy JSONs it wrote, side by side.
 
-    python -m bench.throughput_report OUT STEPS_FILE
+    python -m bench.throughput_report JSON_DIR STEPS_FILE
     python -m bench.throughput_report --plot DIR PNG [JSON...]   # one chart of a session's output tok/s
 
 The plot is drawn afterwards, from the JSONs (a device call returns few files).
@@ -18,10 +18,10 @@ from bench.common import print_table
 
 def print_steps(steps_file: Path) -> None:
     """STEPS_FILE lines: name|rc|seconds|last line of its log (written by gpu_session.sh's step)."""
-    print(f"\n{'step':<14} {'rc':>7} {'s':>4}  last line")
+    print(f"\n{'step':<18} {'rc':>7} {'s':>4}  last line")
     for line in steps_file.read_text().splitlines():
         name, rc, secs, last = line.split("|", 3)
-        print(f"{name:<14} {rc:>7} {secs:>4}  {last}")
+        print(f"{name:<18} {rc:>7} {secs:>4}  {last}")
 
 
 def offline_rows(out: Path) -> list[list[object]]:
@@ -30,6 +30,8 @@ def offline_rows(out: Path) -> list[list[object]]:
     for path in sorted(out.glob("offline-*.json")):
         r = json.loads(path.read_text())
         backend = r["engine_config"]["attention_backend"]
+        if r["engine_config"].get("async_scheduling") is False and backend != "torch":
+            backend += ", sync"
         single = r["results"]["engine_single"]
         rows.append([f"engine {backend}", r["results"]["engine_batch"]["output_tok_s"],
                      single["decode_tok_s"], single["ttft_s"] * 1000, path.name])
@@ -54,7 +56,8 @@ def gpu_busy_rows(out: Path) -> list[list[object]]:
         r = json.loads(path.read_text())
         res = r["results"]
         busy = res.get("gpu_busy")
-        rows.append([f"{r['workload']['model']}, {r['workload']['num_seqs']} seqs", f"{res['timed']['step_ms']:.2f}", f"{res['bound_ms']:.2f}",
+        mode = "async" if r["workload"].get("async_scheduling") else "sync"
+        rows.append([f"{r['workload']['model']}, {r['workload']['num_seqs']} seqs, {mode}", f"{res['timed']['step_ms']:.2f}", f"{res['bound_ms']:.2f}",
                      f"{res['step_ms_over_bound']:.2f}", "" if busy is None else f"{100 * busy:.1f}%",
                      path.name])
     return rows
@@ -77,8 +80,10 @@ def plot(paths: list[Path], png: Path) -> Path:
         gpu = r.get("machine", {}).get("gpu") or gpu
         if r.get("benchmark") == "offline" or path.name.startswith("offline-"):
             backend = r["engine_config"]["attention_backend"]
-            rows.append((f"offline, {backend} attention", r["results"]["engine_batch"]["output_tok_s"],
-                         TARGETS["offline"] if backend == "cupy" else None))
+            sync = r["engine_config"].get("async_scheduling") is False and backend != "torch"
+            rows.append((f"offline, {backend} attention{', sync' if sync else ''}",
+                         r["results"]["engine_batch"]["output_tok_s"],
+                         TARGETS["offline"] if backend == "cupy" and not sync else None))
             rows += [(f"HF generate, {name[3:].replace('_', ' ')}", res["output_tok_s"], None)
                      for name, res in r["results"].items() if name.startswith("hf_") and "batch" in name]
         elif path.name.startswith("serve-"):

@@ -46,4 +46,4 @@ def test_times_the_decode_steps_and_bounds_them(result_path):
 
 def test_the_session_report_reads_it(result_path):
     (row,) = throughput_report.gpu_busy_rows(result_path.parent)
-    assert row[0] == "random tiny (float32), 4 seqs" and row[-1] == result_path.name
+    assert row[0] == "random tiny (float32), 4 seqs, sync" and row[-1] == result_path.name
