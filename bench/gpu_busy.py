@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64, help="output tokens per sequence (default: 64)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=20.0, help="KV cache budget (default: 20)")
     p.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
-                   help="launch decode steps one ahead (default: the engine's, on with CUDA graphs)")
+                   help="launch decode steps one ahead (default: the engine's, off)")
     p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
 
 

@@ -28,7 +28,8 @@
 # bf16, 1,024 requests x 128 prompt / 128 output tokens, greedy, eos ignored, at most 256
 # sequences, a 20 GiB KV cache; most important numbers first, each step under a time limit:
 # 1. build the random model folder (CPU, seconds);
-# 2. `bench offline --attention-backend cupy --compare-hf`: engine output tok/s, the
+# 2. `bench offline --attention-backend cupy --compare-hf`, with --async-scheduling as every
+#    engine step below unless it says otherwise: engine output tok/s, the
 #    single-stream decode rate, HF generate (bf16, bs 1 on a few prompts and bs 256) on the
 #    same GPU;
 # 3. `bench gpu-busy` with async scheduling and without: the decode step's wall time, the
@@ -140,7 +141,7 @@ throughput_session() {  # see the header: the most important numbers first
   local res=/tmp/pagedserve-throughput
   rm -rf "$res" && mkdir -p "$res"
   local model=(--random-weights "$shape" --device "$device" --dtype "$dtype")
-  local engine=(--max-num-seqs "$seqs" --kv-cache-memory-gb "$kv")
+  local engine=(--max-num-seqs "$seqs" --kv-cache-memory-gb "$kv" --async-scheduling)
   local offline=(-m pagedserve bench offline "${model[@]}" "${engine[@]}" --num-prompts "$n" --input-len "$len"
                  --output-len "$len")
   local serve=(-m pagedserve bench serve "${model[@]}" --num-prompts "$n" --random-input-len "$len"

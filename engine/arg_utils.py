@@ -33,8 +33,8 @@ HELP = {
     "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda when "
                    "attention runs on cupy, else off)",
     "async_scheduling": "schedule and launch the next decode step while the device runs this one, "
-                        "where every running request is a plain greedy decode (default: on with CUDA "
-                        "graphs, else off); docs/engine.md",
+                        "where every running request is a plain greedy decode; pays on a GPU "
+                        "(default: off); docs/engine.md",
     "num_threads": "CPU threads for torch, split evenly over the tensor-parallel ranks, at least "
                    "1 each (default: all cores)",
     "tensor_parallel_size": "shard the model over N processes joined by torch.distributed (gloo on "

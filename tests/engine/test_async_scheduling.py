@@ -103,8 +103,8 @@ def test_a_seeded_request_does_not_depend_on_its_batch(bundled_path):
     assert_no_leak(llm)
 
 
-def test_off_by_default_on_cpu_and_with_a_speculator(bundled_path):
-    assert EngineConfig(model=str(bundled_path)).async_scheduling is False  # no CUDA graphs here
+def test_off_by_default_and_with_a_speculator(bundled_path):
+    assert EngineConfig(model=str(bundled_path)).async_scheduling is False
     config = EngineConfig(model=str(bundled_path), dtype="float32", num_kv_blocks=32, async_scheduling=True,
                           speculative_method="ngram")
     assert EngineCore(config, (2,)).async_scheduling is False  # it proposes from each step's tokens

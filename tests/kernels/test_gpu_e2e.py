@@ -17,9 +17,9 @@ from gpu_skip import pytestmark  # noqa: F401  (skips this module without a GPU)
 MAX_NEW = 24
 VOCAB = 512
 CONFIGS = {
-    "graphs": dict(cuda_graphs=True, async_scheduling=False),
+    "graphs": dict(cuda_graphs=True),
     "eager": dict(cuda_graphs=False),
-    "chunked_bs32": dict(cuda_graphs=True, block_size=32, max_num_batched_tokens=64, async_scheduling=False),
+    "chunked_bs32": dict(cuda_graphs=True, block_size=32, max_num_batched_tokens=64),
     # Decode steps one ahead (engine/async_step.py): plain greedy rows (ignore_eos rather than
     # min_tokens, which keeps a row off the argmax-only path until it is reached).
     "async": dict(cuda_graphs=True, async_scheduling=True),
