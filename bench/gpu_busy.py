@@ -7,7 +7,8 @@ Two passes over the same workload:
 - **timed**: the wall time of each decode step (every sequence has its first token), of the
   engine step and of output processing apart;
 - **profiled**: the same steps under torch.profiler with CUDA activity only (CUPTI): the sum of
-  the kernels' and copies' device time over the decode phase's wall time is the GPU-busy share.
+  the kernels' and copies' device time over the decode phase's wall time is the GPU-busy share,
+  and the kernels that take most of it are listed.
   The profiler adds a little host time, so the share it gives is, if anything, low.
 
 The bound of a step is the bytes it must read (every weight once, plus each sequence's K and V
@@ -79,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
                  ["GPU busy share of the decode phase", f"{100 * result['gpu_busy']:.1f}%"],
                  ["GPU time / bound", f"{result['gpu_ms_over_bound']:.2f}"]]
     print_table(["measure (ms unless named)", "value"], rows)
+    if profiled.get("top_kernels"):
+        print_table(["kernel (profiled)", "ms / step", "calls / step"],
+                    [[k["name"][:70], f"{k['ms_per_step']:.3f}", f"{k['calls_per_step']:.1f}"]
+                     for k in profiled["top_kernels"]])
     payload = {"machine": machine_info(), "device": _device_name(args.device, torch),
                "workload": {"model": f"random {args.random_weights} ({dtype})", "num_seqs": args.num_seqs,
                             "input_len": args.input_len, "output_len": args.output_len,
@@ -133,10 +138,19 @@ class _Workload:
                   "output_ms": 1e3 * output_s / steps, "decode_tok_s": steps * self.num_seqs / phase_s}
         if profiler is not None:
             profiler.stop()
-            device_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
-                            for e in profiler.key_averages())
-            result["gpu_ms"] = device_us / 1e3 / steps
+            result.update(_device_time(profiler.key_averages(), steps))
         return result
+
+
+def _device_time(events, steps: int, top: int = 15) -> dict:
+    """Per decode step: the device time of all kernels and copies, and the `top` kernels by
+    device time (name, ms per step, launches per step), where the next GPU work is."""
+    def device_us(e) -> float:
+        return getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+    ranked = sorted(events, key=device_us, reverse=True)
+    return {"gpu_ms": sum(map(device_us, events)) / 1e3 / steps,
+            "top_kernels": [{"name": e.key[:120], "ms_per_step": device_us(e) / 1e3 / steps,
+                             "calls_per_step": e.count / steps} for e in ranked[:top] if device_us(e) > 0]}
 
 
 def _bandwidth_bound(core, args: argparse.Namespace, torch) -> dict:

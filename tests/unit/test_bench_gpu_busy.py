@@ -47,3 +47,16 @@ def test_times_the_decode_steps_and_bounds_them(result_path):
 def test_the_session_report_reads_it(result_path):
     (row,) = throughput_report.gpu_busy_rows(result_path.parent)
     assert row[0] == "random tiny (float32), 4 seqs, sync" and row[-1] == result_path.name
+
+
+def test_device_time_sums_the_kernels_and_ranks_them():
+    from types import SimpleNamespace
+
+    from bench.gpu_busy import _device_time
+    events = [SimpleNamespace(key="paged_decode", self_device_time_total=900.0, count=30),
+              SimpleNamespace(key="aten::linear", self_device_time_total=0.0, count=90),  # CPU-side op
+              SimpleNamespace(key="elementwise", self_device_time_total=300.0, count=300)]
+    out = _device_time(events, steps=3)
+    assert out["gpu_ms"] == pytest.approx(0.4)
+    assert [(k["name"], k["ms_per_step"], k["calls_per_step"]) for k in out["top_kernels"]] == [
+        ("paged_decode", pytest.approx(0.3), 10), ("elementwise", pytest.approx(0.1), 100)]
