@@ -30,8 +30,8 @@ def offline_rows(out: Path) -> list[list[object]]:
     for path in sorted(out.glob("offline-*.json")):
         r = json.loads(path.read_text())
         backend = r["engine_config"]["attention_backend"]
-        if r["engine_config"].get("async_scheduling") is False and backend != "torch":
-            backend += ", sync"
+        if r["engine_config"].get("async_scheduling"):
+            backend += ", async"
         single = r["results"]["engine_single"]
         rows.append([f"engine {backend}", r["results"]["engine_batch"]["output_tok_s"],
                      single["decode_tok_s"], single["ttft_s"] * 1000, path.name])
@@ -80,10 +80,9 @@ def plot(paths: list[Path], png: Path) -> Path:
         gpu = r.get("machine", {}).get("gpu") or gpu
         if r.get("benchmark") == "offline" or path.name.startswith("offline-"):
             backend = r["engine_config"]["attention_backend"]
-            sync = r["engine_config"].get("async_scheduling") is False and backend != "torch"
-            rows.append((f"offline, {backend} attention{', sync' if sync else ''}",
-                         r["results"]["engine_batch"]["output_tok_s"],
-                         TARGETS["offline"] if backend == "cupy" and not sync else None))
+            mode = ", async" if r["engine_config"].get("async_scheduling") else ""
+            rows.append((f"offline, {backend} attention{mode}", r["results"]["engine_batch"]["output_tok_s"],
+                         TARGETS["offline"] if backend == "cupy" else None))
             rows += [(f"HF generate, {name[3:].replace('_', ' ')}", res["output_tok_s"], None)
                      for name, res in r["results"].items() if name.startswith("hf_") and "batch" in name]
         elif path.name.startswith("serve-"):
