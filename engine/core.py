@@ -79,11 +79,11 @@ class EngineCore:
             max_model_len=self.max_model_len, policy=config.scheduling_policy,
             num_lookahead_tokens=lookahead, max_loras=config.max_loras), self.block_manager,
             self.iteration_stats)
-        for name, path in (config.lora_modules or {}).items():  # a bad one stops the start, named
-            self.load_lora(name, path)
         # A speculator proposes from each step's tokens, on the host: no step goes ahead.
         self.async_scheduling = bool(config.async_scheduling) and self.speculator is None
         self._inflight: InflightStep | None = None  # the step launched and not yet resolved
+        for name, path in (config.lora_modules or {}).items():  # a bad one stops the start, named
+            self.load_lora(name, path)
 
     def _fit_max_model_len(self, max_model_len: int) -> int:
         # A sequence longer than the whole pool would preempt itself forever: never admit one.
