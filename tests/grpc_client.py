@@ -79,6 +79,15 @@ def generate(fe, timeout: float = 120, **kwargs) -> Result:
     return collect(list(fe.generation.Generate(request(**kwargs), timeout=timeout)))
 
 
+def cancel(call) -> None:
+    """Cancel a streaming call; its iteration must then end with CANCELLED."""
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:
+            pass
+    assert info.value.code() == grpc.StatusCode.CANCELLED
+
+
 def user(text: str) -> gen.Chat:
     return gen.Chat(messages=[gen.ChatMessage(role="user", content=text)])
 
