@@ -27,7 +27,8 @@
 # throughput: a random-weight qwen2.5-0.5b (bench/random_model.py: nothing to download),
 # bf16, 1,024 requests x 128 prompt / 128 output tokens, greedy, eos ignored, at most 256
 # sequences, a 20 GiB KV cache; most important numbers first, each step under a time limit:
-# 1. build the random model folder (CPU, seconds);
+# 1. build the random model folder (CPU, seconds); then tests/kernels/test_gpu_e2e.py (greedy
+#    against HF on the GPU, async scheduling and CUDA graphs among its configs);
 # 2. `bench offline --attention-backend cupy --compare-hf`, with --async-scheduling as every
 #    engine step below unless it says otherwise: engine output tok/s, the
 #    single-stream decode rate, HF generate (bf16, bs 1 on a few prompts and bs 256) on the
@@ -159,6 +160,8 @@ import engine.llm, frontend.server; print('imports ok')"
   fi
   step build 150 "$res/build.log" $PY -c "from bench.random_model import random_model_dir
 print(random_model_dir('$shape', '$dtype'))"
+  # Correctness before speed: our engine against HF on this GPU, the async-scheduling config too.
+  step e2e 120 "$res/e2e.log" $PY -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_gpu_e2e.py
   step "offline-$backend" 240 "$res/offline-$backend.log" $PY "${offline[@]}" --attention-backend "$backend" \
     --repeats "$repeats" --single-repeats 5 --compare-hf "${hf[@]}" --output-dir "$res/offline-$backend"
   local busy=(-m pagedserve bench gpu-busy --random-weights "$shape" --device "$device" --dtype "$dtype"
