@@ -34,7 +34,7 @@ HELP = {
                    "attention runs on cupy, else off)",
     "async_scheduling": "schedule and launch the next decode step while the device runs this one, "
                         "where every running request is a plain greedy decode; pays on a GPU "
-                        "(default: off); docs/engine.md",
+                        "(default: on where decode runs in CUDA graphs, else off); docs/engine.md",
     "num_threads": "CPU threads for torch, split evenly over the tensor-parallel ranks, at least "
                    "1 each (default: all cores)",
     "tensor_parallel_size": "shard the model over N processes joined by torch.distributed (gloo on "

@@ -38,9 +38,9 @@ class EngineConfig:
     quantization: str | None = None  # int4 | int8: quantize float weights at load; none: dequantize GGUF
     cuda_graphs: bool | None = None  # decode in CUDA graphs; None: on for device cuda + backend cupy (or auto)
     # Schedule and launch decode step N+1 while the device runs step N (engine/async_step.py).
-    # It pays with a GPU (a CPU runs the forward on the host's own cores); off until its GPU
-    # path has been measured on one.
-    async_scheduling: bool = False
+    # It pays with a GPU (a CPU runs the forward on the host's own cores, so nothing overlaps).
+    # None: on where decode runs in CUDA graphs (the path measured and tested on an H100).
+    async_scheduling: bool | None = None
     num_threads: int | None = None  # CPU: torch intra-op threads (default: all cores), split over TP ranks
     # Tensor parallel: shard the model over this many processes (this one is rank 0); the model's
     # attention heads must divide by it (checked once the model is read).
@@ -107,6 +107,8 @@ class EngineConfig:
 
         self._check_speculative()
         self._check_lora()
+        if self.async_scheduling is None:  # after the checks above, which may turn graphs off
+            self.async_scheduling = self.cuda_graphs
 
     def _check_lora(self) -> None:
         _positive("max_loras", self.max_loras)

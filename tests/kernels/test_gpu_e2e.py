@@ -17,9 +17,10 @@ from gpu_skip import pytestmark  # noqa: F401  (skips this module without a GPU)
 MAX_NEW = 24
 VOCAB = 512
 CONFIGS = {
-    "graphs": dict(cuda_graphs=True),
+    # Async scheduling is on by default with graphs; these two keep the synchronous loop covered.
+    "graphs": dict(cuda_graphs=True, async_scheduling=False),
     "eager": dict(cuda_graphs=False),
-    "chunked_bs32": dict(cuda_graphs=True, block_size=32, max_num_batched_tokens=64),
+    "chunked_bs32": dict(cuda_graphs=True, async_scheduling=False, block_size=32, max_num_batched_tokens=64),
     # Decode steps one ahead (engine/async_step.py): plain greedy rows (ignore_eos rather than
     # min_tokens, which keeps a row off the argmax-only path until it is reached).
     "async": dict(cuda_graphs=True, async_scheduling=True),
@@ -130,12 +131,12 @@ def count_replays(runner) -> list[int]:
 
 
 def test_auto_backend_on_cuda_is_cupy_with_graphs(tiny_llama):
-    """With no backend named, a CUDA engine runs the cupy kernels in CUDA graphs."""
+    """With no backend named, a CUDA engine runs the cupy kernels in CUDA graphs, scheduled async."""
     from engine import LLM, SamplingParams
     folder, prompts, reference = tiny_llama
     llm = LLM(str(folder), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512, max_num_seqs=8)
     runner = llm.engine.model_runner
-    assert runner.backend.name == "cupy" and runner.graphs is not None
+    assert runner.backend.name == "cupy" and runner.graphs is not None and llm.engine.async_scheduling
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW))
     for i, (out, ref) in enumerate(zip(outs, reference)):
         assert_greedy_match(out.outputs[0].token_ids, ref, i)
