@@ -35,6 +35,9 @@ HELP = {
     "async_scheduling": "schedule and launch the next decode step while the device runs this one, "
                         "where every running request is a plain greedy decode; pays on a GPU "
                         "(default: on where decode runs in CUDA graphs, else off); docs/engine.md",
+    "async_admission_steps": "with async scheduling and the batch at least half full, decode steps that may "
+                             "still go ahead while a request waits for a seat; the next synchronous step "
+                             "admits every request that waited (0: admit at once)",
     "num_threads": "CPU threads for torch, split evenly over the tensor-parallel ranks, at least "
                    "1 each (default: all cores)",
     "tensor_parallel_size": "shard the model over N processes joined by torch.distributed (gloo on "

@@ -41,6 +41,10 @@ class EngineConfig:
     # It pays with a GPU (a CPU runs the forward on the host's own cores, so nothing overlaps).
     # None: on where decode runs in CUDA graphs (the path measured and tested on an H100).
     async_scheduling: bool | None = None
+    # With async scheduling and the batch at least half full: decode steps that may still go
+    # ahead while a request waits for a free seat; the next synchronous step admits all that
+    # waited at once (TGI's --max-waiting-tokens, in steps). 0: admit at once, every time.
+    async_admission_steps: int = 4
     num_threads: int | None = None  # CPU: torch intra-op threads (default: all cores), split over TP ranks
     # Tensor parallel: shard the model over this many processes (this one is rank 0); the model's
     # attention heads must divide by it (checked once the model is read).
@@ -90,6 +94,8 @@ class EngineConfig:
         if self.attention_backend == "cpu" and on_cuda:
             raise ValueError("attention_backend: 'cpu' runs CPU kernels; it needs device 'cpu'")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.async_admission_steps < 0:
+            raise ValueError(f"async_admission_steps: must be >= 0, got {self.async_admission_steps}")
         # "auto" on CUDA means cupy where it runs; the model runner turns graphs off if the
         # model's head size sends it to torch instead.
         cupy_attention = on_cuda and (self.attention_backend == "cupy"
@@ -172,6 +178,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     num_lookahead_tokens: int = 0  # KV slots past each step's tokens, for a draft model's drafts
     max_loras: int = 4  # distinct LoRA adapters the running requests may use at once
+    async_admission_steps: int = 0  # EngineConfig.async_admission_steps
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

@@ -77,7 +77,8 @@ class EngineCore:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, policy=config.scheduling_policy,
-            num_lookahead_tokens=lookahead, max_loras=config.max_loras), self.block_manager,
+            num_lookahead_tokens=lookahead, max_loras=config.max_loras,
+            async_admission_steps=config.async_admission_steps), self.block_manager,
             self.iteration_stats)
         # A speculator proposes from each step's tokens, on the host: no step goes ahead.
         self.async_scheduling = bool(config.async_scheduling) and self.speculator is None

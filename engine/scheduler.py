@@ -77,6 +77,7 @@ class Scheduler:
         self.failed_outputs: list[EngineCoreOutput] = []
         self.finished_request_ids: set[str] = set()
         self._appended: set[str] = set()  # running requests this step scheduled via append_slots (not a lease)
+        self._steps_ahead_of_admission = 0  # steps gone ahead past a request waiting for a seat
         self.num_preemptions = 0  # total since start, for metrics
         self.spec_stats = SpecDecodingStats()  # totals since start, for metrics
 
@@ -119,6 +120,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._take_compiled()
+        self._steps_ahead_of_admission = 0  # this step admits whoever waits
         out = SchedulerOutput(finished_request_ids=self.finished_request_ids)
         self.finished_request_ids = set()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
@@ -168,7 +170,7 @@ class Scheduler:
         running = self.running
         if (not running or self.waiting_for_grammar or self.failed_outputs
                 or len(running) > self.config.max_num_batched_tokens or any(map(_spec_token_ids, running))
-                or self.waiting and len(running) + self.waiting[0][1].num_seats <= self.config.max_num_seqs):
+                or not self._may_defer_admission()):
             return None
         slots = list(map(operator.add, map(_num_computed, running), repeat(2)))  # through the next position
         if not all(map(operator.le, slots, map(_lease_end, running))):
@@ -177,6 +179,21 @@ class Scheduler:
                     return None
         return SchedulerOutput(list(map(_decode_entry, running)), num_steady=len(running),
                                num_batched_tokens=len(running))
+
+    def _may_defer_admission(self) -> bool:
+        """Whether a step may go ahead with the waiting requests as they are. Admission is the
+        synchronous path's, and under load a seat frees nearly every step (a request ends), so
+        admitting at once would keep almost every step synchronous. With the batch at least
+        half full, a request waiting for a seat waits up to `async_admission_steps` steps
+        ahead; the synchronous step after them admits everyone who waited, in one prefill."""
+        config = self.config
+        if not self.waiting or len(self.running) + self.waiting[0][1].num_seats > config.max_num_seqs:
+            return True  # nobody could be admitted anyway
+        if self._steps_ahead_of_admission >= config.async_admission_steps or \
+                2 * len(self.running) < config.max_num_seqs:
+            return False
+        self._steps_ahead_of_admission += 1
+        return True
 
     def _renew_lease(self, request: Request, end: int) -> bool:
         """Grow a steady decode's table to `end` tokens while the step before is in flight, and

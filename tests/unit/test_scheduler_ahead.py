@@ -55,6 +55,19 @@ def test_no_step_ahead_while_a_waiting_request_could_be_admitted(make):
     assert full.schedule_ahead() is not None  # no seat for it anyway
 
 
+def test_admission_waits_a_bounded_number_of_steps_ahead_under_load(make):
+    sched, runner = _decoding(make, 2, max_seqs=3, admission_steps=2)
+    sched.add_request(make_request("late", 2))
+    # The batch is at least half full: two steps go ahead past the waiting request, not three.
+    assert sched.schedule_ahead() is not None and sched.schedule_ahead() is not None
+    assert sched.schedule_ahead() is None
+    runner.step()  # the synchronous step admits it
+    assert "late" in [r.request_id for r in sched.running]
+    light, _ = _decoding(make, 1, max_seqs=4, admission_steps=2)
+    light.add_request(make_request("next", 2))
+    assert light.schedule_ahead() is None  # under half full: admitted at once
+
+
 def test_no_step_ahead_for_a_request_that_is_not_a_steady_decode(make):
     sched, runner = make()
     sched.add_request(make_request("a", 2, max_tokens=20))
@@ -179,9 +192,12 @@ def _run(specs, ahead: bool, **config):
 
 @settings(max_examples=120, deadline=None)
 @given(num_blocks=st.integers(7, 12), budget=st.integers(4, 24), max_seqs=st.integers(1, 5),
-       policy=st.sampled_from(["fcfs", "priority"]), specs=st.lists(spec, min_size=1, max_size=8))
-def test_random_workloads_give_the_synchronous_loops_tokens(num_blocks, budget, max_seqs, policy, specs):
-    config = dict(num_blocks=num_blocks, budget=budget, max_seqs=max_seqs, policy=policy)
+       policy=st.sampled_from(["fcfs", "priority"]), specs=st.lists(spec, min_size=1, max_size=8),
+       admission_steps=st.integers(0, 3))
+def test_random_workloads_give_the_synchronous_loops_tokens(num_blocks, budget, max_seqs, policy, specs,
+                                                           admission_steps):
+    config = dict(num_blocks=num_blocks, budget=budget, max_seqs=max_seqs, policy=policy,
+                  admission_steps=admission_steps)
     expected, _ = _run(specs, ahead=False, **config)
     got, _ = _run(specs, ahead=True, **config)
     assert got == expected
