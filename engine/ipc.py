@@ -80,6 +80,35 @@ def output_to_proto(out: EngineCoreOutput, request_id: str, batch: ipc.OutputBat
     return msg
 
 
+def is_plain_token(out: EngineCoreOutput) -> bool:
+    """One new token of sample 0 of a request that goes on, with nothing else to say: it
+    travels in OutputBatch's packed lists (`add_plain_tokens`), not as a RequestOutput."""
+    return (out.finish_reason is None and out.sample_index == 0 and len(out.new_token_ids) == 1
+            and out.new_logprobs is None and out.prompt_logprobs is None)
+
+
+def add_plain_tokens(batch: ipc.OutputBatch, request_ids: list[str], outputs: list[EngineCoreOutput]) -> None:
+    """`outputs` (each `is_plain_token`) into the batch's packed lists, under `request_ids`."""
+    batch.token_request_ids.extend(request_ids)
+    batch.token_ids.extend([out.new_token_ids[0] for out in outputs])
+    batch.token_num_cached_tokens.extend([out.num_cached_tokens for out in outputs])
+
+
+def plain_tokens_from_batch(batch: ipc.OutputBatch) -> list[EngineCoreOutput]:
+    """The frontend's side of `add_plain_tokens`."""
+    return list(map(_plain_token, batch.token_request_ids, batch.token_ids, batch.token_num_cached_tokens))
+
+
+def _plain_token(request_id: str, token_id: int, num_cached_tokens: int) -> EngineCoreOutput:
+    # Positional, as in the scheduler: this runs for most requests every step.
+    return EngineCoreOutput(request_id, 0, [token_id], None, None, None, 0, num_cached_tokens)
+
+
+def outputs_from_batch(batch: ipc.OutputBatch) -> list[EngineCoreOutput]:
+    """Every output of a batch, packed ones included (for readers of raw engine replies)."""
+    return [output_from_proto(msg) for msg in batch.outputs] + plain_tokens_from_batch(batch)
+
+
 def logprobs_to_proto(token_id: int, logprobs: dict[int, float]) -> gen.PositionLogprobs:
     """The sampled token, then the others most likely first (the dict may hold the sampled
     token outside the top-N)."""

@@ -29,7 +29,8 @@ import zmq
 
 from engine.core import EngineCore, EngineStats
 from engine.errors import EngineOverloaded, InvalidRequest, LoraError
-from engine.ipc import output_to_proto, sampling_params_from_proto, structured_from_proto
+from engine.ipc import (add_plain_tokens, is_plain_token, output_to_proto, sampling_params_from_proto,
+                        structured_from_proto)
 from engine.metrics import EngineMetrics
 from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
@@ -210,16 +211,22 @@ class EngineProc:
                                   ipc.EngineResponse(lora_result=result).SerializeToString()])
 
     def _publish(self, outputs: list[EngineCoreOutput]) -> None:
-        # One message per frontend per step, built in place (no copies): this runs in the step
-        # loop, for every request every step.
-        responses: dict[str, ipc.EngineResponse] = {}
+        # One message per frontend per step: this runs in the step loop, for every request
+        # every step. Most outputs are one plain token each, packed into three lists; the rest
+        # become RequestOutputs, built in place (no copies).
+        responses: dict[str, tuple[ipc.EngineResponse, list[str], list[EngineCoreOutput]]] = {}
         for out in outputs:
             frontend_id, request_id = out.request_id.split(":", 1)
-            response = responses.get(frontend_id)
-            if response is None:
-                response = responses[frontend_id] = ipc.EngineResponse()
-            output_to_proto(out, request_id, response.outputs)
-        for frontend_id, response in responses.items():
+            entry = responses.get(frontend_id)
+            if entry is None:
+                entry = responses[frontend_id] = (ipc.EngineResponse(), [], [])
+            if is_plain_token(out):
+                entry[1].append(request_id)
+                entry[2].append(out)
+            else:
+                output_to_proto(out, request_id, entry[0].outputs)
+        for frontend_id, (response, request_ids, plain) in responses.items():
+            add_plain_tokens(response.outputs, request_ids, plain)
             response.outputs.stats.CopyFrom(self.stats)
             self.push.send_multipart([frontend_id.encode(), response.SerializeToString()])
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
 from engine.ipc import output_from_proto, sampling_params_to_proto, structured_to_proto
+from engine.outputs import EngineCoreOutput
 from engine.sampling_params import SamplingParams
 from engine.validation import PromptLimits
 from frontend.engine_client import EngineLost
@@ -233,7 +234,7 @@ class AsyncLLM:
                 if item is _TIME_LIMIT:
                     self._abort_later(gen.engine, [gen.engine_id])
                 continue
-            outputs.append(output_from_proto(item))
+            outputs.append(item if type(item) is EngineCoreOutput else output_from_proto(item))
             gen.received = True
         deltas += self._process(gen, outputs)
         if gen.first_token_time is None and any(d.token_ids for d in deltas):

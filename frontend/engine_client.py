@@ -24,6 +24,7 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
+from engine.ipc import plain_tokens_from_batch
 from frontend.input_processor import NotFound
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 
@@ -164,7 +165,11 @@ class EngineClient:
             self.num_added_since_stats, self.draining = 0, msg.pong.draining
         elif kind == "outputs":
             self.stats, self.num_added_since_stats = msg.outputs.stats, 0
-            for out in msg.outputs.outputs:
+            for out in msg.outputs.outputs:  # RequestOutputs, converted by their stream
+                queue = self.streams.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+            for out in plain_tokens_from_batch(msg.outputs):  # EngineCoreOutputs already
                 queue = self.streams.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)

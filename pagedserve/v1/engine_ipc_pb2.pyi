@@ -209,12 +209,18 @@ class EngineStats(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class OutputBatch(_message.Message):
-    __slots__ = ("outputs", "stats")
+    __slots__ = ("outputs", "stats", "token_request_ids", "token_ids", "token_num_cached_tokens")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[RequestOutput]
     stats: EngineStats
-    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
+    token_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., token_request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
     __slots__ = ("request_id", "sample_index", "new_token_ids", "logprobs", "finish_reason", "stop_token_id", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "error")

@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from grpc_client import GENERATION, LONG, NOT_SERVING, SERVING, STORY, Background, generate, greedy, request
+from engine.ipc import outputs_from_batch
 from pagedserve.health import ping_engine
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 from pagedserve.v1 import generation_pb2 as gen
@@ -141,7 +142,7 @@ def test_oversized_message_and_bad_requests_after_hello(engine_and_frontend):
         assert "vocabulary" in errors["oov"].message and "maximum length" in errors["huge"].message
         peer.send(add("fine", [100, 101], max_tokens=3))
         outputs = [o for r in peer.replies(timeout_s=5) if r.WhichOneof("kind") == "outputs"
-                   for o in r.outputs.outputs]
+                   for o in outputs_from_batch(r.outputs)]
         assert sum(len(o.new_token_ids) for o in outputs) == 3 and outputs[-1].finish_reason == "length"
         peer.send(ipc.EngineRequest(bye=ipc.Bye()).SerializeToString())
     finally:

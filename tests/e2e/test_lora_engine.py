@@ -10,6 +10,7 @@ import time
 import pytest
 import zmq
 
+from engine.ipc import outputs_from_batch
 from helpers import hf_greedy
 from lora_helpers import build_lora_setup, lora_prompts, merged_model
 from pagedserve.v1 import engine_ipc_pb2 as ipc
@@ -61,7 +62,7 @@ class _Peer:
                                                                  ignore_eos=True)))
         tokens = []
         while True:
-            out = self.recv("outputs").outputs.outputs[0]
+            out, = outputs_from_batch(self.recv("outputs").outputs)
             tokens += out.new_token_ids
             if out.finish_reason:
                 return tokens

@@ -274,6 +274,31 @@ def test_structured_outputs_cross_the_engine_socket():
     assert structured_to_proto(None) is None
 
 
+def test_plain_tokens_cross_the_engine_socket_packed():
+    """One token of sample 0 that ends nothing travels in OutputBatch's packed lists; every other
+    output as a RequestOutput; a reader of the batch gets them all back."""
+    from engine.ipc import add_plain_tokens, is_plain_token, outputs_from_batch, plain_tokens_from_batch
+    from pagedserve.v1 import engine_ipc_pb2 as ipc
+    plain = [out([7], request_id="a", num_cached_tokens=16), out([9], request_id="b")]
+    others = [out([7, 8]), out([7], index=1), out([7], finish="length"), out([7], logprobs=[{7: -0.5}])]
+    assert [is_plain_token(o) for o in plain + others] == [True, True, False, False, False, False]
+    batch = ipc.OutputBatch()
+    add_plain_tokens(batch, ["a", "b"], plain)
+    batch = ipc.OutputBatch.FromString(batch.SerializeToString())
+    assert plain_tokens_from_batch(batch) == plain  # num_prompt_tokens is not sent: the frontend has the prompt
+    assert outputs_from_batch(batch) == plain
+
+
+def test_the_short_way_for_plain_tokens_gives_the_general_ways_deltas(tok):
+    ids = encode(tok, STORY)  # an emoji among them: bytes that complete a character later
+    fast, general = state_for(tok, SamplingParams()), state_for(tok, SamplingParams())
+    general._plain = False
+    for i, t in enumerate(ids):
+        output = out([t], num_cached_tokens=4, finish="length" if i == len(ids) - 1 else None)
+        assert fast.process([output]) == general.process([output])
+    assert fast.done and fast.num_cached_tokens == 4
+
+
 @pytest.mark.parametrize("chunk", [2, 5, 100])
 def test_runs_of_tokens_give_the_text_of_one_by_one(tok, chunk):
     """Engine outputs of several tokens (speculative runs), no stop strings: one detokenizer
