@@ -36,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=64, help="output tokens per sequence (default: 64)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=20.0, help="KV cache budget (default: 20)")
     p.add_argument("--async-scheduling", default=None, action=argparse.BooleanOptionalAction,
-                   help="launch decode steps one ahead (default: the engine's, off)")
+                   help="launch decode steps one ahead (default: the engine's: on with CUDA graphs)")
+    p.add_argument("--layer-kernels", default=True, action=argparse.BooleanOptionalAction,
+                   help="the decoder's fused norm/rotary/activation kernels (default: on)")
     p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
 
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
                           kv_cache_memory_gb=args.kv_cache_memory_gb, enable_prefix_caching=False,
                           max_num_batched_tokens=max(8192, args.num_seqs),
                           max_model_len=args.input_len + args.output_len + 16,
-                          async_scheduling=args.async_scheduling)
+                          async_scheduling=args.async_scheduling, layer_kernels=args.layer_kernels)
     core = EngineCore(config, eos_token_ids(tokenizer), tokenizer=tokenizer)
     workload = _Workload(core, tokenizer, args.num_seqs, args.input_len, args.output_len)
     workload.run("warm-up", profile=False)  # kernels compiled, caches and graphs warm
@@ -89,7 +91,9 @@ def run(args: argparse.Namespace) -> int:
                             "input_len": args.input_len, "output_len": args.output_len,
                             "attention_backend": core.model_runner.backend.name,
                             "cuda_graphs": core.model_runner.graphs is not None,
-                            "async_scheduling": core.async_scheduling},
+                            "async_scheduling": core.async_scheduling,
+                            "layer_kernels": any(getattr(m, "kernels", None) is not None
+                                                 for m in core.model_runner.model.modules())},
                "results": result}
     path = write_result("gpu-busy", payload, Path(args.output_dir) if args.output_dir else RESULTS_DIR)
     print(f"wrote {path}")

@@ -6,6 +6,7 @@
 #     bash bench/gpu_session.sh throughput   # engine throughput on random weights (further below)
 #     bash bench/gpu_session.sh throughput-cpu   # the same steps on CPU, tiny shape, tiny workload:
 #                                                # checks the script itself on any machine (~2 min)
+#     bash bench/gpu_session.sh quick        # a short lease (~4 min): below; quick-cpu checks it
 #
 # Results and logs go under $OUT (default /tmp/pagedserve-gpu); summary.txt ends with a table.
 #
@@ -39,6 +40,9 @@
 #    over HTTP (--backend openai: streaming /completions) on fresh prompts (another seed);
 # 5. step 2 again with --no-async-scheduling (no HF), then with `--attention-backend torch`;
 # 6. in the time left, `bench gpu-busy` on a random llama-3-8b (weights built on the GPU).
+# quick: the GPU tests of the layer kernels and test_gpu_e2e.py; `bench gpu-busy` with the
+# fused layer kernels and with --no-layer-kernels; one server over gRPC and HTTP, and one with
+# --async-admission-steps 0 over gRPC; one offline run. The same workload as throughput.
 # Besides the image it needs these wheels (cp312, manylinux x86-64; docs/kernels.md says how to
 # fetch and carry them): llguidance pyzmq grpcio grpcio-health-checking grpcio-reflection
 # protobuf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn
@@ -53,8 +57,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-kernels}
 case $MODE in
-  kernels|throughput|throughput-cpu) ;;
-  *) echo "usage: bash bench/gpu_session.sh [kernels|throughput|throughput-cpu]" >&2; exit 2 ;;
+  kernels|throughput|throughput-cpu|quick|quick-cpu) ;;
+  *) echo "usage: bash bench/gpu_session.sh [kernels|throughput|throughput-cpu|quick|quick-cpu]" >&2; exit 2 ;;
 esac
 OUT=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$OUT"
@@ -132,57 +136,79 @@ for k, v in fixed["host_us_per_launch"].items():
 PYEOF
 }
 
-throughput_session() {  # see the header: the most important numbers first
-  local shape=qwen2.5-0.5b device=cuda backend=cupy dtype=bfloat16 n=1024 len=128 seqs=256 kv=20
-  local repeats=3 hf=(--hf-dtypes bfloat16 --hf-batch-size 256 --hf-sequential-prompts 8)
-  if [[ $MODE == throughput-cpu ]]; then  # the same steps, sized for a CPU
-    shape=tiny device=cpu backend=cpu dtype=float32 n=32 len=16 seqs=16 kv=0.25 repeats=1
-    hf=(--hf-dtypes float32 --hf-batch-size 16 --hf-sequential-prompts 2)
-  fi
-  local res=/tmp/pagedserve-throughput
+# The throughput sessions' shared settings and steps (globals: set by `sizes`).
+sizes() {  # the workload: the H100's, or a tiny one for a CPU (the *-cpu modes check the script)
+  shape=qwen2.5-0.5b device=cuda backend=cupy dtype=bfloat16 n=1024 len=128 seqs=256 kv=20
+  if [[ $MODE == *-cpu ]]; then shape=tiny device=cpu backend=cpu dtype=float32 n=32 len=16 seqs=16 kv=0.25; fi
+  res=/tmp/pagedserve-$MODE
   rm -rf "$res" && mkdir -p "$res"
-  local model=(--random-weights "$shape" --device "$device" --dtype "$dtype")
-  local engine=(--max-num-seqs "$seqs" --kv-cache-memory-gb "$kv" --async-scheduling)
-  local offline=(-m pagedserve bench offline "${model[@]}" "${engine[@]}" --num-prompts "$n" --input-len "$len"
-                 --output-len "$len")
-  local serve=(-m pagedserve bench serve "${model[@]}" --num-prompts "$n" --random-input-len "$len"
-               --random-output-len "$len" --max-concurrency "$seqs" --output-dir "$res/serve")
+  model=(--random-weights "$shape" --device "$device" --dtype "$dtype")
+  engine=(--max-num-seqs "$seqs" --kv-cache-memory-gb "$kv" --async-scheduling)
+  offline=(-m pagedserve bench offline "${model[@]}" "${engine[@]}" --num-prompts "$n" --input-len "$len"
+           --output-len "$len")
+  serve=(-m pagedserve bench serve "${model[@]}" --num-prompts "$n" --random-input-len "$len"
+         --random-output-len "$len" --max-concurrency "$seqs" --output-dir "$res/serve")
+  busy=(-m pagedserve bench gpu-busy --random-weights "$shape" --device "$device" --dtype "$dtype"
+        --attention-backend "$backend" --num-seqs "$seqs" --input-len "$len" --kv-cache-memory-gb "$kv"
+        --output-dir "$res/gpu-busy")
   {
     date -u
     command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     echo "mode $MODE: $shape $dtype on $device, $n requests x $len in / $len out, $seqs seqs, KV $kv GiB"
   } > "$OUT/summary.txt" 2>&1
+}
 
+first_steps() {  # imports (stop at once if they fail: a missing wheel), then the model folder
   step imports 60 "$res/imports.log" $PY -c "import llguidance, zmq, grpc_health, grpc_reflection, fastapi, uvicorn
 import engine.llm, frontend.server; print('imports ok')"
-  if ! grep -q "imports ok" "$res/imports.log"; then  # nothing below can run: stop, spend no more device time
-    cat "$res/imports.log" >> "$OUT/summary.txt"; $PY -m bench.throughput_report "$OUT" "$STEPS"; return 1
+  if ! grep -q "imports ok" "$res/imports.log"; then
+    cat "$res/imports.log" >> "$OUT/summary.txt"; return 1
   fi
   step build 150 "$res/build.log" $PY -c "from bench.random_model import random_model_dir
 print(random_model_dir('$shape', '$dtype'))"
-  # Correctness before speed: our engine against HF on this GPU, the async-scheduling config too.
-  step e2e 120 "$res/e2e.log" $PY -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_gpu_e2e.py
-  step "offline-$backend" 240 "$res/offline-$backend.log" $PY "${offline[@]}" --attention-backend "$backend" \
-    --repeats "$repeats" --single-repeats 5 --compare-hf "${hf[@]}" --output-dir "$res/offline-$backend"
-  local busy=(-m pagedserve bench gpu-busy --random-weights "$shape" --device "$device" --dtype "$dtype"
-              --attention-backend "$backend" --num-seqs "$seqs" --input-len "$len" --kv-cache-memory-gb "$kv")
-  # Async scheduling against the synchronous loop, same run (on a CPU both run synchronously).
-  step gpu-busy 90 "$res/gpu-busy.log" $PY "${busy[@]}" --async-scheduling --output-dir "$res/gpu-busy"
-  step gpu-busy-sync 90 "$res/gpu-busy-sync.log" $PY "${busy[@]}" --no-async-scheduling --output-dir "$res/gpu-busy"
-  # One server for both APIs: one start (model load, CUDA graphs) instead of two.
+}
+
+serve_both() {  # serve_both SUFFIX [SERVER FLAGS...]: one server, then bench serve over gRPC and HTTP
+  local suffix=$1; shift
   local grpc_port http_port engine_port
   read -r grpc_port http_port engine_port < <($PY -c "from bench.servers import free_port as f; print(f(), f(), f())")
   $PY -m pagedserve serve --model "$(tail -n 1 "$res/build.log")" --dtype "$dtype" --device "$device" \
     --attention-backend "$backend" "${engine[@]}" --max-concurrent-streams "$n" --grpc-port "$grpc_port" \
-    --http-port "$http_port" --engine-address "tcp://127.0.0.1:$engine_port" > "$res/server.log" 2>&1 &
+    --http-port "$http_port" --engine-address "tcp://127.0.0.1:$engine_port" "$@" > "$res/server$suffix.log" 2>&1 &
   local server=$!
-  step server-up 150 "$res/server-up.log" bash -c "until $PY -m pagedserve health --address 127.0.0.1:$grpc_port \
-    --service pagedserve.v1.Generation; do kill -0 $server || exit 1; sleep 1; done"
-  step serve-grpc 150 "$res/serve-grpc.log" $PY "${serve[@]}" --target "127.0.0.1:$grpc_port" --label grpc
-  step serve-http 150 "$res/serve-http.log" $PY "${serve[@]}" --backend openai --label http --seed 1 \
-    --target "http://127.0.0.1:$http_port/v1"
+  step "server-up$suffix" 150 "$res/server-up$suffix.log" bash -c "until $PY -m pagedserve health --address \
+    127.0.0.1:$grpc_port --service pagedserve.v1.Generation; do kill -0 $server || exit 1; sleep 1; done"
+  step "serve-grpc$suffix" 150 "$res/serve-grpc$suffix.log" $PY "${serve[@]}" --target "127.0.0.1:$grpc_port" \
+    --label "grpc$suffix"
+  [[ -z $suffix ]] && step serve-http 150 "$res/serve-http.log" $PY "${serve[@]}" --backend openai --label http \
+    --seed 1 --target "http://127.0.0.1:$http_port/v1"
   kill -TERM "$server" 2> /dev/null
   timeout 40 tail --pid "$server" -f /dev/null || kill -KILL "$server" 2> /dev/null
+}
+
+finish() {  # at most 8 files come back from a device call: the JSONs in one tar, a summary, one file of logs
+  mkdir -p "$res/json"
+  cp "$res"/offline-*/offline-*.json "$res"/serve/serve-*.json "$res"/gpu-busy/gpu-busy-*.json "$res/json"/ 2> /dev/null
+  (cd "$res/json" && tar -cf "$OUT/results.tar" ./*.json)
+  for log in "$res"/*.log; do  # no progress bars
+    echo "=== $(basename "$log")"; tr '\r' '\n' < "$log" | grep -a -v -E '[0-9]+/[0-9]+ \[' | cat -s | tail -n 40
+  done > "$OUT/throughput-logs.txt"
+  $PY -m bench.throughput_report "$res/json" "$STEPS" | tee -a "$OUT/summary.txt"
+}
+
+throughput_session() {  # see the header: the most important numbers first
+  local repeats=3 hf=(--hf-dtypes bfloat16 --hf-batch-size 256 --hf-sequential-prompts 8)
+  sizes
+  if [[ $MODE == *-cpu ]]; then repeats=1 hf=(--hf-dtypes float32 --hf-batch-size 16 --hf-sequential-prompts 2); fi
+  first_steps || { finish; return 1; }
+  # Correctness before speed: our engine against HF on this GPU, the async-scheduling config too.
+  step e2e 120 "$res/e2e.log" $PY -m pytest -q -rfE -p no:cacheprovider tests/kernels/test_gpu_e2e.py
+  step "offline-$backend" 240 "$res/offline-$backend.log" $PY "${offline[@]}" --attention-backend "$backend" \
+    --repeats "$repeats" --single-repeats 5 --compare-hf "${hf[@]}" --output-dir "$res/offline-$backend"
+  # Async scheduling against the synchronous loop, same run (on a CPU both run synchronously).
+  step gpu-busy 90 "$res/gpu-busy.log" $PY "${busy[@]}" --async-scheduling
+  step gpu-busy-sync 90 "$res/gpu-busy-sync.log" $PY "${busy[@]}" --no-async-scheduling
+  serve_both ""  # one server for both APIs: one start (model load, CUDA graphs) instead of two
   step "offline-$backend-sync" 120 "$res/offline-$backend-sync.log" $PY "${offline[@]}" --attention-backend \
     "$backend" --no-async-scheduling --repeats 1 --single-repeats 3 --output-dir "$res/offline-$backend-sync"
   step offline-torch 150 "$res/offline-torch.log" $PY "${offline[@]}" --attention-backend torch \
@@ -191,17 +217,26 @@ print(random_model_dir('$shape', '$dtype'))"
   [[ $MODE == throughput ]] && step gpu-busy-8b 300 "$res/gpu-busy-8b.log" $PY -m pagedserve bench gpu-busy \
     --random-weights llama-3-8b --device cuda --dtype bfloat16 --attention-backend cupy --num-seqs 256 \
     --input-len "$len" --kv-cache-memory-gb 30 --output-dir "$res/gpu-busy"
-
-  # At most 8 files come back from a device call: the JSONs in one tar, a summary and one file
-  # of logs (the plots are drawn again from the JSONs).
-  mkdir -p "$res/json"
-  cp "$res"/offline-*/offline-*.json "$res"/serve/serve-*.json "$res"/gpu-busy/gpu-busy-*.json "$res/json"/ 2> /dev/null
-  (cd "$res/json" && tar -cf "$OUT/results.tar" ./*.json)
-  for log in "$res"/*.log; do  # one file of logs (few files come back from a device call), no progress bars
-    echo "=== $(basename "$log")"; tr '\r' '\n' < "$log" | grep -a -v -E '[0-9]+/[0-9]+ \[' | cat -s | tail -n 40
-  done > "$OUT/throughput-logs.txt"
-  $PY -m bench.throughput_report "$res/json" "$STEPS" | tee -a "$OUT/summary.txt"
+  finish
 }
 
-if [[ $MODE == kernels ]]; then kernels_session; else throughput_session; fi
+quick_session() {  # a short lease: this change's correctness, then its A/Bs, each in the same run
+  sizes
+  first_steps || { finish; return 1; }
+  step kernel-tests 120 "$res/kernel-tests.log" $PY -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_layer_kernel.py tests/kernels/test_gpu_e2e.py
+  step gpu-busy 60 "$res/gpu-busy.log" $PY "${busy[@]}"
+  step gpu-busy-eager 60 "$res/gpu-busy-eager.log" $PY "${busy[@]}" --no-layer-kernels
+  serve_both ""
+  serve_both "-admit0" --async-admission-steps 0
+  step offline 90 "$res/offline.log" $PY "${offline[@]}" --attention-backend "$backend" --repeats 1 \
+    --single-repeats 3 --output-dir "$res/offline"
+  finish
+}
+
+case $MODE in
+  kernels) kernels_session ;;
+  quick|quick-cpu) quick_session ;;
+  *) throughput_session ;;
+esac
 rm -f "$STEPS"

@@ -57,6 +57,8 @@ def gpu_busy_rows(out: Path) -> list[list[object]]:
         res = r["results"]
         busy = res.get("gpu_busy")
         mode = "async" if r["workload"].get("async_scheduling") else "sync"
+        if r["workload"].get("layer_kernels") is False:
+            mode += ", eager layers"
         rows.append([f"{r['workload']['model']}, {r['workload']['num_seqs']} seqs, {mode}", f"{res['timed']['step_ms']:.2f}", f"{res['bound_ms']:.2f}",
                      f"{res['step_ms_over_bound']:.2f}", "" if busy is None else f"{100 * busy:.1f}%",
                      path.name])
@@ -86,8 +88,9 @@ def plot(paths: list[Path], png: Path) -> Path:
             rows += [(f"HF generate, {name[3:].replace('_', ' ')}", res["output_tok_s"], None)
                      for name, res in r["results"].items() if name.startswith("hf_") and "batch" in name]
         elif path.name.startswith("serve-"):
-            api = "gRPC" if r["label"] == "grpc" else "HTTP"
-            rows.append((f"serve, {api}, concurrency {r['max_concurrency']}",
+            api = "gRPC" if r["api"] == "grpc" else "HTTP"
+            variant = r["label"].split("-", 1)[1] if "-" in r["label"] else ""  # e.g. grpc-admit0
+            rows.append((f"serve, {api}, concurrency {r['max_concurrency']}{', ' + variant if variant else ''}",
                          r["results"][r["api"]]["output_tok_s"], TARGETS[api]))
     rows.sort(key=lambda row: row[1])
     fig, ax = plt.subplots(figsize=(8, 0.55 * len(rows) + 1.4))

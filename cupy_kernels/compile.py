@@ -22,7 +22,8 @@ CTYPES = {"float32": "float", "float16": "half_t", "bfloat16": "bf16_t"}
 HEAD_SIZES = (64, 96, 128)
 BLOCK_SIZES = (16, 32)
 GROUP_TILES = (1, 2, 4, 8)  # query heads per decode CTA; larger groups take several CTAs
-SOURCES = ("cache", "decode", "prefill")
+SOURCES = ("cache", "decode", "prefill", "layers")
+LAYER_KERNELS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul")
 
 
 @functools.cache
@@ -49,6 +50,10 @@ def prefill_expr(dtype: str, head_size: int, block_size: int) -> str:
     return f"paged_prefill<{CTYPES[dtype]}, {head_size}, {block_size}>"
 
 
+def layer_expr(kernel: str, dtype: str) -> str:
+    return f"{kernel}<{CTYPES[dtype]}>"
+
+
 def all_instantiations() -> dict[str, list[str]]:
     """Every instantiation the launchers can ask for, by source file."""
     decode, prefill = [], []
@@ -58,7 +63,8 @@ def all_instantiations() -> dict[str, list[str]]:
             for bs in BLOCK_SIZES:
                 prefill.append(prefill_expr(dtype, d, bs))
                 decode += [decode_expr(dtype, d, bs, g, split) for g in GROUP_TILES for split in (False, True)]
-    return {"cache": [cache_expr()], "decode": decode, "prefill": prefill}
+    layers = [layer_expr(k, dtype) for k in LAYER_KERNELS for dtype in CTYPES]
+    return {"cache": [cache_expr()], "decode": decode, "prefill": prefill, "layers": layers}
 
 
 @functools.cache

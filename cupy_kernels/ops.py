@@ -202,3 +202,55 @@ def prefill_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
             np.int32(num_q_heads // num_kv_heads), np.float32(scale * LOG2E))
     expr = kc.prefill_expr(DTYPE_NAMES[q.dtype], head_size, block_size)
     _launch("prefill", expr, q.device, (batch.num_tiles, num_kv_heads), args)
+
+
+# -- the decoder's small per-layer ops (csrc/layers.cu), with cpu_kernels.ops' signatures -------
+
+def _rows(x: torch.Tensor, name: str) -> None:
+    assert x.dim() == 2 and x.stride(1) == 1, f"{name}: x must be [T, N] with contiguous rows"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm of each row of x [T, H] -> a new [T, H] tensor."""
+    _rows(x, "rms_norm")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        args = (_ptr(out), _ptr(x), _ptr(weight), np.float32(eps), np.int32(x.shape[1]), np.int64(x.stride(0)))
+        _launch("layers", kc.layer_expr("rms_norm", DTYPE_NAMES[x.dtype]), x.device, (x.shape[0],), args)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: residual = x + residual, then x = rms_norm(residual)."""
+    _rows(x, "add_rms_norm")
+    assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype, \
+        "add_rms_norm: residual must match x"
+    if x.shape[0]:
+        args = (_ptr(x), _ptr(residual), _ptr(weight), np.float32(eps), np.int32(x.shape[1]),
+                np.int64(x.stride(0)), np.int64(residual.stride(0)))
+        _launch("layers", kc.layer_expr("add_rms_norm", DTYPE_NAMES[x.dtype]), x.device, (x.shape[0],), args)
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+           head_dim: int) -> None:
+    """In place: rotate-half rotary embedding of the first num_heads heads of each row of
+    x [T, >= num_heads * head_dim], at positions [T] int64, from fp32 cos/sin tables [P, head_dim].
+    Positions are not checked against the table here (that would wait for the device)."""
+    _rows(x, "rotary")
+    assert positions.dtype == torch.int64 and positions.is_contiguous() and cos.dtype == sin.dtype == torch.float32 \
+        and cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == head_dim, "rotary: int64 positions, fp32 tables"
+    if x.shape[0]:
+        args = (_ptr(x), _ptr(positions), _ptr(cos), _ptr(sin), np.int32(num_heads), np.int32(head_dim),
+                np.int64(x.stride(0)))
+        _launch("layers", kc.layer_expr("rotary", DTYPE_NAMES[x.dtype]), x.device, (x.shape[0],), args)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    _rows(x, "silu_and_mul")
+    inter = x.shape[1] // 2
+    out = torch.empty((x.shape[0], inter), dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        args = (_ptr(out), _ptr(x), np.int32(inter), np.int64(x.stride(0)))
+        _launch("layers", kc.layer_expr("silu_and_mul", DTYPE_NAMES[x.dtype]), x.device,
+                (x.shape[0], -(-inter // THREADS)), args)

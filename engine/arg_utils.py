@@ -30,6 +30,9 @@ HELP = {
     "quantization": "int4 or int8: quantize a float checkpoint's linear layers at load, in "
                     "blocks of 32; none: dequantize a GGUF to --dtype (unset: GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K "
                     "run in blocks, float checkpoints dense)",
+    "layer_kernels": "run the decoder's norms, rotary and SiLU-and-mul as fused kernels (cpu_kernels on a "
+                     "CPU, cupy_kernels on CUDA) where they build; --no-layer-kernels: eager torch, "
+                     "the reference (default: on)",
     "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda when "
                    "attention runs on cupy, else off)",
     "async_scheduling": "schedule and launch the next decode step while the device runs this one, "

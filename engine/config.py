@@ -36,6 +36,9 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"  # or "priority"
     attention_backend: str = "auto"  # auto: cpu kernels on CPU, cupy on CUDA, where they run; else torch
     quantization: str | None = None  # int4 | int8: quantize float weights at load; none: dequantize GGUF
+    # The decoder's norms, rotary and SiLU-and-mul as fused kernels (cpu_kernels on a CPU,
+    # cupy_kernels on CUDA) where they build; off: eager torch, the reference.
+    layer_kernels: bool = True
     cuda_graphs: bool | None = None  # decode in CUDA graphs; None: on for device cuda + backend cupy (or auto)
     # Schedule and launch decode step N+1 while the device runs step N (engine/async_step.py).
     # It pays with a GPU (a CPU runs the forward on the host's own cores, so nothing overlaps).

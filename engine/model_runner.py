@@ -196,7 +196,7 @@ class ModelRunner:
             shard = self.workers.shard
         self.shard = shard or SINGLE
         self.model = load_model(model_path, self.arch, config.dtype, config.device, self.max_model_len,
-                                config.quantization, self.shard)
+                                config.quantization, self.shard, config.layer_kernels)
         local = local_sizes(self.arch, self.shard)
         self.num_kv_heads = local["num_kv_heads"]
         windows = [self.arch.layer_window(i) for i in range(self.arch.num_layers)]

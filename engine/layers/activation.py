@@ -5,16 +5,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpu_kernels import ops
 from engine.layers import Layer
 
 
 class SiluAndMul(Layer):
-    use_kernel = False  # set by engine.models.loader.use_layer_kernels
+    kernels = None  # the fused ops' module (engine.models.loader.use_layer_kernels), or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel:
-            return ops.silu_and_mul(x)
+        if self.kernels is not None:
+            return self.kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

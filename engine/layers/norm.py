@@ -1,8 +1,9 @@
 """RMSNorm, computed exactly as Hugging Face's LlamaRMSNorm does (fp32 inside).
 
 With a residual it is vLLM's fused form: `residual = x + residual`, then the norm of that,
-returning both, so the decoder adds and normalises in one pass. `use_kernel` (set by
-`engine.models.loader.use_layer_kernels`) routes it through cpu_kernels' fused ops.
+returning both, so the decoder adds and normalises in one pass. `kernels` (set by
+`engine.models.loader.use_layer_kernels`: cpu_kernels.ops or cupy_kernels.ops) routes it
+through the fused ops.
 """
 
 from __future__ import annotations
@@ -10,12 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cpu_kernels import ops
 from engine.layers import Layer
 
 
 class RMSNorm(Layer):
-    use_kernel = False
+    kernels = None  # the fused ops' module, or None: eager torch (the reference)
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -24,10 +24,10 @@ class RMSNorm(Layer):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.use_kernel:
+        if self.kernels is not None:
             if residual is None:
-                return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
-            ops.add_rms_norm(x, residual, self.weight, self.eps)  # in place: both are this step's
+                return self.kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            self.kernels.add_rms_norm(x, residual, self.weight, self.eps)  # in place: both are this step's
             return x, residual
         if residual is None:
             return self._norm(x)

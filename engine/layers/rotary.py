@@ -5,9 +5,9 @@ length, in fp32, the same way HF computes it on the fly, so results match.
 Supported scalings: default, linear, llama3, longrope (Phi-3; see `longrope_params`).
 
 Each step the model asks the embedding once for a `Rope` (this step's positions), which
-every layer then applies to its q and k heads: in place through cpu_kernels' fused op
-where `use_kernel` is set (engine.models.loader.use_layer_kernels), else in plain torch
-from cos/sin gathered once per step.
+every layer then applies to its q and k heads: in place through the fused op of
+`kernels` where it is set (cpu_kernels.ops or cupy_kernels.ops, by
+engine.models.loader.use_layer_kernels), else in plain torch from cos/sin gathered once per step.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-from cpu_kernels import ops
 
 
 def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -83,7 +81,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    use_kernel = False
+    kernels = None  # the fused ops' module, or None: eager torch (the reference)
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -104,8 +102,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """This step's rotary inputs, shared by every layer."""
-        if self.use_kernel:
-            return Rope(positions, (self.cos, self.sin), None)
+        if self.kernels is not None:
+            return Rope(positions, (self.cos, self.sin), None, self.kernels)
         return Rope(positions, None, (self.cos[positions].unsqueeze(1).to(dtype),
                                       self.sin[positions].unsqueeze(1).to(dtype)))
 
@@ -118,13 +116,14 @@ class Rope:
     positions: torch.Tensor  # [T] int64
     tables: tuple[torch.Tensor, torch.Tensor] | None
     gathered: tuple[torch.Tensor, torch.Tensor] | None
+    kernels: object = None  # the module whose `rotary` takes `tables`
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] (rows may be strided, as a view of the fused qkv) -> rotated. The
         fused op rotates x in place and returns it; torch returns a new tensor."""
         if self.gathered is not None:
             return apply_rotary(x, *self.gathered)
-        ops.rotary(x.flatten(1), self.positions, *self.tables, x.shape[1], x.shape[2])
+        self.kernels.rotary(x.flatten(1), self.positions, *self.tables, x.shape[1], x.shape[2])
         return x
 
 

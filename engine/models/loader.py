@@ -18,6 +18,7 @@ from torch import nn
 from tqdm import tqdm
 
 import cpu_kernels
+import cupy_kernels
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import SINGLE, TPShard
@@ -95,11 +96,12 @@ def iter_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = False
 
 
 def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_positions: int,
-               quantization: str | None = None, shard: TPShard = SINGLE) -> nn.Module:
+               quantization: str | None = None, shard: TPShard = SINGLE, layer_kernels: bool = True) -> nn.Module:
     """Build the model directly on `device` in `dtype`, then copy the weights in. Layers
     whose weights are quantized (GGUF blocks, or `quantization` int4/int8 of float weights)
     stay quantized where the CPU kernels run; elsewhere they are dequantized. `shard`: the
-    tensor-parallel rank to build and keep weights for."""
+    tensor-parallel rank to build and keep weights for. `layer_kernels`: the fused layer ops
+    where they run (`use_layer_kernels`), else eager torch."""
     formats = linear_formats(path, cfg, quantization)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[dtype])
@@ -116,19 +118,24 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     model.load_weights(weights)
     if formats:
         _prepare_quantized(model, dtype, device)
-    if device == "cpu" and dtype in ("float32", "bfloat16"):  # the fused ops' dtypes
-        use_layer_kernels(model)
+    if layer_kernels:
+        use_layer_kernels(model, device, dtype)
     return model.eval()
 
 
-def use_layer_kernels(model: nn.Module) -> bool:
-    """Route the norms, rotary and SiLU-and-mul through cpu_kernels' fused ops (one call
-    each instead of 5-10 torch ops), where they build. Returns whether they do."""
-    if not cpu_kernels.available("layer_ops"):
+def use_layer_kernels(model: nn.Module, device: str, dtype: str) -> bool:
+    """Route the norms, rotary and SiLU-and-mul through fused ops (one call each instead of
+    5-10 torch ops): cpu_kernels' on a CPU (float32, bfloat16), cupy_kernels' on CUDA, where
+    they build. Returns whether they do."""
+    if device == "cpu" and dtype in ("float32", "bfloat16") and cpu_kernels.available("layer_ops"):
+        from cpu_kernels import ops
+    elif device.startswith("cuda") and cupy_kernels.available():
+        from cupy_kernels import ops
+    else:
         return False
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
-            module.use_kernel = True
+            module.kernels = ops
     return True
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import cpu_kernels
+from cpu_kernels import ops
 from engine import LLM
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
@@ -23,7 +24,7 @@ def set_layer_kernels(llm: LLM, on: bool) -> int:
     fused = [m for m in llm.engine.model_runner.model.modules()
              if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul))]
     for module in fused:
-        module.use_kernel = on
+        module.kernels = ops if on else None
     return len(fused)
 
 
@@ -35,7 +36,7 @@ def test_fused_layers_match_eager(bundled_path, bundled_tokenizer, dtype, max_di
              "the edge of a great forest, there lived an old clockmaker who"]
     prompts = [bundled_tokenizer.encode(t) for t in texts] + [bundled_tokenizer.encode(texts[2])[:20]]
     llm = LLM(str(bundled_path), dtype=dtype, **STRESS)
-    assert all(m.use_kernel for m in llm.engine.model_runner.model.modules() if isinstance(m, RMSNorm))
+    assert all(m.kernels is ops for m in llm.engine.model_runner.model.modules() if isinstance(m, RMSNorm))
     fused = greedy(llm, prompts)
     assert_no_leak(llm)
     assert set_layer_kernels(llm, False) == 2 * 30 + 1 + 1 + 30  # norms, rotary, activations

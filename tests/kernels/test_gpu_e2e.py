@@ -24,6 +24,8 @@ CONFIGS = {
     # Decode steps one ahead (engine/async_step.py): plain greedy rows (ignore_eos rather than
     # min_tokens, which keeps a row off the argmax-only path until it is reached).
     "async": dict(cuda_graphs=True, async_scheduling=True),
+    # The decoder's norms, rotary and activation in eager torch rather than cupy_kernels' fused ops.
+    "eager_layers": dict(cuda_graphs=True, async_scheduling=False, layer_kernels=False),
 }
 
 
@@ -137,6 +139,9 @@ def test_auto_backend_on_cuda_is_cupy_with_graphs(tiny_llama):
     llm = LLM(str(folder), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512, max_num_seqs=8)
     runner = llm.engine.model_runner
     assert runner.backend.name == "cupy" and runner.graphs is not None and llm.engine.async_scheduling
+    from cupy_kernels import ops
+    from engine.layers.norm import RMSNorm
+    assert all(m.kernels is ops for m in runner.model.modules() if isinstance(m, RMSNorm))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW))
     for i, (out, ref) in enumerate(zip(outs, reference)):
         assert_greedy_match(out.outputs[0].token_ids, ref, i)

@@ -1,5 +1,5 @@
 """The fused layer ops (cpu_kernels/csrc/layer_ops.cpp) against the eager torch code they
-replace, which stays in the layers (`use_kernel` False): RMSNorm with and without the
+replace, which stays in the layers (`kernels` None): RMSNorm with and without the
 residual add, rotary in place on a strided view of the fused qkv, SiLU-and-mul.
 
 float32: equal up to the last bits of a reduction order or an exp. bfloat16: the ops round
@@ -33,9 +33,9 @@ def assert_matches_eager(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 def pair(module, *args):
     """(kernel result, eager result) of one module."""
-    module.use_kernel = True
+    module.kernels = ops
     fused = module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-    module.use_kernel = False
+    module.kernels = None
     return fused, module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
 
 
@@ -64,8 +64,8 @@ def test_rotary_in_place_on_a_strided_view(dtype):
     qkv = randn(rows, (hq + 2 * hkv) * head_dim, dtype=dtype)
     positions = torch.tensor([0, 1, 5, 17, 100, 4095, 3, 3, 2000, 64, 1])
     results = []
-    for use_kernel in (True, False):
-        rotary.use_kernel = use_kernel
+    for kernels in (ops, None):
+        rotary.kernels = kernels
         heads = qkv.clone().view(rows, -1, head_dim)
         qk = heads[:, :hq + hkv]
         results.append((rotary(positions, dtype).rotate(qk).clone(), heads[:, hq + hkv:].clone()))
