@@ -206,13 +206,15 @@ def prefill_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
 
 # -- the decoder's small per-layer ops (csrc/layers.cu), with cpu_kernels.ops' signatures -------
 
-def _rows(x: torch.Tensor, name: str) -> None:
+def _rows(x: torch.Tensor, name: str, weight: torch.Tensor | None = None) -> None:
     assert x.dim() == 2 and x.stride(1) == 1, f"{name}: x must be [T, N] with contiguous rows"
+    assert weight is None or (weight.dtype == x.dtype and weight.is_contiguous()
+                              and weight.numel() == x.shape[1]), f"{name}: weight must be x's dtype, [N]"
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm of each row of x [T, H] -> a new [T, H] tensor."""
-    _rows(x, "rms_norm")
+    _rows(x, "rms_norm", weight)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.shape[0]:
         args = (_ptr(out), _ptr(x), _ptr(weight), np.float32(eps), np.int32(x.shape[1]), np.int64(x.stride(0)))
@@ -222,7 +224,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place: residual = x + residual, then x = rms_norm(residual)."""
-    _rows(x, "add_rms_norm")
+    _rows(x, "add_rms_norm", weight)
     assert residual.shape == x.shape and residual.stride(1) == 1 and residual.dtype == x.dtype, \
         "add_rms_norm: residual must match x"
     if x.shape[0]:
@@ -237,8 +239,9 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: tor
     x [T, >= num_heads * head_dim], at positions [T] int64, from fp32 cos/sin tables [P, head_dim].
     Positions are not checked against the table here (that would wait for the device)."""
     _rows(x, "rotary")
-    assert positions.dtype == torch.int64 and positions.is_contiguous() and cos.dtype == sin.dtype == torch.float32 \
-        and cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == head_dim, "rotary: int64 positions, fp32 tables"
+    assert (positions.dtype == torch.int64 and positions.is_contiguous() and cos.dtype == sin.dtype == torch.float32
+            and cos.is_contiguous() and sin.is_contiguous() and cos.shape[1] == head_dim), \
+        "rotary: int64 positions, contiguous fp32 tables [P, head_dim]"
     if x.shape[0]:
         args = (_ptr(x), _ptr(positions), _ptr(cos), _ptr(sin), np.int32(num_heads), np.int32(head_dim),
                 np.int64(x.stride(0)))
