@@ -257,3 +257,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         args = (_ptr(out), _ptr(x), np.int32(inter), np.int64(x.stride(0)))
         _launch("layers", kc.layer_expr("silu_and_mul", DTYPE_NAMES[x.dtype]), x.device,
                 (x.shape[0], -(-inter // THREADS)), args)
+    return out
