@@ -230,7 +230,7 @@ quick_session() {  # a short lease: this change's correctness, then its A/Bs, ea
   serve_both ""
   serve_both "-admit0" --async-admission-steps 0
   step offline 90 "$res/offline.log" $PY "${offline[@]}" --attention-backend "$backend" --repeats 1 \
-    --single-repeats 3 --output-dir "$res/offline"
+    --single-repeats 3 --output-dir "$res/offline-$backend"
   finish
 }
 

@@ -4,7 +4,9 @@ view of the fused qkv, SiLU-and-mul. The engine with them (its default on CUDA) 
 (`layer_kernels=False`) against HF: tests/kernels/test_gpu_e2e.py.
 
 float32: equal up to the last bits of a reduction order, an exp or a fused multiply-add.
-16-bit: the kernels round where eager rounds, so results are equal but for rare one-ulp ties."""
+16-bit: the kernels round where eager rounds, so results are equal but for rare ties, where an
+ulp's difference inside (a reduction order) can grow by the weight it is multiplied with:
+on an H100 (2026-11-27) one float16 RMSNorm output in 229,376 was 2 ulps apart."""
 
 from __future__ import annotations
 
@@ -25,9 +27,9 @@ def assert_matches_eager(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.isfinite(out).all()
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
-    else:  # at most one ulp apart, and almost always equal
+    else:  # almost always equal; else a few ulps apart: an ulp of R(x * r) times a weight up to ~3
         ulp = 2 ** -7 if out.dtype == torch.bfloat16 else 2 ** -10
-        torch.testing.assert_close(out.float(), ref.float(), rtol=ulp, atol=1e-5)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=4 * ulp, atol=1e-5)
         assert (out == ref).float().mean() > 0.99
 
 
