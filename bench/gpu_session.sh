@@ -38,11 +38,13 @@
 #    GPU's busy share and the bandwidth bound at 256 sequences;
 # 4. one `pagedserve serve` (cupy), then `bench serve` at concurrency 256 over gRPC, and
 #    over HTTP (--backend openai: streaming /completions) on fresh prompts (another seed);
+#    then HTTP again from a server with --api-server-count 4;
 # 5. step 2 again with --no-async-scheduling (no HF), then with `--attention-backend torch`;
 # 6. in the time left, `bench gpu-busy` on a random llama-3-8b (weights built on the GPU).
 # quick: the GPU tests of the layer kernels and test_gpu_e2e.py; `bench gpu-busy` with the
-# fused layer kernels and with --no-layer-kernels; one server over gRPC and HTTP, and one with
-# --async-admission-steps 0 over gRPC; one offline run. The same workload as throughput.
+# fused layer kernels and with --no-layer-kernels; one server over gRPC and HTTP, one with
+# --api-server-count 4 over HTTP, one with --async-admission-steps 0 over gRPC; one offline
+# run. The same workload as throughput.
 # Besides the image it needs these wheels (cp312, manylinux x86-64; docs/kernels.md says how to
 # fetch and carry them): llguidance pyzmq grpcio grpcio-health-checking grpcio-reflection
 # protobuf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn
@@ -168,8 +170,8 @@ import engine.llm, frontend.server; print('imports ok')"
 print(random_model_dir('$shape', '$dtype'))"
 }
 
-serve_both() {  # serve_both SUFFIX [SERVER FLAGS...]: one server, then bench serve over gRPC and HTTP
-  local suffix=$1; shift
+serve_with() {  # serve_with SUFFIX "grpc http" [SERVER FLAGS...]: one server, bench serve over those APIs
+  local suffix=$1 apis=$2; shift 2
   local grpc_port http_port engine_port
   read -r grpc_port http_port engine_port < <($PY -c "from bench.servers import free_port as f; print(f(), f(), f())")
   $PY -m pagedserve serve --model "$(tail -n 1 "$res/build.log")" --dtype "$dtype" --device "$device" \
@@ -178,10 +180,10 @@ serve_both() {  # serve_both SUFFIX [SERVER FLAGS...]: one server, then bench se
   local server=$!
   step "server-up$suffix" 150 "$res/server-up$suffix.log" bash -c "until $PY -m pagedserve health --address \
     127.0.0.1:$grpc_port --service pagedserve.v1.Generation; do kill -0 $server || exit 1; sleep 1; done"
-  step "serve-grpc$suffix" 150 "$res/serve-grpc$suffix.log" $PY "${serve[@]}" --target "127.0.0.1:$grpc_port" \
-    --label "grpc$suffix"
-  [[ -z $suffix ]] && step serve-http 150 "$res/serve-http.log" $PY "${serve[@]}" --backend openai --label http \
-    --seed 1 --target "http://127.0.0.1:$http_port/v1"
+  [[ $apis == *grpc* ]] && step "serve-grpc$suffix" 150 "$res/serve-grpc$suffix.log" $PY "${serve[@]}" \
+    --target "127.0.0.1:$grpc_port" --label "grpc$suffix"
+  [[ $apis == *http* ]] && step "serve-http$suffix" 150 "$res/serve-http$suffix.log" $PY "${serve[@]}" \
+    --backend openai --label "http$suffix" --seed 1 --target "http://127.0.0.1:$http_port/v1"
   kill -TERM "$server" 2> /dev/null
   timeout 40 tail --pid "$server" -f /dev/null || kill -KILL "$server" 2> /dev/null
 }
@@ -208,7 +210,9 @@ throughput_session() {  # see the header: the most important numbers first
   # Async scheduling against the synchronous loop, same run (on a CPU both run synchronously).
   step gpu-busy 90 "$res/gpu-busy.log" $PY "${busy[@]}" --async-scheduling
   step gpu-busy-sync 90 "$res/gpu-busy-sync.log" $PY "${busy[@]}" --no-async-scheduling
-  serve_both ""  # one server for both APIs: one start (model load, CUDA graphs) instead of two
+  serve_with "" "grpc http"  # one server for both APIs: one start (model load, CUDA graphs) instead of two
+  # HTTP from 4 frontend processes (one port): whether one frontend's core is HTTP's limit.
+  serve_with "-4fe" "http" --api-server-count 4
   step "offline-$backend-sync" 120 "$res/offline-$backend-sync.log" $PY "${offline[@]}" --attention-backend \
     "$backend" --no-async-scheduling --repeats 1 --single-repeats 3 --output-dir "$res/offline-$backend-sync"
   step offline-torch 150 "$res/offline-torch.log" $PY "${offline[@]}" --attention-backend torch \
@@ -227,8 +231,9 @@ quick_session() {  # a short lease: this change's correctness, then its A/Bs, ea
     tests/kernels/test_layer_kernel.py tests/kernels/test_gpu_e2e.py
   step gpu-busy 60 "$res/gpu-busy.log" $PY "${busy[@]}"
   step gpu-busy-eager 60 "$res/gpu-busy-eager.log" $PY "${busy[@]}" --no-layer-kernels
-  serve_both ""
-  serve_both "-admit0" --async-admission-steps 0
+  serve_with "" "grpc http"
+  serve_with "-4fe" "http" --api-server-count 4
+  serve_with "-admit0" "grpc" --async-admission-steps 0
   step offline 90 "$res/offline.log" $PY "${offline[@]}" --attention-backend "$backend" --repeats 1 \
     --single-repeats 3 --output-dir "$res/offline-$backend"
   finish
