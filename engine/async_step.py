@@ -10,13 +10,15 @@ process publishes them, the offline `LLM` detokenizes them) overlap the device's
 N+1's input tokens are N's sampled ids, still on the device; the host has not seen them.
 
 A step goes ahead only where that changes no output (`Scheduler.schedule_ahead`,
-`ModelRunner.can_launch`): every row a steady, plain-greedy decode (one token, no drafts,
-grammar, penalties, logprobs or `min_tokens` left), no adapters, one rank, and nobody waiting
-who could be admitted (or, under load, not for more than `async_admission_steps` steps). Stops are therefore applied one step late: a request that ends with
-step N's token also ran in step N+1, whose token for it is dropped (`Scheduler._append_steady`)
-and whose KV write lands in its own blocks, freed with it. Everything else (prefills, sampling
-with temperature, speculative decoding, structured output, LoRA, prompt logprobs) takes the
-synchronous path, a step at a time.
+`ModelRunner.can_launch`): every row a steady decode (one token, no drafts) sampling plain
+greedy or plain random (an argmax, or a temperature and min_p drawn on the device; no
+top-k/top-p, grammar, penalties, logprobs or `min_tokens` left), no adapters, one rank, and
+nobody waiting who could be admitted (or, under load, not for more than
+`async_admission_steps` steps). Stops are therefore applied one step late: a request that
+ends with step N's token also ran in step N+1, whose token for it is dropped
+(`Scheduler._append_steady`) and whose KV write lands in its own blocks, freed with it.
+Everything else (prefills, top-k/top-p, speculative decoding, structured output, LoRA,
+prompt logprobs) takes the synchronous path, a step at a time.
 """
 
 from __future__ import annotations

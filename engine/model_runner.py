@@ -78,6 +78,7 @@ _num_computed_tokens = operator.attrgetter("num_computed_tokens")
 _block_ids = operator.attrgetter("block_ids")
 _output_token_ids = operator.attrgetter("output_token_ids")
 _greedy_from = operator.attrgetter("greedy_from")
+_ahead_from = operator.attrgetter("ahead_from")
 
 
 @dataclass(slots=True)
@@ -162,6 +163,12 @@ def _all_plain_greedy(steady: list[ScheduledRequest], others: list[ScheduledRequ
     steady_greedy = (not requests or max(map(_greedy_from, requests)) == 0
                      or all(map(operator.ge, map(len, map(_output_token_ids, requests)), map(_greedy_from, requests))))
     return steady_greedy and all(_plain_greedy(s) for s in others)
+
+
+def _all_ahead(steady: list[ScheduledRequest]) -> bool:
+    """Whether every steady decode's token can be sampled on the device alone (Request.ahead_from)."""
+    requests = list(map(_request, steady))
+    return all(map(operator.ge, map(len, map(_output_token_ids, requests)), map(_ahead_from, requests)))
 
 
 def _plain_greedy(s: ScheduledRequest) -> bool:
@@ -291,12 +298,13 @@ class ModelRunner:
         return out
 
     def can_launch(self, sched: SchedulerOutput) -> bool:
-        """Whether `launch` can run this step (engine/async_step.py): every row a steady, plain
-        greedy decode, on one rank, with no adapters and no block copies."""
+        """Whether `launch` can run this step (engine/async_step.py): every row a steady decode
+        that samples plain greedy or plain random, on one rank, with no adapters and no block
+        copies."""
         n = sched.num_steady
         return (0 < n == len(sched.scheduled) and self.lora is None and self.workers is None
                 and not sched.blocks_to_copy and (self.graphs is None or n <= self.graphs.max_batch)
-                and _all_plain_greedy(sched.scheduled, []))
+                and _all_ahead(sched.scheduled))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, previous: InflightStep | None = None) -> InflightStep:
@@ -320,7 +328,14 @@ class ModelRunner:
             if device_ids is not None:
                 input_ids[:n].copy_(device_ids)
             hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
-        tokens = self.sampler.argmax_tensor(self.model.compute_logits(hidden[:n]))
+        logits = self.model.compute_logits(hidden[:n])
+        if _all_plain_greedy(sched.scheduled, []):
+            tokens = self.sampler.argmax_tensor(logits)
+        else:  # a seeded row's key is its output position: one further with a step in flight
+            offset = previous is not None
+            tokens = self.sampler.sample_tensor(logits, [
+                SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
+                            _rng_key(r.seed, len(r.output_token_ids) + offset)) for r in requests])
         return InflightStep.launched(sched, requests, tokens, start)
 
     def forward(self, rows: list[ForwardRow], steady: SteadyRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -112,6 +112,10 @@ class Request:
         # it, a grammar always); sys.maxsize: never.
         self.greedy_from = (params.min_tokens if params.plain_greedy and params.structured_outputs is None
                             else sys.maxsize)
+        # From this many outputs on, a step may sample its token on the device without the host
+        # looking (plain greedy or plain random, engine/async_step.py); sys.maxsize: never.
+        self.ahead_from = (params.min_tokens if (params.plain_greedy or params.plain_random)
+                           and params.structured_outputs is None else sys.maxsize)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -90,6 +90,14 @@ class Sampler:
         # The upcast is exact, and CPU argmax over bf16 is ~5x slower than upcast + fp32 argmax.
         return _argmax(logits.float())
 
+    def sample_tensor(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The tokens of rows that are each plain greedy or plain random (SamplingParams), as
+        an int64 tensor on the logits' device, without waiting for the device: what `__call__`
+        samples for them, for a step launched ahead (engine/async_step.py)."""
+        if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
+            logits = logits[:, :self.num_tokens]
+        return _sample_tensor(logits.to(torch.float32, copy=True), rows)
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         lm_head_rows = logits.shape[-1]  # what a grammar's bitmask covers
         if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
@@ -253,6 +261,12 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
 
 def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    return _verify(_sample_tensor(logits, rows).tolist(), rows)
+
+
+def _sample_tensor(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Each row's token, on the device. Nothing here waits for the device unless a row filters
+    by top-k or top-p (`_window` checks its exactness on the host)."""
     token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
     greedy_idx = [i for i, r in enumerate(rows) if r.params.greedy]
     random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -264,7 +278,7 @@ def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
         random_rows = [rows[i] for i in random_idx]
         probs = _filtered_probs(logits[index], random_rows)
         token_ids[index] = _race(probs, [r.rng_key for r in random_rows])
-    return _verify(token_ids.tolist(), rows)
+    return token_ids
 
 
 def _groups(rows: list[SamplingRow]) -> list[range]:

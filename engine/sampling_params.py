@@ -72,6 +72,14 @@ class SamplingParams:
         the runner asks every step, and a request's parameters do not change once it runs."""
         return self.greedy and not self.uses_penalties and self.logprobs is None
 
+    @functools.cached_property
+    def plain_random(self) -> bool:
+        """A draw at a temperature (min_p allowed) and nothing else: no top-k or top-p (whose
+        exact windowed filter looks at the logits on the host), penalties or logprobs. With
+        `plain_greedy`, what a step launched ahead can sample on the device (engine/async_step.py)."""
+        return (not self.greedy and self.top_k == 0 and self.top_p >= 1.0 and not self.uses_penalties
+                and self.logprobs is None)
+
     @property
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -31,8 +31,8 @@ def launches(monkeypatch):
 
 def _workload(seed: int, vocab: int):
     """Prompts sharing prefixes (prefix caching), of mixed lengths (chunking), with stop tokens
-    that end some requests early, mixed with steps that must stay synchronous: a seeded
-    temperature sample, greedy n=2, min_tokens, logprobs."""
+    that end some requests early; seeded temperature samples (which go ahead too); mixed with
+    rows that keep their steps synchronous: top-p, greedy n=2, min_tokens, logprobs."""
     rng = random.Random(seed)
     shared = [rng.randrange(100, vocab) for _ in range(24)]
     prompts, params = [], []
@@ -41,6 +41,8 @@ def _workload(seed: int, vocab: int):
         params.append(SamplingParams(temperature=0, max_tokens=rng.randrange(1, 56),
                                      stop_token_ids=[rng.randrange(100, 2000) for _ in range(40)]))
     params[3] = SamplingParams(temperature=0.8, seed=5, max_tokens=30)
+    params[5] = SamplingParams(temperature=1.0, seed=11, min_p=0.05, max_tokens=40)
+    params[9] = SamplingParams(temperature=0.7, seed=3, top_p=0.9, max_tokens=25)
     params[7] = SamplingParams(temperature=0, n=2, max_tokens=30)
     params[11] = SamplingParams(temperature=0, min_tokens=12, max_tokens=20)
     params[13] = SamplingParams(temperature=0, logprobs=2, max_tokens=18)
@@ -91,6 +93,24 @@ def test_aborts_while_a_step_is_in_flight_lose_nothing(bundled_path, launches):
     assert {len(tokens[f"r{i}"]) for i in (0, 2, 3, 5)} == {40}
     assert len(tokens["r1"]) < 40 and len(tokens["r4"]) < 40
     assert launches["ahead"] > 30
+
+
+def test_seeded_temperature_samples_go_ahead_with_the_synchronous_engines_tokens(bundled_path, launches):
+    """Plain random rows (a temperature, min_p) are sampled on the device in a step launched
+    ahead, each seeded row keyed by the output position it samples: the same tokens as the
+    synchronous engine's, whatever else runs."""
+    prompts = ["Tell me a joke", "Once upon a time", "The capital of France is", "def f(x):"]
+    params = [SamplingParams(temperature=t, seed=s, min_p=m, max_tokens=24, ignore_eos=True)
+              for t, s, m in ((1.0, 1, 0.0), (0.6, 2, 0.1), (1.3, 3, 0.0), (0.9, 4, 0.02))]
+    params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    prompts.append("Hello")
+    outs = {}
+    for on in (False, True):
+        llm = LLM(str(bundled_path), dtype="float32", num_kv_blocks=64, async_scheduling=on)
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_no_leak(llm)
+    assert outs[True] == outs[False]
+    assert launches["ahead"] > 15
 
 
 def test_a_seeded_request_does_not_depend_on_its_batch(bundled_path):

@@ -145,3 +145,20 @@ def test_auto_backend_on_cuda_is_cupy_with_graphs(tiny_llama):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW))
     for i, (out, ref) in enumerate(zip(outs, reference)):
         assert_greedy_match(out.outputs[0].token_ids, ref, i)
+
+
+def test_seeded_samples_launched_ahead_equal_the_synchronous_ones(tiny_llama):
+    """Plain random rows sampled on the device in steps launched ahead (their seeded keys one
+    output position further): the tokens of the synchronous engine, on the same GPU."""
+    from engine import LLM, SamplingParams
+    folder, prompts, _ = tiny_llama
+    params = [SamplingParams(temperature=0.5 + 0.25 * i, seed=i, min_p=0.02 * (i % 2), max_tokens=MAX_NEW,
+                             ignore_eos=True) for i in range(len(prompts))]
+    outs = {}
+    for on in (False, True):
+        llm = LLM(str(folder), device="cuda", dtype="float32", attention_backend="cupy", num_kv_blocks=256,
+                  max_model_len=512, max_num_seqs=8, cuda_graphs=True, async_scheduling=on)
+        launches = count_launches(llm.engine.model_runner)
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        assert (launches[0] > 0) == on
+    assert outs[True] == outs[False]
