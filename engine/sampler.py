@@ -87,7 +87,9 @@ class Sampler:
         """`argmax`'s tokens as an int64 tensor on the logits' device (no wait for it)."""
         if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
             logits = logits[:, :self.num_tokens]
-        # The upcast is exact, and CPU argmax over bf16 is ~5x slower than upcast + fp32 argmax.
+        if logits.device.type != "cpu":  # the upcast would be exact, and a copy of all the logits
+            return logits.argmax(dim=-1)  # (an H100 spent 0.13 ms a step on it at 256 x 151,936)
+        # CPU argmax over bf16 is ~5x slower than the (exact) upcast + fp32 argmax.
         return _argmax(logits.float())
 
     def sample_tensor(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
