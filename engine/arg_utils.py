@@ -36,7 +36,8 @@ HELP = {
     "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda when "
                    "attention runs on cupy, else off)",
     "async_scheduling": "schedule and launch the next decode step while the device runs this one, "
-                        "where every running request is a plain greedy decode; pays on a GPU "
+                        "where every running request decodes greedily or at a temperature (no top-k, "
+                        "top-p, penalties or logprobs); pays on a GPU "
                         "(default: on where decode runs in CUDA graphs, else off); docs/engine.md",
     "async_admission_steps": "with async scheduling and the batch at least half full, decode steps that may "
                              "still go ahead while a request waits for a seat; the next synchronous step "
