@@ -9,7 +9,7 @@ so the scheduling, the update and whatever the caller does with the outputs (the
 process publishes them, the offline `LLM` detokenizes them) overlap the device's work. Step
 N+1's input tokens are N's sampled ids, still on the device; the host has not seen them.
 
-A step goes ahead only where that changes no output (`Scheduler.schedule_ahead`,
+A step goes ahead only where that changes no output (`AsyncScheduler.schedule_ahead`,
 `ModelRunner.can_launch`): every row a steady decode (one token, no drafts) sampling plain
 greedy or plain random (an argmax, or a temperature and min_p drawn on the device; no
 top-k/top-p, grammar, penalties, logprobs or `min_tokens` left), no adapters, one rank, and

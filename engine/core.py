@@ -12,6 +12,7 @@ import time
 from concurrent import futures
 from dataclasses import dataclass
 
+from engine.async_scheduler import AsyncScheduler
 from engine.async_step import InflightStep
 from engine.block_manager import BlockManager
 from engine.lora.adapter import LoraAdapter
@@ -74,14 +75,15 @@ class EngineCore:
         self.speculator = build_speculator(config, self.model_runner, self.max_model_len,
                                            self.model_runner.sampler.num_tokens or self.vocab_size)
         lookahead = config.num_speculative_tokens if config.speculative_method == "draft" else 0
-        self.scheduler = Scheduler(SchedulerConfig(
+        # A speculator proposes from each step's tokens, on the host: no step goes ahead.
+        self.async_scheduling = bool(config.async_scheduling) and self.speculator is None
+        scheduler = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
             max_model_len=self.max_model_len, policy=config.scheduling_policy,
             num_lookahead_tokens=lookahead, max_loras=config.max_loras,
             async_admission_steps=config.async_admission_steps), self.block_manager,
             self.iteration_stats)
-        # A speculator proposes from each step's tokens, on the host: no step goes ahead.
-        self.async_scheduling = bool(config.async_scheduling) and self.speculator is None
         self._inflight: InflightStep | None = None  # the step launched and not yet resolved
         for name, path in (config.lora_modules or {}).items():  # a bad one stops the start, named
             self.load_lora(name, path)

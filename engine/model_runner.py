@@ -12,7 +12,6 @@ runs it (`run_plan`) through the same collectives; only rank 0 gets logits and s
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,7 +25,6 @@ from engine.attention import AttentionMetadata, PrefillChunk, get_attention_back
 from engine.block_tables import BlockTables
 from engine.config import EngineConfig
 from engine.cpu_tuning import bucket, tune_cpu
-from engine.keyed_random import mix
 from engine.distributed.state import SINGLE, TPShard, all_reduce_min, broadcast_object
 from engine.layers.parallel import check_shardable, local_sizes
 from engine.models.llama import ForwardContext
@@ -34,51 +32,13 @@ from engine.models.loader import DTYPES, load_model, read_arch_config
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request
 from engine.sampler import NOT_EMITTED, Sampler, SamplingRow, prompt_logprobs
+from engine.step_rows import (DecodeInputs, ForwardRow, SteadyRows, all_ahead, all_plain_greedy, as_decodes,
+                              forward_order, forward_row, num_leading_decodes, padded, request_of, rng_key)
 
 log = logging.getLogger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
 PROMPT_LOGPROBS_ROWS = 512  # prompt positions scored per LM-head call
-
-
-@dataclass(slots=True)
-class ForwardRow:
-    """One sequence's share of a forward: what to compute and which rows need logits."""
-
-    token_ids: list[int]  # the tokens to compute this step
-    start: int  # position of the first
-    block_ids: list[int]  # its block table
-    num_logits: int  # trailing rows whose logits are needed: 0, 1, or 1 + drafts
-    lora_slot: int = -1  # the LoRA adapter slot its tokens use; -1: the base model
-
-
-@dataclass(slots=True)
-class SteadyRows:
-    """A step's steady decodes (SchedulerOutput.num_steady) as columns, built without a
-    ForwardRow each: every one computes its last token and needs its logits."""
-
-    token_ids: np.ndarray  # [n] int64
-    positions: np.ndarray  # [n] int64
-    block_tables: list[list[int]]  # the block manager's live tables
-
-    @classmethod
-    def of(cls, entries: list[ScheduledRequest]) -> SteadyRows:
-        # map() over attrgetters runs its loop in C: a list comprehension costs 2-3x as much.
-        requests = list(map(_request, entries))
-        n = len(requests)
-        return cls(np.fromiter(map(_last, map(_all_token_ids, requests)), np.int64, n),
-                   np.fromiter(map(_num_computed_tokens, requests), np.int64, n),
-                   list(map(_block_ids, entries)))
-
-
-_request = operator.attrgetter("request")
-_all_token_ids = operator.attrgetter("all_token_ids")
-_last = operator.itemgetter(-1)
-_num_computed_tokens = operator.attrgetter("num_computed_tokens")
-_block_ids = operator.attrgetter("block_ids")
-_output_token_ids = operator.attrgetter("output_token_ids")
-_greedy_from = operator.attrgetter("greedy_from")
-_ahead_from = operator.attrgetter("ahead_from")
 
 
 @dataclass(slots=True)
@@ -98,89 +58,6 @@ class StepPlan:
 class _PromptJob:
     request: Request
     first_position: int  # the row at position p scores prompt token p + 1
-
-
-def forward_row(s: ScheduledRequest) -> ForwardRow:
-    """A scheduled request's row: its uncomputed tokens, then the drafts it verifies."""
-    r, drafts = s.request, s.spec_token_ids
-    start = r.num_computed_tokens
-    tokens = r.all_token_ids[start:start + s.num_new_tokens - len(drafts)]
-    if drafts:
-        tokens += drafts
-    return ForwardRow(tokens, start, s.block_ids, (1 + len(drafts)) if s.num_samples else 0)
-
-
-def _rng_key(seed: int | None, position: int) -> int | None:
-    """A seeded sample's randomness at output position `position` (None: unseeded): keyed by
-    (seed, position), not one stream per request (engine/keyed_random.py)."""
-    return None if seed is None else mix(seed, position)
-
-
-@dataclass(slots=True)
-class DecodeInputs:
-    """A step's single-token rows as arrays (int64)."""
-
-    token_ids: np.ndarray  # [n]
-    positions: np.ndarray  # [n]; the context length is position + 1
-    slots: np.ndarray  # [n] where each row's K/V goes
-    block_tables: np.ndarray  # [n, width], width = blocks up to the furthest position
-    logits_rows: np.ndarray  # rows that need logits (a 1-token prefill chunk short of the end has none)
-
-
-def _num_leading_decodes(rows: list[ForwardRow]) -> int:
-    return next((i for i, f in enumerate(rows) if len(f.token_ids) != 1), len(rows))
-
-
-def _forward_order(scheduled: list[ScheduledRequest], lora: bool) -> list[ScheduledRequest]:
-    """Single-token rows and draft verifications run the batched decode path: they go first.
-    With LoRA, then by adapter, so that each adapter's tokens are contiguous (engine/lora/ops.py)."""
-    if lora:
-        return sorted(scheduled, key=lambda s: (not _runs_as_decodes(s), s.request.lora_name or ""))
-    decodes = [s for s in scheduled if _runs_as_decodes(s)]
-    if len(decodes) == len(scheduled):
-        return decodes
-    return decodes + [s for s in scheduled if not _runs_as_decodes(s)]
-
-
-def _runs_as_decodes(s: ScheduledRequest) -> bool:
-    return s.num_new_tokens == 1 or bool(s.spec_token_ids)
-
-
-def _padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
-    """`values` then `fill` up to `size` (np.pad costs 10 µs a call)."""
-    if len(values) == size:
-        return values
-    out = np.full(size, fill, dtype=values.dtype)
-    out[:len(values)] = values
-    return out
-
-
-def _all_plain_greedy(steady: list[ScheduledRequest], others: list[ScheduledRequest]) -> bool:
-    """Whether every sampling row is plain greedy. Steady decodes sample one row each, with
-    no drafts, so only their request decides (Request.greedy_from)."""
-    requests = list(map(_request, steady))
-    # One max() decides in the common case, where no request waits on min_tokens or samples.
-    steady_greedy = (not requests or max(map(_greedy_from, requests)) == 0
-                     or all(map(operator.ge, map(len, map(_output_token_ids, requests)), map(_greedy_from, requests))))
-    return steady_greedy and all(_plain_greedy(s) for s in others)
-
-
-def _all_ahead(steady: list[ScheduledRequest]) -> bool:
-    """Whether every steady decode's token can be sampled on the device alone (Request.ahead_from)."""
-    requests = list(map(_request, steady))
-    return all(map(operator.ge, map(len, map(_output_token_ids, requests)), map(_ahead_from, requests)))
-
-
-def _plain_greedy(s: ScheduledRequest) -> bool:
-    """A row whose token is the argmax of its logits, and nothing more to compute."""
-    return (s.num_samples == 1 and not s.spec_token_ids
-            and len(s.request.output_token_ids) >= s.request.greedy_from)
-
-
-def _as_decodes(f: ForwardRow) -> list[ForwardRow]:
-    if not 1 < len(f.token_ids) == f.num_logits:
-        return [f]
-    return [ForwardRow([t], f.start + i, f.block_ids, 1, f.lora_slot) for i, t in enumerate(f.token_ids)]
 
 
 class ModelRunner:
@@ -266,7 +143,7 @@ class ModelRunner:
         # (engine/lora/ops.py).
         num_steady = 0 if self.lora is not None else sched.num_steady
         steady = sched.scheduled[:num_steady]
-        order = _forward_order(sched.scheduled[num_steady:], self.lora is not None)
+        order = forward_order(sched.scheduled[num_steady:], self.lora is not None)
         sampling = steady + [s for s in order if s.num_samples]
         jobs, slices = self._prompt_jobs(order, first_row=num_steady)
         rows = [forward_row(s) for s in order]
@@ -278,7 +155,7 @@ class ModelRunner:
         prompt_lps = self._score_prompts(jobs, prompt_logits)
         if not sampling:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start)
-        if _all_plain_greedy(steady, sampling[num_steady:]):  # the hot path: no per-row sampling state
+        if all_plain_greedy(steady, sampling[num_steady:]):  # the hot path: no per-row sampling state
             model_end = time.perf_counter()
             tokens = self.sampler.argmax(logits[:len(sampling)])
             rest = sampling[num_steady:]
@@ -304,7 +181,7 @@ class ModelRunner:
         n = sched.num_steady
         return (0 < n == len(sched.scheduled) and self.lora is None and self.workers is None
                 and not sched.blocks_to_copy and (self.graphs is None or n <= self.graphs.max_batch)
-                and _all_ahead(sched.scheduled))
+                and all_ahead(sched.scheduled))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, previous: InflightStep | None = None) -> InflightStep:
@@ -312,7 +189,7 @@ class ModelRunner:
         not yet resolved), each row computes the token that step samples for it, still on the
         device, one position further than the request's counters say."""
         start = time.perf_counter()
-        requests = list(map(_request, sched.scheduled))
+        requests = list(map(request_of, sched.scheduled))
         steady = SteadyRows.of(sched.scheduled)
         device_ids = None
         if previous is not None:
@@ -329,13 +206,13 @@ class ModelRunner:
                 input_ids[:n].copy_(device_ids)
             hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
         logits = self.model.compute_logits(hidden[:n])
-        if _all_plain_greedy(sched.scheduled, []):
+        if all_plain_greedy(sched.scheduled, []):
             tokens = self.sampler.argmax_tensor(logits)
         else:  # a seeded row's key is its output position: one further with a step in flight
             offset = previous is not None
             tokens = self.sampler.sample_tensor(logits, [
                 SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                            _rng_key(r.seed, len(r.output_token_ids) + offset)) for r in requests])
+                            rng_key(r.seed, len(r.output_token_ids) + offset)) for r in requests])
         return InflightStep.launched(sched, requests, tokens, start)
 
     def forward(self, rows: list[ForwardRow], steady: SteadyRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,7 +225,7 @@ class ModelRunner:
         The decode kernel is much cheaper than a prefill chunk for a few tokens, and each
         token goes through the same kernels as without speculation."""
         if any(f.num_logits > 1 for f in rows):
-            rows = [one for f in rows for one in _as_decodes(f)]
+            rows = [one for f in rows for one in as_decodes(f)]
         if self.graphs is not None and self._all_decode(rows, steady):
             return self._run_graph(rows, steady)
         input_ids, positions, meta, last_rows = self._prepare(rows, steady)
@@ -412,7 +289,7 @@ class ModelRunner:
         rows are built as arrays over the persistent block tables; prefill chunks (a few per
         step) one by one."""
         bs = self.block_size
-        num_leading = _num_leading_decodes(rows)
+        num_leading = num_leading_decodes(rows)
         decode = self._decode_inputs(rows[:num_leading], steady)
         num_decode = len(decode.token_ids)
         input_ids, positions, slots = [decode.token_ids], [decode.positions], [decode.slots]
@@ -438,9 +315,9 @@ class ModelRunner:
         input_ids, positions, last_rows = (np.concatenate(a) for a in (input_ids, positions, last_rows))
         if self.pad_shapes:  # padding rows: token 0 at position 0, no slot, never sampled
             size = bucket(len(input_ids))
-            input_ids, positions = _padded(input_ids, size, 0), _padded(positions, size, 0)
+            input_ids, positions = padded(input_ids, size, 0), padded(positions, size, 0)
             if len(last_rows):  # padding repeats the last row: never sampled
-                last_rows = _padded(last_rows, bucket(len(last_rows)), last_rows[-1])
+                last_rows = padded(last_rows, bucket(len(last_rows)), last_rows[-1])
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(last_rows)
 
     def _decode_inputs(self, rows: list[ForwardRow], steady: SteadyRows | None) -> DecodeInputs:
@@ -465,7 +342,7 @@ class ModelRunner:
 
     def _all_decode(self, rows: list[ForwardRow], steady: SteadyRows | None) -> bool:
         n = len(rows) + (0 if steady is None else len(steady.token_ids))
-        return 0 < n <= self.graphs.max_batch and _num_leading_decodes(rows) == len(rows)
+        return 0 < n <= self.graphs.max_batch and num_leading_decodes(rows) == len(rows)
 
     def _run_graph(self, rows: list[ForwardRow], steady: SteadyRows | None) -> tuple[torch.Tensor, torch.Tensor]:
         """A pure-decode step through the captured graph of its batch-size bucket."""
@@ -489,7 +366,7 @@ class ModelRunner:
                 for j in range(len(drafts) + 1):
                     position = r.num_output_tokens + j
                     rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids,
-                                            r.output_token_ids + drafts[:j], _rng_key(r.seed, position),
+                                            r.output_token_ids + drafts[:j], rng_key(r.seed, position),
                                             matcher, drafts[j] if j < len(drafts) else None))
                     owner.append(i)
                     logits_index.append(next_logits)
@@ -499,7 +376,7 @@ class ModelRunner:
                 seed = None if r.seed is None else r.seed + index
                 # A forking prompt's n rows share sample 0's matcher: none has a token yet.
                 rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                                        _rng_key(seed, r.num_output_tokens), matcher))
+                                        rng_key(seed, r.num_output_tokens), matcher))
                 owner.append(i)
                 logits_index.append(next_logits)
             next_logits += 1

@@ -77,7 +77,6 @@ class Scheduler:
         self.failed_outputs: list[EngineCoreOutput] = []
         self.finished_request_ids: set[str] = set()
         self._appended: set[str] = set()  # running requests this step scheduled via append_slots (not a lease)
-        self._steps_ahead_of_admission = 0  # steps gone ahead past a request waiting for a seat
         self.num_preemptions = 0  # total since start, for metrics
         self.spec_stats = SpecDecodingStats()  # totals since start, for metrics
 
@@ -120,7 +119,6 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._take_compiled()
-        self._steps_ahead_of_admission = 0  # this step admits whoever waits
         out = SchedulerOutput(finished_request_ids=self.finished_request_ids)
         self.finished_request_ids = set()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
@@ -166,56 +164,6 @@ class Scheduler:
         out.scheduled[:0] = steady
         out.num_steady = len(steady)
         return budget
-
-    def schedule_ahead(self) -> SchedulerOutput | None:
-        """The next step, scheduled while the current one still runs (engine/async_step.py), or
-        None where it must wait for the current step's outputs.
-
-        It goes ahead only where every running request is a steady decode and no waiting one
-        could be admitted (admission, preemption and copies are the synchronous path's). The
-        requests' counters do not yet include the token in flight: each runs one position
-        further (the runner adds it), so its lease must cover that slot, and a spent lease is
-        renewed here through the block manager. Blocks full up to the token in flight are
-        hashed then: that token is known, and the step in flight writes its KV. Finished ids
-        stay for the next synchronous step (only a speculator reads them, and none runs ahead)."""
-        running = self.running
-        if (not running or self.waiting_for_grammar or self.failed_outputs
-                or len(running) > self.config.max_num_batched_tokens or any(map(_spec_token_ids, running))
-                or not self._may_defer_admission()):
-            return None
-        slots = list(map(operator.add, map(_num_computed, running), repeat(2)))  # through the next position
-        if not all(map(operator.le, slots, map(_lease_end, running))):
-            for request, end in zip(running, slots):
-                if end > request.decode_lease_end and not self._renew_lease(request, end):
-                    return None
-        return SchedulerOutput(list(map(_decode_entry, running)), num_steady=len(running),
-                               num_batched_tokens=len(running))
-
-    def _may_defer_admission(self) -> bool:
-        """Whether a step may go ahead with the waiting requests as they are. Admission is the
-        synchronous path's, and under load a seat frees nearly every step (a request ends), so
-        admitting at once would keep almost every step synchronous. With the batch at least
-        half full, a request waiting for a seat waits up to `async_admission_steps` steps
-        ahead; the synchronous step after them admits everyone who waited, in one prefill."""
-        config = self.config
-        if not self.waiting or len(self.running) + self.waiting[0][1].num_seats > config.max_num_seqs:
-            return True  # nobody could be admitted anyway
-        if self._steps_ahead_of_admission >= config.async_admission_steps or \
-                2 * len(self.running) < config.max_num_seqs:
-            return False
-        self._steps_ahead_of_admission += 1
-        return True
-
-    def _renew_lease(self, request: Request, end: int) -> bool:
-        """Grow a steady decode's table to `end` tokens while the step before is in flight, and
-        lease the new room; False (the synchronous path decides) if blocks run short or it
-        has no lease to renew (not a steady decode)."""
-        if not request.decode_lease_end or request.decode_entry is None:
-            return False
-        if not self.block_manager.append_slots(request.request_id, request.all_token_ids, end, end - 1):
-            return False
-        request.decode_lease_end = self.block_manager.decode_lease(request.request_id)
-        return request.decode_lease_end >= end
 
     def _schedule_one(self, request: Request, out: SchedulerOutput, steady: list[ScheduledRequest],
                       budget: int) -> int:

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import EngineConfig
-from engine.model_runner import ForwardRow, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.models.loader import resolve_model_path
 from engine.request import Request
+from engine.step_rows import ForwardRow
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from engine.model_runner import _rng_key
+from engine.step_rows import rng_key
 from engine.keyed_random import seeded_exponentials
 from engine.sampler import Sampler, SamplerOutput, SamplingRow
 from engine.sampling_params import SamplingParams
@@ -276,7 +276,7 @@ def seeded_tokens(batch: list[SamplingRow], position: int, steps: int = 20) -> l
     sampler, logits = Sampler([EOS]), LOGITS.expand(len(batch), -1).clone()
     tokens = []
     for step in range(steps):
-        rows = [dataclasses.replace(r, rng_key=_rng_key(r.rng_key, step)) for r in batch]
+        rows = [dataclasses.replace(r, rng_key=rng_key(r.rng_key, step)) for r in batch]
         tokens.append(sampler(logits, rows).token_ids[position])
     return tokens
 

@@ -26,8 +26,8 @@ _prompt_starts = itertools.count(1000, 1000)
 
 
 def build(num_blocks=16, block_size=BS, budget=64, max_seqs=16, max_len=256, policy="fcfs",
-          caching=True, admission_steps=0) -> Scheduler:
-    return Scheduler(SchedulerConfig(budget, max_seqs, max_len, policy, async_admission_steps=admission_steps),
+          caching=True, admission_steps=0, scheduler=Scheduler) -> Scheduler:
+    return scheduler(SchedulerConfig(budget, max_seqs, max_len, policy, async_admission_steps=admission_steps),
                      BlockManager(num_blocks, block_size, caching))
 
 

@@ -1,4 +1,4 @@
-"""Scheduler.schedule_ahead (async scheduling): when a step may be scheduled while the one
+"""AsyncScheduler.schedule_ahead (async scheduling): when a step may be scheduled while the one
 before is still running, and what it does at a block boundary. The engine-level equality with
 the synchronous engine is in tests/engine/test_async_scheduling.py."""
 
@@ -10,11 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_scheduler import BS, EOS, FakeRunner, assert_drained, build, make, make_request  # noqa: F401
 
+from engine.async_scheduler import AsyncScheduler
 from engine.outputs import ModelRunnerOutput
 
 
 def _decoding(make, num: int, prompt_len: int = 2, **kwargs):
-    sched, runner = make(**kwargs)
+    sched, runner = make(scheduler=AsyncScheduler, **kwargs)
     for i in range(num):
         sched.add_request(make_request(f"r{i}", prompt_len, max_tokens=50))
     runner.step()  # prefills: each now has its first token
@@ -69,7 +70,7 @@ def test_admission_waits_a_bounded_number_of_steps_ahead_under_load(make):
 
 
 def test_no_step_ahead_for_a_request_that_is_not_a_steady_decode(make):
-    sched, runner = make()
+    sched, runner = make(scheduler=AsyncScheduler)
     sched.add_request(make_request("a", 2, max_tokens=20))
     runner.step()
     assert sched.schedule_ahead() is None  # its first decode has no lease yet
@@ -165,7 +166,7 @@ spec = st.tuples(st.integers(0, 8), st.integers(1, 8), st.integers(1, 14), st.in
 
 
 def _run(specs, ahead: bool, **config):
-    sched = build(**config)
+    sched = build(scheduler=AsyncScheduler, **config)
     loop = Loop(sched, ahead)
     texts: dict[tuple[str, int], list[int]] = {}
     reasons: dict[tuple[str, int], str] = {}
