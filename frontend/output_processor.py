@@ -104,7 +104,7 @@ class RequestState:
     def num_completion_tokens(self) -> int:
         return sum(s.num_tokens for s in self.samples)
 
-    def process(self, outputs: Iterable[EngineCoreOutput]) -> tuple[list[SampleDelta], list[str]]:
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[SampleDelta], list[str]]:
         """Apply engine outputs in order. Returns one coalesced delta per sample that changed,
         and the engine ids of samples a stop string ended (the engine must stop them)."""
         if self._plain and len(outputs) == 1:
