@@ -101,7 +101,7 @@ def plot(paths: list[Path], png: Path) -> Path:
         if target:
             ax.plot([target, target], [i - 0.4, i + 0.4], color="tab:red", lw=2)
     ax.set_xlabel("output tokens / s (red: the issue's target)")
-    ax.set_title(f"{gpu}: random-weight qwen2.5-0.5b bf16, 128 in / 128 out, 256 streams", fontsize=9)
+    ax.set_title(f"{gpu}\nrandom-weight qwen2.5-0.5b bf16, 128 in / 128 out, 256 streams", fontsize=9)
     ax.margins(x=0.12)
     return save_figure(fig, png)
 
