@@ -41,7 +41,7 @@
 #    then HTTP again from a server with --api-server-count 4;
 # 5. step 2 again with --no-async-scheduling (no HF), then with `--attention-backend torch`;
 # 6. in the time left, `bench gpu-busy` on a random llama-3-8b (weights built on the GPU).
-# quick: the GPU tests of the layer kernels and test_gpu_e2e.py; `bench gpu-busy` with the
+# quick: the GPU tests of the layer kernels, test_gpu_e2e.py and test_gpu_families.py; `bench gpu-busy` with the
 # fused layer kernels and with --no-layer-kernels; one server over gRPC and HTTP, one with
 # --api-server-count 4 over HTTP, one with --async-admission-steps 0 over gRPC; one offline
 # run. The same workload as throughput.
@@ -227,8 +227,8 @@ throughput_session() {  # see the header: the most important numbers first
 quick_session() {  # a short lease: this change's correctness, then its A/Bs, each in the same run
   sizes
   first_steps || { finish; return 1; }
-  step kernel-tests 120 "$res/kernel-tests.log" $PY -m pytest -q -rfE -p no:cacheprovider \
-    tests/kernels/test_layer_kernel.py tests/kernels/test_gpu_e2e.py
+  step kernel-tests 150 "$res/kernel-tests.log" $PY -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_layer_kernel.py tests/kernels/test_gpu_e2e.py tests/kernels/test_gpu_families.py
   step gpu-busy 60 "$res/gpu-busy.log" $PY "${busy[@]}"
   step gpu-busy-eager 60 "$res/gpu-busy-eager.log" $PY "${busy[@]}" --no-layer-kernels
   serve_with "" "grpc http"
