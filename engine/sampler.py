@@ -85,8 +85,7 @@ class Sampler:
 
     def argmax_tensor(self, logits: torch.Tensor) -> torch.Tensor:
         """`argmax`'s tokens as an int64 tensor on the logits' device (no wait for it)."""
-        if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
-            logits = logits[:, :self.num_tokens]
+        logits = self._tokens_only(logits)
         if logits.device.type != "cpu":  # the upcast would be exact, and a copy of all the logits
             return logits.argmax(dim=-1)  # (an H100 spent 0.13 ms a step on it at 256 x 151,936)
         # CPU argmax over bf16 is ~5x slower than the (exact) upcast + fp32 argmax.
@@ -96,14 +95,11 @@ class Sampler:
         """The tokens of rows that are each plain greedy or plain random (SamplingParams), as
         an int64 tensor on the logits' device, without waiting for the device: what `__call__`
         samples for them, for a step launched ahead (engine/async_step.py)."""
-        if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
-            logits = logits[:, :self.num_tokens]
-        return _sample_tensor(logits.to(torch.float32, copy=True), rows)
+        return _sample_tensor(self._tokens_only(logits).to(torch.float32, copy=True), rows)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         lm_head_rows = logits.shape[-1]  # what a grammar's bitmask covers
-        if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
-            logits = logits[:, :self.num_tokens]  # a view: padding columns never compete
+        logits = self._tokens_only(logits)
         if _is_plain_greedy(rows):
             return _greedy(logits, rows, lm_head_rows)
         # A copy: the stages below write in place and the caller keeps its logits.
@@ -120,6 +116,12 @@ class Sampler:
         token_ids = _sample(logits, rows)
         logprobs = _collect_logprobs(raw_logprobs, logprob_idx, token_ids, rows)
         return SamplerOutput(token_ids, logprobs, grammar_s)
+
+    def _tokens_only(self, logits: torch.Tensor) -> torch.Tensor:
+        """The columns of the tokenizer's tokens: a view, so padding rows of the LM head never compete."""
+        if self.num_tokens is not None and self.num_tokens < logits.shape[-1]:
+            return logits[:, :self.num_tokens]
+        return logits
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         """Forbid every way of stopping until a row has min_tokens outputs."""

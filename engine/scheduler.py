@@ -28,7 +28,7 @@ import heapq
 import operator
 import time
 from collections import deque
-from itertools import compress, repeat
+from itertools import repeat
 
 import numpy as np
 
@@ -136,21 +136,10 @@ class Scheduler:
         # The steady ones go first in out.scheduled (out.num_steady of them), for the runner.
         running = self.running
         self._appended.clear()
-        fits = len(running) <= budget and not any(map(_spec_token_ids, running))
-        leased = list(map(operator.lt, map(_num_computed, running), map(_lease_end, running))) if fits else []
-        if fits and all(leased):
+        if (len(running) <= budget and all(map(operator.lt, map(_num_computed, running), map(_lease_end, running)))
+                and not any(map(_spec_token_ids, running))):
             steady = list(map(_decode_entry, running))
             budget -= len(steady)
-        elif fits and all(map(operator.eq, map(len, map(_all_token_ids, running)),
-                              map(operator.add, map(_num_computed, running), repeat(1)))):
-            # Every request decodes one token and a few leases ran out (1 in 16 a step at block
-            # size 16): the leased ones in C, the others through the block manager. With one
-            # token each and budget for all, the order decides nothing.
-            steady = list(compress(map(_decode_entry, running), leased))
-            budget -= len(steady)
-            for request in list(compress(running, map(operator.not_, leased))):
-                if request.status == RequestStatus.RUNNING:  # else preempted meanwhile
-                    budget = self._schedule_one(request, out, steady, budget)
         else:
             steady = []
             for request in list(running):

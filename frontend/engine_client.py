@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from itertools import chain
 
 import zmq
 import zmq.asyncio
@@ -165,11 +166,8 @@ class EngineClient:
             self.num_added_since_stats, self.draining = 0, msg.pong.draining
         elif kind == "outputs":
             self.stats, self.num_added_since_stats = msg.outputs.stats, 0
-            for out in msg.outputs.outputs:  # RequestOutputs, converted by their stream
-                queue = self.streams.get(out.request_id)
-                if queue is not None:
-                    queue.put_nowait(out)
-            for out in plain_tokens_from_batch(msg.outputs):  # EngineCoreOutputs already
+            # RequestOutputs (their stream converts them), then the plain tokens, unpacked.
+            for out in chain(msg.outputs.outputs, plain_tokens_from_batch(msg.outputs)):
                 queue = self.streams.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)

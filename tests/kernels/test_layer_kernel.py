@@ -18,31 +18,19 @@ from cupy_kernels import ops
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+import layer_checks
+from layer_checks import pair
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def assert_matches_eager(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    assert torch.isfinite(out).all()
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
-    else:  # almost always equal; else a few ulps apart: an ulp of R(x * r) times a weight up to ~3
-        ulp = 2 ** -7 if out.dtype == torch.bfloat16 else 2 ** -10
-        torch.testing.assert_close(out.float(), ref.float(), rtol=4 * ulp, atol=1e-5)
-        assert (out == ref).float().mean() > 0.99
-
-
-def pair(module, *args):
-    """(kernel result, eager result) of one module on copies of the same inputs."""
-    module.kernels = ops
-    fused = module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-    module.kernels = None
-    return fused, module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
+    # A few ulps where they differ: an ulp of R(x * r) times a weight up to ~3.
+    layer_checks.assert_matches_eager(out, ref, max_ulps=4)
 
 
 def randn(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(*shape, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).to(dtype)
+    return layer_checks.randn(*shape, dtype=dtype, seed=seed, device="cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -51,9 +39,9 @@ def test_rms_norm(dtype, rows, hidden):
     norm = RMSNorm(hidden, 1e-5).to("cuda", dtype)
     norm.weight.data = randn(hidden, dtype=dtype, seed=1)
     x = randn(rows, hidden, dtype=dtype) * 4
-    fused, eager = pair(norm, x)
+    fused, eager = pair(norm, ops, x)
     assert_matches_eager(fused, eager)
-    (fused, fused_res), (eager, eager_res) = pair(norm, x, randn(rows, hidden, dtype=dtype, seed=2))
+    (fused, fused_res), (eager, eager_res) = pair(norm, ops, x, randn(rows, hidden, dtype=dtype, seed=2))
     assert torch.equal(fused_res, eager_res)  # the add rounds once, in both
     assert_matches_eager(fused, eager)
 
@@ -91,7 +79,7 @@ def test_rotary_in_place_on_a_strided_view(dtype, head_dim):
 def test_silu_and_mul(dtype, inter):
     x = randn(9, 2 * inter, dtype=dtype) * 6
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's far ends
-    fused, eager = pair(SiluAndMul(), x)
+    fused, eager = pair(SiluAndMul(), ops, x)
     assert_matches_eager(fused, eager)
 
 

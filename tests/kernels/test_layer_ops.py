@@ -15,32 +15,12 @@ from cpu_kernels import ops
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from layer_checks import assert_matches_eager, pair, randn
 
 if not cpu_kernels.available("layer_ops"):
     pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason('layer_ops')}", allow_module_level=True)
 
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-def assert_matches_eager(out: torch.Tensor, ref: torch.Tensor) -> None:
-    assert out.dtype == ref.dtype and out.shape == ref.shape
-    if out.dtype == torch.float32:
-        torch.testing.assert_close(out, ref, rtol=2e-6, atol=1e-6)
-    else:  # at most one bf16 ulp apart, and almost always equal
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -7, atol=1e-5)
-        assert (out == ref).float().mean() > 0.99
-
-
-def pair(module, *args):
-    """(kernel result, eager result) of one module."""
-    module.kernels = ops
-    fused = module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-    module.kernels = None
-    return fused, module(*[a.clone() if isinstance(a, torch.Tensor) else a for a in args])
-
-
-def randn(*shape, dtype=torch.float32, seed=0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -49,9 +29,9 @@ def test_rms_norm(dtype, rows, hidden):
     norm = RMSNorm(hidden, 1e-5).to(dtype)
     norm.weight.data = randn(hidden, dtype=dtype, seed=1)
     x = randn(rows, hidden, dtype=dtype) * 4
-    fused, eager = pair(norm, x)
+    fused, eager = pair(norm, ops, x)
     assert_matches_eager(fused, eager)
-    (fused, fused_res), (eager, eager_res) = pair(norm, x, randn(rows, hidden, dtype=dtype, seed=2))
+    (fused, fused_res), (eager, eager_res) = pair(norm, ops, x, randn(rows, hidden, dtype=dtype, seed=2))
     assert torch.equal(fused_res, eager_res)  # the add rounds once, in both
     assert_matches_eager(fused, eager)
 
@@ -78,7 +58,7 @@ def test_rotary_in_place_on_a_strided_view(dtype):
 def test_silu_and_mul(dtype):
     x = randn(9, 2 * 1536, dtype=dtype) * 6
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's far ends
-    fused, eager = pair(SiluAndMul(), x)
+    fused, eager = pair(SiluAndMul(), ops, x)
     assert_matches_eager(fused, eager)
 
 
