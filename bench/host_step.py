@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 
 DEFAULT_SEQS = 256
+# The requests' sampling settings, by --sampling name (keyword arguments of SamplingParams;
+# "seed" is replaced by a seed per request).
+SAMPLING = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 0}}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (default: 128)")
     p.add_argument("--output-len", type=int, default=64, help="output tokens per sequence (default: 64)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the best is kept (default: 3)")
+    p.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
+                   help="greedy (default), or seeded: temperature 0.8, top_p 0.95 and a seed per request, "
+                        "the sampler's full path")
     p.add_argument("--baseline", default=None, metavar="REF",
                    help="also measure this git commit, in the same run (e.g. HEAD~3)")
     p.add_argument("--profile", action="store_true", help="print a cProfile of the decode steps")
@@ -42,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def measure(model_dir: str, num_seqs: int, input_len: int, output_len: int, repeats: int,
-            profile: bool = False) -> dict:
+            profile: bool = False, sampling: str = "greedy") -> dict:
     """Best-of-`repeats` per-step means over the decode steps of one workload."""
     import torch
 
@@ -58,11 +64,13 @@ def measure(model_dir: str, num_seqs: int, input_len: int, output_len: int, repe
                           max_num_batched_tokens=max(2048, num_seqs), enable_prefix_caching=False)
     core = EngineCore(config, eos_token_ids(tokenizer), tokenizer=tokenizer)
     model_s = _time_model(core.model_runner.model)
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    settings = SAMPLING[sampling]
     runs = []
     for run in range(repeats):
         processor = OutputProcessor(tokenizer, core.eos_token_ids)
         for i in range(num_seqs):
+            seed = {"seed": i} if "seed" in settings else {}
+            params = SamplingParams(**{**settings, **seed}, max_tokens=output_len, ignore_eos=True)
             prompt = [100 + (i * 7 + j * 13) % 900 for j in range(input_len)]
             core.add_request(f"{run}-{i}", prompt, params)
             processor.add_request(f"{run}-{i}", prompt, params)
@@ -131,6 +139,8 @@ def measure_ref(ref: str, args: argparse.Namespace, model_dir: Path) -> dict:
             cmd = [sys.executable, str(Path(__file__).resolve()), "--measure-only", "--model-dir", str(model_dir),
                    "--num-seqs", str(args.num_seqs), "--input-len", str(args.input_len),
                    "--output-len", str(args.output_len), "--repeats", str(args.repeats)]
+            if args.sampling != "greedy":  # (older commits know greedy only)
+                cmd += ["--sampling", args.sampling]
             env = {**os.environ, "PYTHONPATH": str(tree)}
             out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
         finally:
@@ -140,7 +150,8 @@ def measure_ref(ref: str, args: argparse.Namespace, model_dir: Path) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     if args.measure_only:  # the child of --baseline: one JSON line on stdout
-        print(json.dumps(measure(args.model_dir, args.num_seqs, args.input_len, args.output_len, args.repeats)))
+        print(json.dumps(measure(args.model_dir, args.num_seqs, args.input_len, args.output_len, args.repeats,
+                                 sampling=args.sampling)))
         return 0
     from bench.common import RESULTS_DIR, machine_info, print_table, write_result
     from bench.plots import plot_host_step
@@ -152,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     if args.baseline:
         results["baseline"] = measure_ref(args.baseline, args, model_dir)
     results["current"] = {**measure(str(model_dir), args.num_seqs, args.input_len, args.output_len, args.repeats,
-                                    args.profile), "commit": head}
+                                    args.profile, args.sampling), "commit": head}
     rows = [[name, r["commit"][:10], f"{r['step_ms']:.2f}", f"{r['forward_ms']:.2f}", f"{r['host_ms']:.2f}",
              f"{r['output_ms']:.2f}"] for name, r in results.items()]
     print_table(["build", "commit", "step ms", "model ms", "host ms", "output ms"], rows)
@@ -165,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
               f"(1/{1 / ratios['host_ratio']:.1f}); output processing {ratios['output_ratio']:.3f}x")
     payload = {"machine": machine_info(),
                "workload": {"num_seqs": args.num_seqs, "input_len": args.input_len,
-                            "output_len": args.output_len, "model": "random tiny (bench/random_model.py)"},
+                            "output_len": args.output_len, "model": "random tiny (bench/random_model.py)",
+                            "sampling": SAMPLING[args.sampling]},
                "results": results, **ratios}
     path = write_result("host-step", payload, Path(args.output_dir) if args.output_dir else RESULTS_DIR)
     plot_host_step(payload, path.with_suffix(".png"))

@@ -25,8 +25,13 @@ def test_measure_times_the_decode_steps_and_splits_out_the_model(tiny_dir):
     assert result["engine_file"].startswith(str(host_step.Path(host_step.__file__).parent.parent))
 
 
+def test_seeded_sampling_is_measured_as_well(tiny_dir):
+    result = host_step.measure(str(tiny_dir), num_seqs=4, input_len=8, output_len=6, repeats=1, sampling="seeded")
+    assert result["decode_steps"] >= 4 and result["host_ms"] > 0
+
+
 def test_baseline_measures_another_commit_from_its_own_checkout(tiny_dir):
-    args = argparse.Namespace(num_seqs=2, input_len=8, output_len=4, repeats=1)
+    args = argparse.Namespace(num_seqs=2, input_len=8, output_len=4, repeats=1, sampling="greedy")
     result = host_step.measure_ref("HEAD", args, tiny_dir)
     assert len(result["commit"]) == 40 and result["host_ms"] > 0
     assert "pagedserve-baseline-" in result["engine_file"]  # the worktree's engine, not ours
