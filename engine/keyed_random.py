@@ -9,6 +9,7 @@ rejection), and every row of a batch draws in one tensor op, on any device alike
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -46,3 +47,11 @@ def seeded_exponentials(keys: torch.Tensor, num_cols: int) -> torch.Tensor:
 def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
     """Logical right shift of int64 (>> is arithmetic on signed tensors)."""
     return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix_array(seeds: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`mix` of each (seed, position) pair: seeds uint64, positions int64; the keys as int64."""
+    z = seeds * np.uint64(0x9E3779B97F4A7C15) + positions.astype(np.uint64) + np.uint64(1)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((z ^ (z >> np.uint64(31))) & np.uint64(0x7FFFFFFFFFFFFFFF)).astype(np.int64)

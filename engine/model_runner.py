@@ -31,9 +31,10 @@ from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, load_model, read_arch_config
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request
-from engine.sampler import NOT_EMITTED, Sampler, SamplingRow, prompt_logprobs
+from engine.sampler import NOT_EMITTED, Sampler, prompt_logprobs
+from engine.sampling_batch import SamplingBatch, rng_keys
 from engine.step_rows import (DecodeInputs, ForwardRow, SteadyRows, all_ahead, all_plain_greedy, as_decodes,
-                              forward_order, forward_row, num_leading_decodes, padded, request_of, rng_key)
+                              forward_order, forward_row, num_leading_decodes, padded, request_of)
 
 log = logging.getLogger(__name__)
 
@@ -209,10 +210,7 @@ class ModelRunner:
         if all_plain_greedy(sched.scheduled, []):
             tokens = self.sampler.argmax_tensor(logits)
         else:  # a seeded row's key is its output position: one further with a step in flight
-            offset = previous is not None
-            tokens = self.sampler.sample_tensor(logits, [
-                SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                            rng_key(r.seed, len(r.output_token_ids) + offset)) for r in requests])
+            tokens = self.sampler.sample_tensor(logits, SamplingBatch.of_requests(requests, previous is not None))
         return InflightStep.launched(sched, requests, tokens, start)
 
     def forward(self, rows: list[ForwardRow], steady: SteadyRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -353,34 +351,39 @@ class ModelRunner:
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values).to(self.device, non_blocking=True)
 
-    def _sampling_rows(self, sampling: list[ScheduledRequest]
-                       ) -> tuple[list[SamplingRow], list[int], list[int]]:
-        """Rows to sample, the request each belongs to, and the logits row each reads."""
-        rows, owner, logits_index = [], [], []
+    @staticmethod
+    def _sampling_rows(sampling: list[ScheduledRequest]) -> tuple[SamplingBatch, list[int], list[int]]:
+        """Rows to sample (one per request, unless it forks or verifies drafts), the request
+        each belongs to, and the logits row each reads."""
+        if all(s.num_samples == 1 and not s.spec_token_ids for s in sampling):
+            rows = list(range(len(sampling)))
+            return SamplingBatch.of_requests(list(map(request_of, sampling))), rows, rows
+        params, prompts, outputs, seeds, positions, matchers, drafts = [], [], [], [], [], [], []
+        owner, logits_index = [], []
         next_logits = 0
         for i, s in enumerate(sampling):
             r = s.request
             matcher = None if r.structured is None else r.structured.matcher
-            drafts = s.spec_token_ids
-            if drafts:  # row j verifies drafts[j] after drafts[:j]; the last row follows them all
-                for j in range(len(drafts) + 1):
-                    position = r.num_output_tokens + j
-                    rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids,
-                                            r.output_token_ids + drafts[:j], rng_key(r.seed, position),
-                                            matcher, drafts[j] if j < len(drafts) else None))
-                    owner.append(i)
-                    logits_index.append(next_logits)
-                    next_logits += 1
-                continue
-            for index in range(s.num_samples):
-                seed = None if r.seed is None else r.seed + index
-                # A forking prompt's n rows share sample 0's matcher: none has a token yet.
-                rows.append(SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids,
-                                        rng_key(seed, r.num_output_tokens), matcher))
+            spec = s.spec_token_ids
+            # Row j verifies spec[j] after spec[:j]; the last row follows them all. A forking
+            # prompt's n rows read one logits row and share sample 0's matcher (none has a
+            # token yet); sample k's seed is seed + k.
+            for j in range(len(spec) + 1 if spec else s.num_samples):
+                params.append(r.sampling_params)
+                prompts.append(r.prompt_token_ids)
+                outputs.append(r.output_token_ids + spec[:j] if spec else r.output_token_ids)
+                seeds.append(None if r.seed is None else r.seed + (0 if spec else j))
+                positions.append(r.num_output_tokens + (j if spec else 0))
+                matchers.append(matcher)
+                drafts.append(spec[j] if j < len(spec) else None)
                 owner.append(i)
                 logits_index.append(next_logits)
-            next_logits += 1
-        return rows, owner, logits_index
+                next_logits += 1 if spec else 0
+            next_logits += 0 if spec else 1
+        batch = SamplingBatch(params, prompts, outputs, rng_keys(seeds, np.array(positions, np.int64)),
+                              matchers if any(m is not None for m in matchers) else None,
+                              drafts if any(d is not None for d in drafts) else None)
+        return batch, owner, logits_index
 
     @staticmethod
     def _group(sampling: list[ScheduledRequest], row_owner: list[int], sampled, num_steady: int

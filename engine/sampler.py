@@ -34,32 +34,19 @@ from dataclasses import dataclass
 import functools
 import time
 
+import numpy as np
 import torch
 
 import cpu_kernels
 from cpu_kernels import ops
 
-from engine.sampling_params import SamplingParams
 from engine.keyed_random import seeded_exponentials
+from engine.sampling_batch import (FREQUENCY, GREEDY, LOGPROBS, MIN_P, PENALTIES, PRESENCE, REPETITION, TEMPERATURE,
+                                   TOP_K, TOP_P, UNSEEDED, SamplingBatch)
 from engine.spec_decode.rejection import greedy_verify
 from engine.structured_output.backend import GrammarBackend, GrammarMatcher
 
 NOT_EMITTED = -1  # a verification row past its group's emitted run
-
-
-@dataclass(slots=True)
-class SamplingRow:
-    """One logits row to sample from."""
-
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]  # generated so far, before this step
-    # A seeded row's randomness: a 64-bit key of (seed, output position); None: the global RNG.
-    rng_key: int | None
-    matcher: GrammarMatcher | None = None  # structured output: what the grammar allows next
-    # Speculative decoding: the draft token this row verifies. A group's rows are consecutive:
-    # k rows with their drafts, then one (draft None) for the token after the last draft.
-    draft_token_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -91,28 +78,28 @@ class Sampler:
         # CPU argmax over bf16 is ~5x slower than the (exact) upcast + fp32 argmax.
         return _argmax(logits.float())
 
-    def sample_tensor(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def sample_tensor(self, logits: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
         """The tokens of rows that are each plain greedy or plain random (SamplingParams), as
         an int64 tensor on the logits' device, without waiting for the device: what `__call__`
         samples for them, for a step launched ahead (engine/async_step.py)."""
         return _sample_tensor(self._tokens_only(logits).to(torch.float32, copy=True), rows)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: SamplingBatch) -> SamplerOutput:
         lm_head_rows = logits.shape[-1]  # what a grammar's bitmask covers
         logits = self._tokens_only(logits)
-        if _is_plain_greedy(rows):
+        if rows.plain_greedy():
             return _greedy(logits, rows, lm_head_rows)
         # A copy: the stages below write in place and the caller keeps its logits.
         logits = logits.to(torch.float32, copy=True)
         grammar_s = _apply_grammar(logits, rows, lm_head_rows)
-        logprob_idx = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        logprob_idx = np.flatnonzero(rows.columns[:, LOGPROBS] >= 0).tolist()
         raw_logprobs = (torch.log_softmax(logits[_index(logprob_idx, logits)], dim=-1)
                         if logprob_idx else None)
         self._mask_min_tokens(logits, rows)
-        penalty_idx = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+        penalty_idx = np.flatnonzero(rows.flag(PENALTIES)).tolist()
         if penalty_idx:
             index = _index(penalty_idx, logits)
-            logits[index] = _apply_penalties(logits[index], [rows[i] for i in penalty_idx])
+            logits[index] = _apply_penalties(logits[index], rows.take(penalty_idx))
         token_ids = _sample(logits, rows)
         logprobs = _collect_logprobs(raw_logprobs, logprob_idx, token_ids, rows)
         return SamplerOutput(token_ids, logprobs, grammar_s)
@@ -123,18 +110,16 @@ class Sampler:
             return logits[:, :self.num_tokens]
         return logits
 
-    def _mask_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
-        """Forbid every way of stopping until a row has min_tokens outputs."""
+    def _mask_min_tokens(self, logits: torch.Tensor, rows: SamplingBatch) -> None:
+        """Forbid every way of stopping until a row has min_tokens outputs. A grammar decides
+        where a constrained row may end instead (banning eos where the grammar allows nothing
+        else would leave no token at all)."""
         vocab_size = logits.shape[-1]
         row_idx: list[int] = []
         token_idx: list[int] = []
-        for i, r in enumerate(rows):
-            # A grammar decides where a constrained row may end (banning eos where the grammar
-            # allows nothing else would leave no token at all).
-            if len(r.output_token_ids) >= r.params.min_tokens or r.matcher is not None:
-                continue
+        for i in np.flatnonzero(rows.min_tokens_pending()).tolist():
             # Ids past the vocab (a tokenizer larger than the lm head) cannot be sampled.
-            banned = {t for t in (*self.eos_token_ids, *r.params.stop_token_ids) if t < vocab_size}
+            banned = {t for t in (*self.eos_token_ids, *rows.params[i].stop_token_ids) if t < vocab_size}
             row_idx.extend([i] * len(banned))
             token_idx.extend(banned)
         if row_idx:
@@ -149,31 +134,26 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def _is_plain_greedy(rows: list[SamplingRow]) -> bool:
-    return all(r.params.plain_greedy and (len(r.output_token_ids) >= r.params.min_tokens or r.matcher is not None)
-               for r in rows)
-
-
-def _greedy(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: int) -> SamplerOutput:
+def _greedy(logits: torch.Tensor, rows: SamplingBatch, lm_head_rows: int) -> SamplerOutput:
     """The hot path: argmax. The upcast is exact, and CPU argmax over bf16 is ~5x slower than
     upcast + argmax over fp32. Constrained rows are copied out and masked on their own, so the
     others cost what they cost alone."""
     logits = logits.float()
     token_ids = _argmax(logits)
-    constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    constrained = rows.constrained()
     grammar_s = None
     if constrained:
         index = _index(constrained, logits)
         masked = logits[index]  # a copy: the caller keeps its logits
-        grammar_s = _apply_grammar(masked, [rows[i] for i in constrained], lm_head_rows)
+        grammar_s = _apply_grammar(masked, rows.take(constrained), lm_head_rows)
         token_ids[index] = _argmax(masked)
     return SamplerOutput(_verify(token_ids.tolist(), rows), [None] * len(rows), grammar_s)
 
 
-def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: int) -> float | None:
+def _apply_grammar(logits: torch.Tensor, rows: SamplingBatch, lm_head_rows: int) -> float | None:
     """Set what each constrained row's grammar forbids to -inf: one bitmask for the batch,
     filled row by row, unpacked and applied to those rows only. Returns the time it took."""
-    constrained = [i for i, r in enumerate(rows) if r.matcher is not None]
+    constrained = rows.constrained()
     if not constrained:
         return None
     start = time.perf_counter()
@@ -187,8 +167,9 @@ def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow], lm_head_rows: 
     filled: dict[tuple[int, int], int] = {}  # (matcher, drafts it has accepted) -> bitmask row
     advanced: dict[int, tuple[GrammarMatcher, int]] = {}  # matcher -> (it, drafts accepted)
     dead: set[int] = set()
+    drafts = rows.draft_token_ids or [None] * len(rows)
     for row, i in enumerate(constrained):
-        matcher, draft = rows[i].matcher, rows[i].draft_token_id
+        matcher, draft = rows.matchers[i], drafts[i]
         depth = advanced.get(id(matcher), (matcher, 0))[1]
         key = (id(matcher), depth)
         if key in filled or id(matcher) in dead:
@@ -232,9 +213,9 @@ def _index(ids: list[int], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long, device=like.device)
 
 
-def _per_row(values: list[float], like: torch.Tensor) -> torch.Tensor:
+def _per_row(values: np.ndarray | list[float], like: torch.Tensor) -> torch.Tensor:
     """A [B, 1] column of per-row parameters, to broadcast against [B, V]."""
-    return torch.tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
+    return torch.as_tensor(values, dtype=like.dtype, device=like.device).unsqueeze(1)
 
 
 def _padded(seqs: list[list[int]], pad: int, like: torch.Tensor) -> torch.Tensor:
@@ -242,54 +223,55 @@ def _padded(seqs: list[list[int]], pad: int, like: torch.Tensor) -> torch.Tensor
     return _index([s + [pad] * (width - len(s)) for s in seqs], like).view(len(seqs), width)
 
 
-def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _apply_penalties(logits: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
     """vLLM penalties on [P, V] logits of the rows that use them."""
     num_rows, vocab_size = logits.shape
     # Pad with vocab_size: scatter into one spare column, then drop it.
-    output_ids = _padded([r.output_token_ids for r in rows], vocab_size, logits)
+    output_ids = _padded(rows.output_token_ids, vocab_size, logits)
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)
     counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=logits.dtype))
     counts = counts[:, :vocab_size]
-    prompt_ids = _padded([r.prompt_token_ids for r in rows], vocab_size, logits)
+    prompt_ids = _padded(rows.prompt_token_ids, vocab_size, logits)
     seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
     seen.scatter_(1, prompt_ids, True)
     seen = seen[:, :vocab_size] | (counts > 0)
 
-    repetition = _per_row([r.params.repetition_penalty for r in rows], logits)
+    repetition = _per_row(rows.columns[:, REPETITION], logits)
     # Dividing a positive logit and multiplying a negative one both push it down.
     penalised = torch.where(logits > 0, logits / repetition, logits * repetition)
     logits = torch.where(seen, penalised, logits)
-    frequency = _per_row([r.params.frequency_penalty for r in rows], logits)
-    presence = _per_row([r.params.presence_penalty for r in rows], logits)
+    frequency = _per_row(rows.columns[:, FREQUENCY], logits)
+    presence = _per_row(rows.columns[:, PRESENCE], logits)
     return logits - frequency * counts - presence * (counts > 0).to(logits.dtype)
 
 
-def _sample(logits: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+def _sample(logits: torch.Tensor, rows: SamplingBatch) -> list[int]:
     return _verify(_sample_tensor(logits, rows).tolist(), rows)
 
 
-def _sample_tensor(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _sample_tensor(logits: torch.Tensor, rows: SamplingBatch) -> torch.Tensor:
     """Each row's token, on the device. Nothing here waits for the device unless a row filters
     by top-k or top-p (`_window` checks its exactness on the host)."""
+    greedy = rows.flag(GREEDY)
+    if not greedy.any():  # every row draws: no index to gather or scatter through
+        return _race(_filtered_probs(logits, rows.columns), rows.rng_keys)
     token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-    greedy_idx = [i for i, r in enumerate(rows) if r.params.greedy]
-    random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
-    if greedy_idx:
-        index = _index(greedy_idx, logits)
-        token_ids[index] = _argmax(logits[index])
+    greedy_idx, random_idx = np.flatnonzero(greedy).tolist(), np.flatnonzero(~greedy).tolist()
+    index = _index(greedy_idx, logits)
+    token_ids[index] = _argmax(logits[index])
     if random_idx:
         index = _index(random_idx, logits)
-        random_rows = [rows[i] for i in random_idx]
-        probs = _filtered_probs(logits[index], random_rows)
-        token_ids[index] = _race(probs, [r.rng_key for r in random_rows])
+        token_ids[index] = _race(_filtered_probs(logits[index], rows.columns[random_idx]), rows.rng_keys[random_idx])
     return token_ids
 
 
-def _groups(rows: list[SamplingRow]) -> list[range]:
+def _groups(rows: SamplingBatch) -> list[range]:
     """The verification groups (rows with drafts, then the row after): ranges of > 1 rows."""
+    if rows.draft_token_ids is None:
+        return []
     groups, start = [], None
-    for i, r in enumerate(rows):
-        if r.draft_token_id is not None:
+    for i, draft in enumerate(rows.draft_token_ids):
+        if draft is not None:
             start = i if start is None else start
         elif start is not None:
             groups.append(range(start, i + 1))
@@ -297,7 +279,7 @@ def _groups(rows: list[SamplingRow]) -> list[range]:
     return groups
 
 
-def _verify(tokens: list[int], rows: list[SamplingRow]) -> list[int]:
+def _verify(tokens: list[int], rows: SamplingBatch) -> list[int]:
     """Each verification group: `tokens` holds the token every row sampled (argmax, or its own
     exponential race) as if its drafts were right; accept drafts while they equal those, then
     emit the first sampled token that differs, or the bonus after the last draft.
@@ -315,7 +297,7 @@ def _verify(tokens: list[int], rows: list[SamplingRow]) -> list[int]:
         return tokens
     width = max(len(g) for g in groups)
     target = torch.tensor([[tokens[i] for i in g] + [0] * (width - len(g)) for g in groups])
-    drafts = torch.tensor([[rows[i].draft_token_id for i in g[:-1]] + [0] * (width - len(g))
+    drafts = torch.tensor([[rows.draft_token_ids[i] for i in g[:-1]] + [0] * (width - len(g))
                            for g in groups]).view(len(groups), width - 1)
     emitted, counts = greedy_verify(target, drafts, torch.tensor([len(g) - 1 for g in groups]))
     _scatter_runs(tokens, groups, emitted.tolist(), counts.tolist())
@@ -328,17 +310,18 @@ def _scatter_runs(tokens: list[int], groups: list[range], emitted: list[list[int
             tokens[i] = run[j] if j < count else NOT_EMITTED
 
 
-def _filtered_probs(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Temperature, then top_k, top_p and min_p; returns unnormalised probs."""
+def _filtered_probs(logits: torch.Tensor, columns: np.ndarray) -> torch.Tensor:
+    """Temperature, then top_k, top_p and min_p (the rows' SamplingBatch columns); returns
+    unnormalised probs."""
     vocab_size = logits.shape[-1]
-    logits = logits / _per_row([r.params.temperature for r in rows], logits)
-    top_k = [r.params.top_k if 0 < r.params.top_k < vocab_size else vocab_size for r in rows]
-    top_p = [r.params.top_p for r in rows]
-    if any(k < vocab_size for k in top_k) or any(p < 1.0 for p in top_p):
-        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    logits = logits / _per_row(columns[:, TEMPERATURE], logits)
+    top_k_col, top_p_col = columns[:, TOP_K], columns[:, TOP_P]
+    if ((top_k_col > 0) & (top_k_col < vocab_size)).any() or (top_p_col < 1.0).any():
+        top_k = np.where((top_k_col > 0) & (top_k_col < vocab_size), top_k_col, vocab_size).astype(int).tolist()
+        logits = _apply_top_k_top_p(logits, top_k, top_p_col.tolist())
     probs = logits.softmax(dim=-1)
-    min_p = [r.params.min_p for r in rows]
-    if any(m > 0.0 for m in min_p):
+    min_p = columns[:, MIN_P]
+    if (min_p > 0.0).any():
         threshold = probs.amax(dim=-1, keepdim=True) * _per_row(min_p, probs)
         probs = probs.masked_fill(probs < threshold, 0.0)
     # The race below needs no renormalisation: argmax(p / q) scales out.
@@ -412,18 +395,20 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: list[int], top_p: list[fl
     return sorted_logits.masked_fill_(drop, float("-inf"))
 
 
-def _race(probs: torch.Tensor, rng_keys: list[int | None]) -> torch.Tensor:
-    """argmax(p / q), q ~ Exp(1): a draw from p with one random vector per row."""
-    q = torch.empty_like(probs)
-    seeded = [i for i, k in enumerate(rng_keys) if k is not None]
-    if not seeded:
-        q.exponential_()
+def _race(probs: torch.Tensor, rng_keys: np.ndarray) -> torch.Tensor:
+    """argmax(p / q), q ~ Exp(1): a draw from p with one random vector per row; a seeded row's
+    (rng_keys, int64, UNSEEDED for none) a function of its key alone."""
+    seeded = rng_keys != UNSEEDED
+    if not seeded.any():
+        q = torch.empty_like(probs).exponential_()
+    elif seeded.all():
+        q = seeded_exponentials(torch.from_numpy(rng_keys).to(probs.device), probs.shape[-1]).to(probs.dtype)
     else:
-        keys = torch.tensor([rng_keys[i] for i in seeded], dtype=torch.int64, device=probs.device)
-        q[_index(seeded, q)] = seeded_exponentials(keys, probs.shape[-1]).to(q.dtype)
-        if len(seeded) < len(rng_keys):
-            unseeded = [i for i, k in enumerate(rng_keys) if k is None]
-            q[_index(unseeded, q)] = torch.empty(len(unseeded), probs.shape[-1],
+        q = torch.empty_like(probs)
+        seeded_idx, unseeded_idx = np.flatnonzero(seeded).tolist(), np.flatnonzero(~seeded).tolist()
+        keys = torch.from_numpy(rng_keys[seeded_idx]).to(probs.device)
+        q[_index(seeded_idx, q)] = seeded_exponentials(keys, probs.shape[-1]).to(q.dtype)
+        q[_index(unseeded_idx, q)] = torch.empty(len(unseeded_idx), probs.shape[-1],
                                                  device=probs.device).exponential_()
     # q == 0 would give 0/0 = nan for a filtered token, and argmax would pick it.
     q.clamp_(min=torch.finfo(q.dtype).tiny)
@@ -431,7 +416,7 @@ def _race(probs: torch.Tensor, rng_keys: list[int | None]) -> torch.Tensor:
 
 
 def _collect_logprobs(raw_logprobs: torch.Tensor | None, logprob_idx: list[int],
-                      token_ids: list[int], rows: list[SamplingRow]) -> list[dict[int, float] | None]:
+                      token_ids: list[int], rows: SamplingBatch) -> list[dict[int, float] | None]:
     """Per row: the sampled token's raw logprob plus the top-N, as plain floats."""
     out: list[dict[int, float] | None] = [None] * len(rows)
     if raw_logprobs is None:
@@ -441,7 +426,7 @@ def _collect_logprobs(raw_logprobs: torch.Tensor | None, logprob_idx: list[int],
         return out
     entries = _logprob_entries(raw_logprobs[_index(kept, raw_logprobs)],
                                [token_ids[logprob_idx[k]] for k in kept],
-                               [rows[logprob_idx[k]].params.logprobs for k in kept])
+                               [int(rows.columns[logprob_idx[k], LOGPROBS]) for k in kept])
     for k, entry in zip(kept, entries):
         out[logprob_idx[k]] = entry
     return out

@@ -80,6 +80,14 @@ class SamplingParams:
         return (not self.greedy and self.top_k == 0 and self.top_p >= 1.0 and not self.uses_penalties
                 and self.logprobs is None)
 
+    @functools.cached_property
+    def columns(self) -> tuple[float, ...]:
+        """These settings as one row of numbers, in engine/sampling_batch.py's column order: the
+        sampler reads a step's rows as arrays (logprobs None is -1). Cached, as plain_greedy."""
+        return (self.temperature, float(self.top_k), self.top_p, self.min_p, self.repetition_penalty,
+                self.frequency_penalty, self.presence_penalty, -1.0 if self.logprobs is None else float(self.logprobs),
+                float(self.min_tokens), float(self.greedy), float(self.uses_penalties), float(self.plain_greedy))
+
     @property
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

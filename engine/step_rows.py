@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.keyed_random import mix
 from engine.outputs import ScheduledRequest
 
 
@@ -62,12 +61,6 @@ def forward_row(s: ScheduledRequest) -> ForwardRow:
     if drafts:
         tokens += drafts
     return ForwardRow(tokens, start, s.block_ids, (1 + len(drafts)) if s.num_samples else 0)
-
-
-def rng_key(seed: int | None, position: int) -> int | None:
-    """A seeded sample's randomness at output position `position` (None: unseeded): keyed by
-    (seed, position), not one stream per request (engine/keyed_random.py)."""
-    return None if seed is None else mix(seed, position)
 
 
 @dataclass(slots=True)

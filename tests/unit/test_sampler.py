@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from engine.step_rows import rng_key
-from engine.keyed_random import seeded_exponentials
-from engine.sampler import Sampler, SamplerOutput, SamplingRow
+from engine import sampler as engine_sampler
+from engine.keyed_random import mix, seeded_exponentials
+from engine.sampler import SamplerOutput
+from engine.sampling_batch import UNSEEDED, SamplingBatch
 from engine.sampling_params import SamplingParams
 
 NUM_DRAWS = 5000
@@ -32,9 +34,37 @@ def _seed_global_rng():
     torch.manual_seed(1234)
 
 
+@dataclasses.dataclass
+class Row:
+    """One row of a test's batch, spelled out."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    rng_key: int | None  # None: unseeded
+    matcher: object = None
+    draft_token_id: int | None = None
+
+
 def row(params: SamplingParams | None = None, prompt: list[int] | None = None,
-        output: list[int] | None = None, seed: int | None = None) -> SamplingRow:
-    return SamplingRow(params or SamplingParams(), list(prompt or []), list(output or []), seed)
+        output: list[int] | None = None, seed: int | None = None) -> Row:
+    return Row(params or SamplingParams(), list(prompt or []), list(output or []), seed)
+
+
+def batch(rows: list[Row]) -> SamplingBatch:
+    matchers, drafts = [r.matcher for r in rows], [r.draft_token_id for r in rows]
+    return SamplingBatch([r.params for r in rows], [r.prompt_token_ids for r in rows],
+                         [r.output_token_ids for r in rows],
+                         np.array([UNSEEDED if r.rng_key is None else r.rng_key for r in rows], np.int64),
+                         matchers if any(m is not None for m in matchers) else None,
+                         drafts if any(d is not None for d in drafts) else None)
+
+
+class Sampler(engine_sampler.Sampler):
+    """The engine's sampler, given a test's rows as the SamplingBatch they make."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[Row]) -> SamplerOutput:
+        return super().__call__(logits, batch(rows))
 
 
 def draw(params: SamplingParams, logits: torch.Tensor = LOGITS, n: int = NUM_DRAWS,
@@ -270,13 +300,13 @@ def test_logprobs_include_a_sampled_token_outside_the_top_n(num_logprobs, expect
     assert out.logprobs[0] == pytest.approx({t: raw[t].item() for t in expected_keys}, abs=1e-6)
 
 
-def seeded_tokens(batch: list[SamplingRow], position: int, steps: int = 20) -> list[int]:
+def seeded_tokens(crowd: list[Row], position: int, steps: int = 20) -> list[int]:
     """Row `position`'s tokens over `steps` output positions: a seeded row's key (its seed
     here) is mixed with the position, as the runner does."""
-    sampler, logits = Sampler([EOS]), LOGITS.expand(len(batch), -1).clone()
+    sampler, logits = Sampler([EOS]), LOGITS.expand(len(crowd), -1).clone()
     tokens = []
     for step in range(steps):
-        rows = [dataclasses.replace(r, rng_key=rng_key(r.rng_key, step)) for r in batch]
+        rows = [dataclasses.replace(r, rng_key=None if r.rng_key is None else mix(r.rng_key, step)) for r in crowd]
         tokens.append(sampler(logits, rows).token_ids[position])
     return tokens
 
@@ -348,7 +378,7 @@ def test_verification_keeps_the_target_distribution():
     d2 = int(table[d1].argsort()[-2])  # the second likeliest: rejected often
     logits = table[[0, d1, d2]].log().repeat(groups, 1)
     params = SamplingParams(temperature=1.0)
-    rows = [SamplingRow(params, [], [], None, None, draft) for _ in range(groups) for draft in (d1, d2, None)]
+    rows = [Row(params, [], [], None, None, draft) for _ in range(groups) for draft in (d1, d2, None)]
     torch.manual_seed(5)
     tokens = torch.tensor(Sampler([])(logits, rows).token_ids).view(groups, 3)
 
@@ -371,11 +401,11 @@ def test_verification_of_a_seeded_row_samples_what_it_samples_without_drafts():
     params = SamplingParams(temperature=0.9, seed=1)
     plain = [Sampler([])(logits[j:j + 1], [row(params, seed=100 + j)]).token_ids[0] for j in range(3)]
     drafts = [plain[0], plain[1]]  # right drafts: the whole run is kept, plus the bonus
-    rows = [SamplingRow(params, [], [], 100 + j, None,
-                        drafts[j] if j < 2 else None) for j in range(3)]
+    rows = [Row(params, [], [], 100 + j, None,
+                 drafts[j] if j < 2 else None) for j in range(3)]
     assert Sampler([])(logits, rows).token_ids == plain
-    wrong = [SamplingRow(params, [], [], 100 + j, None,
-                         (plain[j] + 1) % 40 if j < 2 else None) for j in range(3)]
+    wrong = [Row(params, [], [], 100 + j, None,
+                 (plain[j] + 1) % 40 if j < 2 else None) for j in range(3)]
     assert Sampler([])(logits, wrong).token_ids == [plain[0], -1, -1]
 
 
