@@ -10,7 +10,10 @@ stop strings) is timed on its own: on a server it runs in the frontend process.
 
 `--baseline REF` measures a git commit the same way in the same run (from a temporary
 worktree, in a child process): the before/after that the README quotes. The measurement
-below therefore uses only interfaces every commit has (EngineCore, OutputProcessor).
+below therefore uses only interfaces every commit has (EngineCore, OutputProcessor). The
+two builds' runs alternate (baseline, current, baseline, ...), each keeping its engine, so
+that the VM's drift in speed (this project's 2-core VMs vary by 2x within minutes) falls on
+both alike; each keeps its best run.
 """
 
 from __future__ import annotations
@@ -47,34 +50,48 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dir", default=None, help=argparse.SUPPRESS)
 
 
+class Workload:
+    """One engine on the tiny model; each `run` adds the workload's requests and times them."""
+
+    def __init__(self, model_dir: str, num_seqs: int, input_len: int, output_len: int, sampling: str = "greedy"):
+        import torch
+
+        from engine.config import EngineConfig
+        from engine.core import EngineCore
+        from engine.models.loader import eos_token_ids, load_tokenizer
+        torch.set_flush_denormal(True)
+        self.tokenizer = load_tokenizer(Path(model_dir))
+        blocks = num_seqs * (-(-(input_len + output_len) // 16) + 1)
+        config = EngineConfig(model=model_dir, dtype="float32", max_num_seqs=num_seqs, num_kv_blocks=blocks,
+                              max_num_batched_tokens=max(2048, num_seqs), enable_prefix_caching=False)
+        self.core = EngineCore(config, eos_token_ids(self.tokenizer), tokenizer=self.tokenizer)
+        self.model_s = _time_model(self.core.model_runner.model)
+        self.num_seqs, self.input_len, self.output_len = num_seqs, input_len, output_len
+        self.settings = SAMPLING[sampling]
+        self.num_runs = 0
+
+    def run(self, profile: bool = False) -> dict:
+        from engine.sampling_params import SamplingParams
+        from frontend.output_processor import OutputProcessor
+        processor = OutputProcessor(self.tokenizer, self.core.eos_token_ids)
+        run, self.num_runs = self.num_runs, self.num_runs + 1
+        for i in range(self.num_seqs):
+            seed = {"seed": i} if "seed" in self.settings else {}
+            params = SamplingParams(**{**self.settings, **seed}, max_tokens=self.output_len, ignore_eos=True)
+            prompt = [100 + (i * 7 + j * 13) % 900 for j in range(self.input_len)]
+            self.core.add_request(f"{run}-{i}", prompt, params)
+            processor.add_request(f"{run}-{i}", prompt, params)
+        return _decode_steps(self.core, processor, self.model_s, self.num_seqs, profile)
+
+
 def measure(model_dir: str, num_seqs: int, input_len: int, output_len: int, repeats: int,
             profile: bool = False, sampling: str = "greedy") -> dict:
     """Best-of-`repeats` per-step means over the decode steps of one workload."""
-    import torch
+    workload = Workload(model_dir, num_seqs, input_len, output_len, sampling)
+    return best_of([workload.run(profile and run == repeats - 1) for run in range(repeats)])
 
-    from engine.config import EngineConfig
-    from engine.core import EngineCore
-    from engine.models.loader import eos_token_ids, load_tokenizer
-    from engine.sampling_params import SamplingParams
-    from frontend.output_processor import OutputProcessor
-    torch.set_flush_denormal(True)
-    tokenizer = load_tokenizer(Path(model_dir))
-    blocks = num_seqs * (-(-(input_len + output_len) // 16) + 1)
-    config = EngineConfig(model=model_dir, dtype="float32", max_num_seqs=num_seqs, num_kv_blocks=blocks,
-                          max_num_batched_tokens=max(2048, num_seqs), enable_prefix_caching=False)
-    core = EngineCore(config, eos_token_ids(tokenizer), tokenizer=tokenizer)
-    model_s = _time_model(core.model_runner.model)
-    settings = SAMPLING[sampling]
-    runs = []
-    for run in range(repeats):
-        processor = OutputProcessor(tokenizer, core.eos_token_ids)
-        for i in range(num_seqs):
-            seed = {"seed": i} if "seed" in settings else {}
-            params = SamplingParams(**{**settings, **seed}, max_tokens=output_len, ignore_eos=True)
-            prompt = [100 + (i * 7 + j * 13) % 900 for j in range(input_len)]
-            core.add_request(f"{run}-{i}", prompt, params)
-            processor.add_request(f"{run}-{i}", prompt, params)
-        runs.append(_decode_steps(core, processor, model_s, num_seqs, profile and run == repeats - 1))
+
+def best_of(runs: list[dict]) -> dict:
     best = min(runs, key=lambda r: r["host_ms"])
     return {**best, "runs": runs, "engine_file": sys.modules["engine"].__file__}
 
@@ -127,43 +144,94 @@ def _decode_steps(core, processor, model_s: list[float], num_seqs: int, profile:
             "host_ms": 1e3 * (step_s - forward_s) / steps, "output_ms": 1e3 * output_s / steps}
 
 
-def measure_ref(ref: str, args: argparse.Namespace, model_dir: Path) -> dict:
-    """Run `measure` on commit `ref`, checked out in a temporary worktree, in a child process."""
-    root = Path(__file__).resolve().parent.parent
-    sha = subprocess.check_output(["git", "-C", str(root), "rev-parse", ref], text=True).strip()
-    with tempfile.TemporaryDirectory(prefix="pagedserve-baseline-") as tmp:
-        tree = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(tree), sha],
+class Baseline:
+    """Commit `ref`, checked out in a temporary worktree, measured by a child process that
+    keeps one `Workload` and times one run per `run()` call (a line on its stdin, a JSON line
+    back)."""
+
+    def __init__(self, ref: str, args: argparse.Namespace, model_dir: Path) -> None:
+        root = Path(__file__).resolve().parent.parent
+        self.root = root
+        self.sha = subprocess.check_output(["git", "-C", str(root), "rev-parse", ref], text=True).strip()
+        self._tmp = tempfile.TemporaryDirectory(prefix="pagedserve-baseline-")
+        self.tree = Path(self._tmp.name) / "tree"
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(self.tree), self.sha],
                        check=True, capture_output=True)
-        try:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--measure-only", "--model-dir", str(model_dir),
-                   "--num-seqs", str(args.num_seqs), "--input-len", str(args.input_len),
-                   "--output-len", str(args.output_len), "--repeats", str(args.repeats)]
-            if args.sampling != "greedy":  # (older commits know greedy only)
-                cmd += ["--sampling", args.sampling]
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            out = subprocess.run(cmd, cwd=tree, env=env, check=True, capture_output=True, text=True).stdout
-        finally:
-            subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=False)
-    return {**json.loads(out.strip().splitlines()[-1]), "commit": sha}
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--measure-only", "--model-dir", str(model_dir),
+               "--num-seqs", str(args.num_seqs), "--input-len", str(args.input_len),
+               "--output-len", str(args.output_len)]
+        if args.sampling != "greedy":  # (older commits know greedy only)
+            cmd += ["--sampling", args.sampling]
+        self.child = subprocess.Popen(cmd, cwd=self.tree, env={**os.environ, "PYTHONPATH": str(self.tree)},
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.engine_file = self._reply()["engine_file"]
+
+    def run(self) -> dict:
+        self.child.stdin.write("run\n")
+        self.child.stdin.flush()
+        return self._reply()
+
+    def _reply(self) -> dict:
+        line = self.child.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the baseline's child process ({self.sha[:10]}) ended: exit {self.child.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.child.stdin.close()
+        self.child.wait()
+        subprocess.run(["git", "-C", str(self.root), "worktree", "remove", "--force", str(self.tree)], check=False)
+        self._tmp.cleanup()
+
+
+def measure_ref(ref: str, args: argparse.Namespace, model_dir: Path) -> dict:
+    """`measure` of commit `ref`: best of `args.repeats` runs in a `Baseline` child."""
+    baseline = Baseline(ref, args, model_dir)
+    try:
+        return {**best_of([baseline.run() for _ in range(args.repeats)]), "engine_file": baseline.engine_file,
+                "commit": baseline.sha}
+    finally:
+        baseline.close()
+
+
+def _serve_runs(args: argparse.Namespace) -> int:
+    """The child of --baseline: the engine file, then one JSON line per line read."""
+    workload = Workload(args.model_dir, args.num_seqs, args.input_len, args.output_len, args.sampling)
+    print(json.dumps({"engine_file": sys.modules["engine"].__file__}), flush=True)
+    for _ in sys.stdin:
+        print(json.dumps(workload.run()), flush=True)
+    return 0
+
+
+def _interleaved(args: argparse.Namespace, model_dir: Path, head: str) -> dict[str, dict]:
+    """Both builds' runs in turn, baseline first (see the module's docstring)."""
+    baseline = Baseline(args.baseline, args, model_dir)
+    try:
+        current = Workload(str(model_dir), args.num_seqs, args.input_len, args.output_len, args.sampling)
+        base_runs, current_runs = [], []
+        for run in range(args.repeats):
+            base_runs.append(baseline.run())
+            current_runs.append(current.run(args.profile and run == args.repeats - 1))
+    finally:
+        baseline.close()
+    return {"baseline": {**best_of(base_runs), "engine_file": baseline.engine_file, "commit": baseline.sha},
+            "current": {**best_of(current_runs), "commit": head}}
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.measure_only:  # the child of --baseline: one JSON line on stdout
-        print(json.dumps(measure(args.model_dir, args.num_seqs, args.input_len, args.output_len, args.repeats,
-                                 sampling=args.sampling)))
-        return 0
+    if args.measure_only:
+        return _serve_runs(args)
     from bench.common import RESULTS_DIR, machine_info, print_table, write_result
     from bench.plots import plot_host_step
     from bench.random_model import random_model_dir
     model_dir = random_model_dir("tiny", "float32")
     head = subprocess.check_output(["git", "-C", str(Path(__file__).resolve().parent.parent),
                                     "rev-parse", "HEAD"], text=True).strip()
-    results = {}
     if args.baseline:
-        results["baseline"] = measure_ref(args.baseline, args, model_dir)
-    results["current"] = {**measure(str(model_dir), args.num_seqs, args.input_len, args.output_len, args.repeats,
-                                    args.profile, args.sampling), "commit": head}
+        results = _interleaved(args, model_dir, head)
+    else:
+        results = {"current": {**measure(str(model_dir), args.num_seqs, args.input_len, args.output_len,
+                                         args.repeats, args.profile, args.sampling), "commit": head}}
     rows = [[name, r["commit"][:10], f"{r['step_ms']:.2f}", f"{r['forward_ms']:.2f}", f"{r['host_ms']:.2f}",
              f"{r['output_ms']:.2f}"] for name, r in results.items()]
     print_table(["build", "commit", "step ms", "model ms", "host ms", "output ms"], rows)

@@ -48,7 +48,7 @@ class AsyncScheduler(Scheduler):
                 if end > request.decode_lease_end and not self._renew_lease(request, end):
                     return None
         return SchedulerOutput(list(map(_decode_entry, running)), num_steady=len(running),
-                               num_batched_tokens=len(running))
+                               steady_requests=running[:], num_batched_tokens=len(running))
 
     def _may_defer_admission(self) -> bool:
         """Whether a step may go ahead with the waiting requests as they are. Admission is the
@@ -64,14 +64,3 @@ class AsyncScheduler(Scheduler):
             return False
         self._steps_ahead_of_admission += 1
         return True
-
-    def _renew_lease(self, request: Request, end: int) -> bool:
-        """Grow a steady decode's table to `end` tokens while the step before is in flight, and
-        lease the new room; False (the synchronous path decides) if blocks run short or it
-        has no lease to renew (not a steady decode)."""
-        if not request.decode_lease_end or request.decode_entry is None:
-            return False
-        if not self.block_manager.append_slots(request.request_id, request.all_token_ids, end, end - 1):
-            return False
-        request.decode_lease_end = self.block_manager.decode_lease(request.request_id)
-        return request.decode_lease_end >= end

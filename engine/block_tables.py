@@ -20,6 +20,8 @@ block copies. Released entries are never read (engine/attention), so a stale one
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 
@@ -31,12 +33,18 @@ class BlockTables:
         # kept so that its id() stays unique while the row is in use
         self._written = np.zeros(capacity, dtype=np.int64)  # per row: leading entries copied
         self._free = list(range(capacity - 1, -1, -1))
+        # The latest call's tables and their rows: a decode step usually asks for the very
+        # same tables in the same order as the step before (engine/scheduler.py keeps the
+        # running order), and then skips the lookups.
+        self._last_tables: list[list[int]] = []
+        self._last_rows = np.zeros(0, dtype=np.int64)
 
     def invalidate(self) -> None:
         """Forget every row: entries may have changed in place (copy-on-write)."""
         for index in self._rows.values():
             self._release(index)
         self._rows = {}
+        self._last_tables = []
 
     def gather(self, tables: list[list[int]], width: int) -> np.ndarray:
         """These tables as a [len(tables), width] array (entries past a table's end are 0).
@@ -44,6 +52,19 @@ class BlockTables:
 
         The per-table work is in C (map over ids, lengths, row indices); Python only
         touches the tables that are new since the last call or have grown."""
+        last = self._last_tables
+        if len(last) == len(tables) and all(map(operator.is_, tables, last)):
+            rows = self._last_rows
+        else:
+            rows = self._rows_of(tables)
+            self._last_tables, self._last_rows = tables, rows
+        lengths = np.fromiter(map(len, tables), np.int64, len(tables))
+        for i in np.flatnonzero(lengths != self._written[rows]).tolist():
+            self._write(int(rows[i]), tables[i])
+        return self.array[rows, :width]
+
+    def _rows_of(self, tables: list[list[int]]) -> np.ndarray:
+        """Each table's row, taking rows for new tables and releasing those of absent ones."""
         keys = list(map(id, tables))
         index = list(map(self._rows.get, keys))
         if None in index:
@@ -57,11 +78,7 @@ class BlockTables:
             live = set(keys)
             for key in [k for k in self._rows if k not in live]:
                 self._release(self._rows.pop(key))
-        rows = np.array(index, dtype=np.int64)
-        lengths = np.fromiter(map(len, tables), np.int64, len(tables))
-        for i in np.flatnonzero(lengths != self._written[rows]).tolist():
-            self._write(index[i], tables[i])
-        return self.array[rows, :width]
+        return np.array(index, dtype=np.int64)
 
     def _write(self, index: int, table: list[int]) -> None:
         """Copy the entries appended since the last write (a table never shrinks)."""

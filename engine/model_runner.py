@@ -144,6 +144,7 @@ class ModelRunner:
         # (engine/lora/ops.py).
         num_steady = 0 if self.lora is not None else sched.num_steady
         steady = sched.scheduled[:num_steady]
+        steady_requests = sched.steady_requests[:num_steady]
         order = forward_order(sched.scheduled[num_steady:], self.lora is not None)
         sampling = steady + [s for s in order if s.num_samples]
         jobs, slices = self._prompt_jobs(order, first_row=num_steady)
@@ -151,12 +152,12 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.assign_slots([s.request.lora_name for s in order], rows)
         plan = StepPlan(list(sched.blocks_to_copy), rows, slices, bool(sampling),
-                        SteadyRows.of(steady) if steady else None)
+                        SteadyRows.of(steady, steady_requests) if steady else None)
         prompt_logits, logits = self.run_plan(plan)
         prompt_lps = self._score_prompts(jobs, prompt_logits)
         if not sampling:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start)
-        if all_plain_greedy(steady, sampling[num_steady:]):  # the hot path: no per-row sampling state
+        if all_plain_greedy(steady_requests, sampling[num_steady:]):  # the hot path: no per-row sampling state
             model_end = time.perf_counter()
             tokens = self.sampler.argmax(logits[:len(sampling)])
             rest = sampling[num_steady:]
@@ -182,7 +183,7 @@ class ModelRunner:
         n = sched.num_steady
         return (0 < n == len(sched.scheduled) and self.lora is None and self.workers is None
                 and not sched.blocks_to_copy and (self.graphs is None or n <= self.graphs.max_batch)
-                and all_ahead(sched.scheduled))
+                and all_ahead(sched.steady_requests))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, previous: InflightStep | None = None) -> InflightStep:
@@ -190,8 +191,8 @@ class ModelRunner:
         not yet resolved), each row computes the token that step samples for it, still on the
         device, one position further than the request's counters say."""
         start = time.perf_counter()
-        requests = list(map(request_of, sched.scheduled))
-        steady = SteadyRows.of(sched.scheduled)
+        requests = sched.steady_requests
+        steady = SteadyRows.of(sched.scheduled, requests)
         device_ids = None
         if previous is not None:
             steady.positions += 1
@@ -207,7 +208,7 @@ class ModelRunner:
                 input_ids[:n].copy_(device_ids)
             hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
         logits = self.model.compute_logits(hidden[:n])
-        if all_plain_greedy(sched.scheduled, []):
+        if all_plain_greedy(requests, []):
             tokens = self.sampler.argmax_tensor(logits)
         else:  # a seeded row's key is its output position: one further with a step in flight
             tokens = self.sampler.sample_tensor(logits, SamplingBatch.of_requests(requests, previous is not None))
@@ -322,15 +323,19 @@ class ModelRunner:
         """The steady decodes, then single-token `rows`, as arrays: O(1) Python work per row,
         the tables from `block_tables`."""
         n, bs = len(rows), self.block_size
-        columns = np.array([(f.token_ids[0], f.start, f.num_logits) for f in rows],
-                           dtype=np.int64).reshape(n, 3)
-        token_ids, positions, logits = columns[:, 0], columns[:, 1], columns[:, 2]
-        tables = [f.block_ids for f in rows]
-        if steady is not None:
-            token_ids = np.concatenate([steady.token_ids, token_ids])
-            positions = np.concatenate([steady.positions, positions])
-            logits = np.concatenate([np.ones(len(steady.token_ids), dtype=np.int64), logits])
-            tables = steady.block_tables + tables
+        if steady is not None and not rows:  # a step of steady decodes only: every row samples
+            token_ids, positions, tables = steady.token_ids, steady.positions, steady.block_tables
+            logits = np.ones(len(token_ids), dtype=np.int64)
+        else:
+            columns = np.array([(f.token_ids[0], f.start, f.num_logits) for f in rows],
+                               dtype=np.int64).reshape(n, 3)
+            token_ids, positions, logits = columns[:, 0], columns[:, 1], columns[:, 2]
+            tables = [f.block_ids for f in rows]
+            if steady is not None:
+                token_ids = np.concatenate([steady.token_ids, token_ids])
+                positions = np.concatenate([steady.positions, positions])
+                logits = np.concatenate([np.ones(len(steady.token_ids), dtype=np.int64), logits])
+                tables = steady.block_tables + tables
         n = len(tables)
         width = int(positions.max()) // bs + 1 if n else 0
         tables = self.block_tables.gather(tables, width)

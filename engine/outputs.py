@@ -33,6 +33,7 @@ class SchedulerOutput:
     # The first num_steady entries are steady decodes: one token each (the request's last,
     # at position num_computed_tokens), one sample, no drafts.
     num_steady: int = 0
+    steady_requests: list[Request] = field(default_factory=list)  # their requests, in order
     num_batched_tokens: int = 0
     # Copy-on-write block copies (src, dst) that must happen before the forward.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)

@@ -139,6 +139,7 @@ class Scheduler:
         if (len(running) <= budget and all(map(operator.lt, map(_num_computed, running), map(_lease_end, running)))
                 and not any(map(_spec_token_ids, running))):
             steady = list(map(_decode_entry, running))
+            out.steady_requests = running[:]
             budget -= len(steady)
         else:
             steady = []
@@ -148,8 +149,12 @@ class Scheduler:
                 if request.num_computed_tokens < request.decode_lease_end and not request.spec_token_ids:
                     steady.append(request.decode_entry)
                     budget -= 1
+                elif request.status == RequestStatus.RUNNING and self._renew_steady(request):
+                    steady.append(request.decode_entry)
+                    budget -= 1
                 elif request.status == RequestStatus.RUNNING:  # else preempted earlier in this loop
                     budget = self._schedule_one(request, out, steady, budget)
+            out.steady_requests = list(map(_request, steady))
         out.scheduled[:0] = steady
         out.num_steady = len(steady)
         return budget
@@ -181,6 +186,29 @@ class Scheduler:
         else:
             out.scheduled.append(entry)
         return budget - num_new
+
+    def _renew_steady(self, request: Request) -> bool:
+        """A steady decode whose lease is spent (its last block full, 1 step in block_size):
+        `_schedule_one`'s work for it in short, its entry kept. False: the general path
+        decides (drafts, a draft model's lookahead, blocks short, not a steady decode)."""
+        computed = request.num_computed_tokens
+        if (request.spec_token_ids or self.config.num_lookahead_tokens
+                or len(request.all_token_ids) != computed + 1 or not self._renew_lease(request, computed + 1)):
+            return False
+        self._appended.add(request.request_id)
+        return True
+
+    def _renew_lease(self, request: Request, end: int) -> bool:
+        """Grow a steady decode's table to `end` tokens (writing from `end - 1`: a step ahead,
+        that is the position after the token in flight) and lease the new room; False (the
+        general path decides) if blocks run short or it has no lease to renew (not a steady
+        decode). Its entry (`decode_entry`) holds the live table, so it stays right."""
+        if not request.decode_lease_end or request.decode_entry is None:
+            return False
+        if not self.block_manager.append_slots(request.request_id, request.all_token_ids, end, end - 1):
+            return False
+        request.decode_lease_end = self.block_manager.decode_lease(request.request_id)
+        return request.decode_lease_end >= end
 
     def _slots(self, end: int) -> int:
         """Tokens the table must cover when this step computes up to `end`: with a draft model,
@@ -259,7 +287,7 @@ class Scheduler:
         """Advance computed tokens, append sampled ones, fork n>1 prompts, finish stopped requests."""
         num_steady = len(result.steady_token_ids)
         now = time.monotonic()
-        outputs = self._append_steady(sched.scheduled[:num_steady], result, now)
+        outputs = self._append_steady(sched.steady_requests[:num_steady], result, now)
         drafted = {}
         for s in sched.scheduled[num_steady:]:
             request = s.request
@@ -284,12 +312,11 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 
-    def _append_steady(self, steady: list[ScheduledRequest], result: ModelRunnerOutput, now: float
+    def _append_steady(self, requests: list[Request], result: ModelRunnerOutput, now: float
                        ) -> list[EngineCoreOutput]:
         """The steady decodes' one token each: `_append_run`'s work as C loops (map over the
         requests' lists and attributes), with the full stop check only for the few requests
         a cheap test says the token may end."""
-        requests = list(map(_request, steady))
         tokens = result.steady_token_ids
         if not all(map(operator.is_, map(_status, requests), repeat(RequestStatus.RUNNING))):
             # A step scheduled ahead (engine/async_step.py) ran requests that ended (or were
@@ -298,13 +325,13 @@ class Scheduler:
             requests, tokens = [requests[i] for i in keep], [tokens[i] for i in keep]
             if result.steady_logprobs is not None:
                 result.steady_logprobs = [result.steady_logprobs[i] for i in keep]
-        if self.stats is not None:
+        if self.stats is not None:  # (last_token_time is for the stats' inter-token latencies)
             self.stats.observe_decodes(requests, now)
+            _consume(map(setattr, requests, repeat("last_token_time"), repeat(now)))
         _consume(map(list.append, map(_output_token_ids, requests), tokens))
         _consume(map(list.append, map(_all_token_ids, requests), tokens))
         _consume(map(setattr, requests, repeat("num_computed_tokens"), map(operator.add, map(_num_computed, requests),
                                                                           repeat(1))))
-        _consume(map(setattr, requests, repeat("last_token_time"), repeat(now)))
         n = len(requests)
         lengths = np.fromiter(map(len, map(_all_token_ids, requests)), np.int64, n)
         limits = np.fromiter(map(_length_limit, requests), np.int64, n)

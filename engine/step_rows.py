@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.outputs import ScheduledRequest
+from engine.request import Request
 
 
 @dataclass(slots=True)
@@ -34,9 +35,9 @@ class SteadyRows:
     block_tables: list[list[int]]  # the block manager's live tables
 
     @classmethod
-    def of(cls, entries: list[ScheduledRequest]) -> SteadyRows:
+    def of(cls, entries: list[ScheduledRequest], requests: list[Request]) -> SteadyRows:
+        """`requests`: the entries' (SchedulerOutput.steady_requests)."""
         # map() over attrgetters runs its loop in C: a list comprehension costs 2-3x as much.
-        requests = list(map(request_of, entries))
         n = len(requests)
         return cls(np.fromiter(map(_last, map(_all_token_ids, requests)), np.int64, n),
                    np.fromiter(map(_num_computed_tokens, requests), np.int64, n),
@@ -102,19 +103,18 @@ def padded(values: np.ndarray, size: int, fill: int) -> np.ndarray:
     return out
 
 
-def all_plain_greedy(steady: list[ScheduledRequest], others: list[ScheduledRequest]) -> bool:
-    """Whether every sampling row is plain greedy. Steady decodes sample one row each, with
-    no drafts, so only their request decides (Request.greedy_from)."""
-    requests = list(map(request_of, steady))
+def all_plain_greedy(requests: list[Request], others: list[ScheduledRequest]) -> bool:
+    """Whether every sampling row is plain greedy: the steady decodes' `requests` (one row
+    each, no drafts, so only the request decides: Request.greedy_from), and `others`."""
     # One max() decides in the common case, where no request waits on min_tokens or samples.
     steady_greedy = (not requests or max(map(_greedy_from, requests)) == 0
                      or all(map(operator.ge, map(len, map(_output_token_ids, requests)), map(_greedy_from, requests))))
     return steady_greedy and all(_plain_greedy(s) for s in others)
 
 
-def all_ahead(steady: list[ScheduledRequest]) -> bool:
-    """Whether every steady decode's token can be sampled on the device alone (Request.ahead_from)."""
-    requests = list(map(request_of, steady))
+def all_ahead(requests: list[Request]) -> bool:
+    """Whether every steady decode's token (of `requests`) can be sampled on the device alone
+    (Request.ahead_from)."""
     return all(map(operator.ge, map(len, map(_output_token_ids, requests)), map(_ahead_from, requests)))
 
 

@@ -36,3 +36,13 @@ def test_baseline_measures_another_commit_from_its_own_checkout(tiny_dir):
     assert len(result["commit"]) == 40 and result["host_ms"] > 0
     assert "pagedserve-baseline-" in result["engine_file"]  # the worktree's engine, not ours
     json.dumps(result)  # what the result file holds
+
+
+def test_baseline_and_current_runs_alternate_and_land_in_one_file(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(random_model, "random_model_dir", lambda *a, **k: tiny_dir)
+    args = argparse.Namespace(num_seqs=2, input_len=8, output_len=4, repeats=2, sampling="greedy",
+                              baseline="HEAD", profile=False, output_dir=str(tmp_path), measure_only=False)
+    assert host_step.run(args) == 0
+    payload = json.loads(next(tmp_path.glob("host-step-*.json")).read_text())
+    assert [len(payload["results"][b]["runs"]) for b in ("baseline", "current")] == [2, 2]
+    assert payload["host_ratio"] > 0 and "pagedserve-baseline-" in payload["results"]["baseline"]["engine_file"]
