@@ -28,7 +28,7 @@ import heapq
 import operator
 import time
 from collections import deque
-from itertools import repeat
+from itertools import compress, repeat
 
 import numpy as np
 
@@ -132,16 +132,18 @@ class Scheduler:
         # The hot loop of a decode step. A steady decode (one token, no drafts) holding a lease
         # from the block manager (BlockManager.decode_lease) only appends its standing entry;
         # the others take the general path, `_schedule_one`. When every running request is a
-        # leased decode, as in most steps, the loop over them runs in C (map over attrgetters).
-        # The steady ones go first in out.scheduled (out.num_steady of them), for the runner.
+        # steady decode, as in most steps, the loop over them runs in C (map over attrgetters):
+        # those whose lease is spent (a block filled: with staggered requests a few every step)
+        # renew it first, in running order, so the rows keep their order from step to step
+        # (engine/block_tables.py then skips its lookups). The steady ones go first in
+        # out.scheduled (out.num_steady of them), for the runner.
         running = self.running
         self._appended.clear()
-        if (len(running) <= budget and all(map(operator.lt, map(_num_computed, running), map(_lease_end, running)))
-                and not any(map(_spec_token_ids, running))):
+        if len(running) <= budget and not any(map(_spec_token_ids, running)) and self._all_leased(running):
             steady = list(map(_decode_entry, running))
             out.steady_requests = running[:]
             budget -= len(steady)
-        else:
+        else:  # (a renewal that failed above left the rest to this loop; those renewed count as leased)
             steady = []
             for request in list(running):
                 if budget <= 0:
@@ -186,6 +188,11 @@ class Scheduler:
         else:
             out.scheduled.append(entry)
         return budget - num_new
+
+    def _all_leased(self, running: list[Request]) -> bool:
+        """Whether every running request holds a lease for this step, renewing spent ones."""
+        leased = list(map(operator.lt, map(_num_computed, running), map(_lease_end, running)))
+        return all(leased) or all(map(self._renew_steady, compress(running, map(operator.not_, leased))))
 
     def _renew_steady(self, request: Request) -> bool:
         """A steady decode whose lease is spent (its last block full, 1 step in block_size):
