@@ -115,6 +115,7 @@ def _time_model(model) -> list[float]:
 def _decode_steps(core, processor, model_s: list[float], num_seqs: int, profile: bool) -> dict:
     """Step until done; time the steps in which every sequence decodes (all have a token)."""
     started: set[str] = set()
+    packed = hasattr(core, "step_packed")
     steps, step_s, forward_s, output_s = 0, 0.0, 0.0, 0.0
     profiler = None
     while core.has_unfinished_requests():
@@ -125,16 +126,18 @@ def _decode_steps(core, processor, model_s: list[float], num_seqs: int, profile:
             profiler.enable()
         model_s[0] = 0.0
         start = time.perf_counter()
-        outputs = core.step()
+        # What the engine process and the offline LLM call: step_packed where the build has it.
+        outputs, plain = core.step_packed() if packed else (core.step(), None)
         stepped = time.perf_counter()
-        processor.process_outputs(outputs)
+        processor.process_outputs(outputs, plain) if packed else processor.process_outputs(outputs)
         done = time.perf_counter()
-        if decoding and len(outputs) == num_seqs:
+        ids = [o.request_id for o in outputs] + (plain.request_ids if packed else [])
+        if decoding and len(ids) == num_seqs:
             steps += 1
             step_s += stepped - start
             forward_s += model_s[0]
             output_s += done - stepped
-        started.update(o.request_id for o in outputs)
+        started.update(ids)
     if profiler is not None:
         import pstats
         profiler.disable()

@@ -19,7 +19,7 @@ from engine.lora.adapter import LoraAdapter
 from engine.config import EngineConfig, SchedulerConfig
 from engine.model_runner import ModelRunner
 from engine.models.loader import resolve_model_path
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, PlainTokens
 from engine.request import Request, RequestStatus, sample_request_id
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -183,8 +183,17 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """One step's outputs. With async scheduling, the next step may already be running on
         the device when this returns (engine/async_step.py)."""
+        return self._step(None)
+
+    def step_packed(self) -> tuple[list[EngineCoreOutput], PlainTokens]:
+        """`step`, with the steady decodes' plain tokens packed (PlainTokens) instead of an
+        EngineCoreOutput each: what the engine process and the offline `LLM` read."""
+        plain = PlainTokens()
+        return self._step(plain), plain
+
+    def _step(self, plain: PlainTokens | None) -> list[EngineCoreOutput]:
         if self._inflight is not None:
-            return self._finish_inflight(0.0)
+            return self._finish_inflight(0.0, plain)
         start = time.perf_counter()
         sched = self.scheduler.schedule()
         if sched.is_empty:
@@ -196,9 +205,9 @@ class EngineCore:
         schedule_s = time.perf_counter() - start
         if self.async_scheduling and self.model_runner.can_launch(sched):
             self._inflight = self.model_runner.launch(sched)
-            return self._finish_inflight(schedule_s)
+            return self._finish_inflight(schedule_s, plain)
         result = self.model_runner.execute(sched)
-        outputs = self.scheduler.take_failed_outputs() + self.scheduler.update_from_output(sched, result)
+        outputs = self.scheduler.take_failed_outputs() + self.scheduler.update_from_output(sched, result, plain)
         if self.speculator is not None:
             self.speculator.after_step(sched)
             self.speculator.observe_step(sched, time.perf_counter() - start)
@@ -207,7 +216,7 @@ class EngineCore:
                                               sched.num_batched_tokens, result.grammar_s)
         return outputs
 
-    def _finish_inflight(self, schedule_s: float) -> list[EngineCoreOutput]:
+    def _finish_inflight(self, schedule_s: float, plain: PlainTokens | None) -> list[EngineCoreOutput]:
         """Launch the next step where it can go ahead, then wait for the one in flight and
         return its outputs: the caller's work on them overlaps the next step."""
         current, self._inflight = self._inflight, None
@@ -217,7 +226,8 @@ class EngineCore:
             self._inflight = self.model_runner.launch(ahead, previous=current)
         schedule_s += time.perf_counter() - start
         result = current.result()
-        outputs = self.scheduler.take_failed_outputs() + self.scheduler.update_from_output(current.sched, result)
+        outputs = (self.scheduler.take_failed_outputs()
+                   + self.scheduler.update_from_output(current.sched, result, plain))
         if self.iteration_stats is not None:
             self.iteration_stats.observe_step(schedule_s, result.model_s, 0.0, current.sched.num_batched_tokens,
                                               None)

@@ -6,7 +6,7 @@ the same code on both sides of the socket.
 
 from __future__ import annotations
 
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, PlainTokens, plain_output
 from engine.sampling_params import SamplingParams
 from engine.structured_output.params import StructuredOutputsParams
 from pagedserve.v1 import engine_ipc_pb2 as ipc
@@ -87,21 +87,17 @@ def is_plain_token(out: EngineCoreOutput) -> bool:
             and out.new_logprobs is None and out.prompt_logprobs is None)
 
 
-def add_plain_tokens(batch: ipc.OutputBatch, request_ids: list[str], outputs: list[EngineCoreOutput]) -> None:
-    """`outputs` (each `is_plain_token`) into the batch's packed lists, under `request_ids`."""
-    batch.token_request_ids.extend(request_ids)
-    batch.token_ids.extend([out.new_token_ids[0] for out in outputs])
-    batch.token_num_cached_tokens.extend([out.num_cached_tokens for out in outputs])
+def add_plain_tokens(batch: ipc.OutputBatch, plain: PlainTokens) -> None:
+    """Plain tokens (engine.outputs.PlainTokens; an `is_plain_token` output is one too) into
+    the batch's packed lists."""
+    batch.token_request_ids.extend(plain.request_ids)
+    batch.token_ids.extend(plain.token_ids)
+    batch.token_num_cached_tokens.extend(plain.num_cached_tokens)
 
 
 def plain_tokens_from_batch(batch: ipc.OutputBatch) -> list[EngineCoreOutput]:
     """The frontend's side of `add_plain_tokens`."""
-    return list(map(_plain_token, batch.token_request_ids, batch.token_ids, batch.token_num_cached_tokens))
-
-
-def _plain_token(request_id: str, token_id: int, num_cached_tokens: int) -> EngineCoreOutput:
-    # Positional, as in the scheduler: this runs for most requests every step.
-    return EngineCoreOutput(request_id, 0, [token_id], None, None, None, 0, num_cached_tokens)
+    return list(map(plain_output, batch.token_request_ids, batch.token_ids, batch.token_num_cached_tokens))
 
 
 def outputs_from_batch(batch: ipc.OutputBatch) -> list[EngineCoreOutput]:

@@ -123,7 +123,7 @@ class LLM:
         bar = tqdm(total=sum(len(r.outputs) for r in results.values()), desc="generating", unit="seq",
                    disable=not use_tqdm)
         while processor.requests:
-            deltas, to_stop = processor.process_outputs(self.engine.step())
+            deltas, to_stop = processor.process_outputs(*self.engine.step_packed())
             self.engine.abort_requests(to_stop, stopped=True)  # stop strings the engine can't see
             for request_id, request_deltas in deltas.items():
                 result = results[request_id]

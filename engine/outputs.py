@@ -94,3 +94,32 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def plain_output(request_id: str, token_id: int, num_cached_tokens: int) -> EngineCoreOutput:
+    """A plain token (see PlainTokens) as an EngineCoreOutput. Positional: this may run for
+    most requests every step (a slots dataclass from keywords costs 3x)."""
+    return EngineCoreOutput(request_id, 0, [token_id], None, None, None, 0, num_cached_tokens)
+
+
+@dataclass(slots=True)
+class PlainTokens:
+    """A step's plain tokens, packed: one new token of sample 0 of a request that goes on, with
+    no logprobs, which is most outputs of most steps. Three parallel lists instead of an
+    EngineCoreOutput each (`EngineCore.step_packed`); `num_prompt_tokens` is not carried (the
+    reader has the prompt)."""
+
+    request_ids: list[str] = field(default_factory=list)  # the callers' ids
+    token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def add(self, request_ids: list[str], token_ids: list[int], num_cached_tokens: list[int]) -> None:
+        self.request_ids += request_ids
+        self.token_ids += token_ids
+        self.num_cached_tokens += num_cached_tokens
+
+    def outputs(self) -> list[EngineCoreOutput]:
+        return list(map(plain_output, self.request_ids, self.token_ids, self.num_cached_tokens))

@@ -32,7 +32,7 @@ from engine.errors import EngineOverloaded, InvalidRequest, LoraError
 from engine.ipc import (add_plain_tokens, is_plain_token, output_to_proto, sampling_params_from_proto,
                         structured_from_proto)
 from engine.metrics import EngineMetrics
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, PlainTokens
 from engine.sampling_params import SamplingParams
 from pagedserve.v1 import engine_ipc_pb2 as ipc
 from pagedserve.v1 import info_pb2
@@ -119,12 +119,12 @@ class EngineProc:
             while not self.stopping.is_set():
                 self.last_progress_s = time.monotonic()
                 self._drain_inputs(block=not self.core.has_unfinished_requests())
-                outputs = self.core.step() if self.core.has_unfinished_requests() else []
+                outputs, plain = self.core.step_packed() if self.core.has_unfinished_requests() else ([], None)
                 snapshot = self.core.stats()
                 self.stats = _stats_to_proto(snapshot)
                 if self.metrics is not None:  # first: a client that has a step's tokens sees its metrics
                     self.metrics.record(snapshot, self.core.take_iteration_stats())
-                self._publish(outputs)
+                self._publish(outputs, plain)
                 if self._drained():
                     break
         finally:
@@ -210,23 +210,32 @@ class EngineProc:
         self.push.send_multipart([op.frontend_id.encode(),
                                   ipc.EngineResponse(lora_result=result).SerializeToString()])
 
-    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+    def _publish(self, outputs: list[EngineCoreOutput], plain: PlainTokens | None) -> None:
         # One message per frontend per step: this runs in the step loop, for every request
-        # every step. Most outputs are one plain token each, packed into three lists; the rest
-        # become RequestOutputs, built in place (no copies).
-        responses: dict[str, tuple[ipc.EngineResponse, list[str], list[EngineCoreOutput]]] = {}
+        # every step. Most outputs are one plain token each (the core packs most of them,
+        # EngineCore.step_packed), packed into three lists; the rest become RequestOutputs,
+        # built in place (no copies).
+        responses: dict[str, tuple[ipc.EngineResponse, PlainTokens]] = {}
+        if plain is not None:
+            for core_id, token_id, num_cached in zip(plain.request_ids, plain.token_ids, plain.num_cached_tokens):
+                frontend_id, request_id = core_id.split(":", 1)
+                entry = responses.get(frontend_id)
+                if entry is None:
+                    entry = responses[frontend_id] = (ipc.EngineResponse(), PlainTokens())
+                entry[1].request_ids.append(request_id)
+                entry[1].token_ids.append(token_id)
+                entry[1].num_cached_tokens.append(num_cached)
         for out in outputs:
             frontend_id, request_id = out.request_id.split(":", 1)
             entry = responses.get(frontend_id)
             if entry is None:
-                entry = responses[frontend_id] = (ipc.EngineResponse(), [], [])
+                entry = responses[frontend_id] = (ipc.EngineResponse(), PlainTokens())
             if is_plain_token(out):
-                entry[1].append(request_id)
-                entry[2].append(out)
+                entry[1].add([request_id], out.new_token_ids, [out.num_cached_tokens])
             else:
                 output_to_proto(out, request_id, entry[0].outputs)
-        for frontend_id, (response, request_ids, plain) in responses.items():
-            add_plain_tokens(response.outputs, request_ids, plain)
+        for frontend_id, (response, packed) in responses.items():
+            add_plain_tokens(response.outputs, packed)
             response.outputs.stats.CopyFrom(self.stats)
             self.push.send_multipart([frontend_id.encode(), response.SerializeToString()])
 

@@ -35,7 +35,7 @@ import numpy as np
 from engine.block_manager import BlockManager
 from engine.errors import InvalidRequest
 from engine.config import SchedulerConfig
-from engine.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.outputs import EngineCoreOutput, ModelRunnerOutput, PlainTokens, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus, sample_request_id
 from engine.stats import IterationStats, SpecDecodingStats
 
@@ -289,12 +289,14 @@ class Scheduler:
 
     # -- update ------------------------------------------------------------------
 
-    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput
-                           ) -> list[EngineCoreOutput]:
-        """Advance computed tokens, append sampled ones, fork n>1 prompts, finish stopped requests."""
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput,
+                           plain: PlainTokens | None = None) -> list[EngineCoreOutput]:
+        """Advance computed tokens, append sampled ones, fork n>1 prompts, finish stopped
+        requests. With `plain`, the steady decodes' plain tokens go there (PlainTokens),
+        not into the returned outputs."""
         num_steady = len(result.steady_token_ids)
         now = time.monotonic()
-        outputs = self._append_steady(sched.steady_requests[:num_steady], result, now)
+        outputs = self._append_steady(sched.steady_requests[:num_steady], result, now, plain)
         drafted = {}
         for s in sched.scheduled[num_steady:]:
             request = s.request
@@ -319,19 +321,19 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         return outputs
 
-    def _append_steady(self, requests: list[Request], result: ModelRunnerOutput, now: float
-                       ) -> list[EngineCoreOutput]:
+    def _append_steady(self, requests: list[Request], result: ModelRunnerOutput, now: float,
+                       plain: PlainTokens | None) -> list[EngineCoreOutput]:
         """The steady decodes' one token each: `_append_run`'s work as C loops (map over the
         requests' lists and attributes), with the full stop check only for the few requests
-        a cheap test says the token may end."""
-        tokens = result.steady_token_ids
+        a cheap test says the token may end. The others' tokens go into `plain` if given."""
+        tokens, logprobs = result.steady_token_ids, result.steady_logprobs
         if not all(map(operator.is_, map(_status, requests), repeat(RequestStatus.RUNNING))):
             # A step scheduled ahead (engine/async_step.py) ran requests that ended (or were
             # aborted) with the step before: their tokens here are past the end, dropped.
             keep = [i for i, r in enumerate(requests) if r.status == RequestStatus.RUNNING]
             requests, tokens = [requests[i] for i in keep], [tokens[i] for i in keep]
-            if result.steady_logprobs is not None:
-                result.steady_logprobs = [result.steady_logprobs[i] for i in keep]
+            if logprobs is not None:
+                logprobs = [logprobs[i] for i in keep]
         if self.stats is not None:  # (last_token_time is for the stats' inter-token latencies)
             self.stats.observe_decodes(requests, now)
             _consume(map(setattr, requests, repeat("last_token_time"), repeat(now)))
@@ -346,11 +348,13 @@ class Scheduler:
                     | (lengths >= np.minimum(limits, self.config.max_model_len)))
         if any(map(_structured, requests)):  # its grammar takes every token
             may_stop |= np.fromiter(map(operator.is_not, map(_structured, requests), repeat(None)), bool, n)
+        if plain is not None and logprobs is None:
+            requests, tokens, may_stop = self._pack_plain(requests, tokens, may_stop, plain)
         outputs = list(map(EngineCoreOutput, map(_caller_id, requests), map(_sample_index, requests),
                            [[token] for token in tokens], repeat(None), repeat(None), repeat(None),
                            map(len, map(_prompt_token_ids, requests)), map(_num_cached, requests)))
-        if result.steady_logprobs is not None:
-            for request, output, token_logprobs in zip(requests, outputs, result.steady_logprobs):
+        if logprobs is not None:
+            for request, output, token_logprobs in zip(requests, outputs, logprobs):
                 if token_logprobs is not None:
                     request.output_logprobs.append(token_logprobs)
                     output.new_logprobs = [token_logprobs]
@@ -361,6 +365,22 @@ class Scheduler:
                 self._finish(request, status)
                 outputs[i] = self._output(request, outputs[i].new_token_ids, outputs[i].new_logprobs, None)
         return outputs
+
+    @staticmethod
+    def _pack_plain(requests: list[Request], tokens: list[int], may_stop: np.ndarray, plain: PlainTokens
+                    ) -> tuple[list[Request], list[int], np.ndarray]:
+        """Move the tokens that cannot end their request, of sample 0 (an n > 1 request's other
+        samples go by their index), into `plain`; returns the rest."""
+        packed = ~may_stop
+        if any(map(_sample_index, requests)):
+            packed &= np.fromiter(map(operator.not_, map(_sample_index, requests)), bool, len(requests))
+        if packed.all():
+            plain.add(list(map(_caller_id, requests)), tokens, list(map(_num_cached, requests)))
+            return [], [], may_stop[:0]
+        rows, rest = np.flatnonzero(packed).tolist(), np.flatnonzero(~packed).tolist()
+        plain.add([requests[i].caller_id for i in rows], [tokens[i] for i in rows],
+                  [requests[i].num_cached_tokens for i in rows])
+        return [requests[i] for i in rest], [tokens[i] for i in rest], may_stop[rest]
 
     def _rollback(self, s: ScheduledRequest, num_accepted: int) -> None:
         """Rejected drafts' KV is not the sequence's: step back before them."""

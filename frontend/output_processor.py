@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequest, RequestFailed
-from engine.outputs import EngineCoreOutput
+from engine.outputs import EngineCoreOutput, PlainTokens, plain_output
 from engine.request import sample_request_id
 from engine.sampling_params import SamplingParams
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -109,12 +109,10 @@ class RequestState:
         and the engine ids of samples a stop string ended (the engine must stop them)."""
         if self._plain and len(outputs) == 1:
             out = outputs[0]
-            s = self.samples[out.sample_index]
-            if out.finish_reason is None and len(out.new_token_ids) == 1 and not s.finished:
-                self.num_cached_tokens = out.num_cached_tokens
-                s.num_tokens += 1
-                return [SampleDelta(s.index, s.detok.add(out.new_token_ids), [out.new_token_ids[0]],
-                                    num_tokens=s.num_tokens)], []
+            if out.finish_reason is None and len(out.new_token_ids) == 1:
+                delta = self.process_plain(out.sample_index, out.new_token_ids[0], out.num_cached_tokens)
+                if delta is not None:
+                    return [delta], []
         deltas: dict[int, SampleDelta] = {}
         to_stop: list[str] = []
         for out in outputs:
@@ -133,6 +131,16 @@ class RequestState:
         for delta in deltas.values():
             delta.num_tokens = self.samples[delta.index].num_tokens
         return list(deltas.values()), to_stop
+
+    def process_plain(self, index: int, token_id: int, num_cached_tokens: int) -> SampleDelta | None:
+        """One token of sample `index` that ends nothing, the short way: the delta, or None
+        where `process` must take it (stop strings or logprobs to mind, the sample ended)."""
+        s = self.samples[index]
+        if not self._plain or s.finished:
+            return None
+        self.num_cached_tokens = num_cached_tokens
+        s.num_tokens += 1
+        return SampleDelta(index, s.detok.add([token_id]), [token_id], num_tokens=s.num_tokens)
 
     def finish_all(self, reason: str) -> list[SampleDelta]:
         """End every unfinished sample (abort, time limit) with the text it still held back."""
@@ -215,18 +223,28 @@ class OutputProcessor:
         self.requests[engine_id] = state
         return state
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]
+    def process_outputs(self, outputs: list[EngineCoreOutput], plain: PlainTokens | None = None
                         ) -> tuple[dict[str, list[SampleDelta]], list[str]]:
         """Deltas by request id, and the engine ids a stop string ended. Finished requests
-        are forgotten."""
+        are forgotten. `plain`: the step's packed plain tokens (EngineCore.step_packed), if any."""
+        deltas: dict[str, list[SampleDelta]] = {}
         by_request: dict[str, list[EngineCoreOutput]] = {}
+        if plain is not None:
+            requests = self.requests
+            for request_id, token_id, num_cached in zip(plain.request_ids, plain.token_ids, plain.num_cached_tokens):
+                delta = requests[request_id].process_plain(0, token_id, num_cached)
+                if delta is not None:
+                    deltas[request_id] = [delta]
+                else:
+                    by_request[request_id] = [plain_output(request_id, token_id, num_cached)]
         for out in outputs:
             by_request.setdefault(out.request_id, []).append(out)
-        deltas, to_stop = {}, []
+        to_stop = []
         for request_id, outs in by_request.items():
-            state = self.requests[request_id]
-            deltas[request_id], stop = state.process(outs)
+            new, stop = self.requests[request_id].process(outs)
+            deltas[request_id] = deltas.get(request_id, []) + new
             to_stop += stop
-            if state.done:
+        for request_id in by_request:  # (a plain token ends nothing)
+            if self.requests[request_id].done:
                 del self.requests[request_id]
         return deltas, to_stop

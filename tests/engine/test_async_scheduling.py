@@ -73,6 +73,24 @@ def test_outputs_equal_the_synchronous_engines(bundled_path, launches, engine):
     assert finish["stop"] > 0 and finish["length"] > 0  # stops came one step late, unseen
 
 
+def test_packed_plain_tokens_give_the_unpacked_outputs(bundled_path, monkeypatch):
+    """EngineCore.step_packed (what the offline LLM and the engine process read) against step(),
+    an EngineCoreOutput per token: the same outputs, a stop string's request (the output
+    processor's general way) and n=2's second sample (not packed) among them."""
+    def generate():
+        llm = LLM(str(bundled_path), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
+        prompts, params = _workload(1, llm.engine.vocab_size)
+        params[2] = SamplingParams(temperature=0, max_tokens=30, stop=["12"])
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert_no_leak(llm)
+        return [[(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs] for o in outs]
+
+    packed = generate()
+    monkeypatch.setattr(EngineCore, "step_packed", lambda self: (self.step(), None))
+    assert generate() == packed
+    assert packed[2][0][2] == "stop" and len(packed[7]) == 2
+
+
 def test_aborts_while_a_step_is_in_flight_lose_nothing(bundled_path, launches):
     config = EngineConfig(model=str(bundled_path), dtype="float32", num_kv_blocks=64, async_scheduling=True)
     core = EngineCore(config, (2,))

@@ -278,12 +278,13 @@ def test_plain_tokens_cross_the_engine_socket_packed():
     """One token of sample 0 that ends nothing travels in OutputBatch's packed lists; every other
     output as a RequestOutput; a reader of the batch gets them all back."""
     from engine.ipc import add_plain_tokens, is_plain_token, outputs_from_batch, plain_tokens_from_batch
+    from engine.outputs import PlainTokens
     from pagedserve.v1 import engine_ipc_pb2 as ipc
     plain = [out([7], request_id="a", num_cached_tokens=16), out([9], request_id="b")]
     others = [out([7, 8]), out([7], index=1), out([7], finish="length"), out([7], logprobs=[{7: -0.5}])]
     assert [is_plain_token(o) for o in plain + others] == [True, True, False, False, False, False]
     batch = ipc.OutputBatch()
-    add_plain_tokens(batch, ["a", "b"], plain)
+    add_plain_tokens(batch, PlainTokens(["a", "b"], [7, 9], [16, 0]))
     batch = ipc.OutputBatch.FromString(batch.SerializeToString())
     assert plain_tokens_from_batch(batch) == plain  # num_prompt_tokens is not sent: the frontend has the prompt
     assert outputs_from_batch(batch) == plain
