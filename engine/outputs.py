@@ -34,6 +34,9 @@ class SchedulerOutput:
     # at position num_computed_tokens), one sample, no drafts.
     num_steady: int = 0
     steady_requests: list[Request] = field(default_factory=list)  # their requests, in order
+    # Scheduler.num_finished when this step was scheduled: unchanged at its update, none of its
+    # requests has ended since (-1: unknown).
+    num_finished: int = -1
     num_batched_tokens: int = 0
     # Copy-on-write block copies (src, dst) that must happen before the forward.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)

@@ -76,6 +76,7 @@ class Scheduler:
         # last outputs go out with the next step's.
         self.failed_outputs: list[EngineCoreOutput] = []
         self.finished_request_ids: set[str] = set()
+        self.num_finished = 0  # requests ended so far (SchedulerOutput.num_finished)
         self._appended: set[str] = set()  # running requests this step scheduled via append_slots (not a lease)
         self.num_preemptions = 0  # total since start, for metrics
         self.spec_stats = SpecDecodingStats()  # totals since start, for metrics
@@ -126,6 +127,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         out.blocks_to_copy = self._live_copies(out)
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        out.num_finished = self.num_finished
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -296,7 +298,8 @@ class Scheduler:
         not into the returned outputs."""
         num_steady = len(result.steady_token_ids)
         now = time.monotonic()
-        outputs = self._append_steady(sched.steady_requests[:num_steady], result, now, plain)
+        outputs = self._append_steady(sched.steady_requests[:num_steady], result, now, plain,
+                                      ended=sched.num_finished != self.num_finished)
         drafted = {}
         for s in sched.scheduled[num_steady:]:
             request = s.request
@@ -322,12 +325,13 @@ class Scheduler:
         return outputs
 
     def _append_steady(self, requests: list[Request], result: ModelRunnerOutput, now: float,
-                       plain: PlainTokens | None) -> list[EngineCoreOutput]:
+                       plain: PlainTokens | None, ended: bool = True) -> list[EngineCoreOutput]:
         """The steady decodes' one token each: `_append_run`'s work as C loops (map over the
         requests' lists and attributes), with the full stop check only for the few requests
-        a cheap test says the token may end. The others' tokens go into `plain` if given."""
+        a cheap test says the token may end. The others' tokens go into `plain` if given.
+        `ended`: whether requests may have ended since the step was scheduled."""
         tokens, logprobs = result.steady_token_ids, result.steady_logprobs
-        if not all(map(operator.is_, map(_status, requests), repeat(RequestStatus.RUNNING))):
+        if ended and not all(map(operator.is_, map(_status, requests), repeat(RequestStatus.RUNNING))):
             # A step scheduled ahead (engine/async_step.py) ran requests that ended (or were
             # aborted) with the step before: their tokens here are past the end, dropped.
             keep = [i for i, r in enumerate(requests) if r.status == RequestStatus.RUNNING]
@@ -525,6 +529,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        self.num_finished += 1
         if self.stats is not None:
             self.stats.observe_finished(request, time.monotonic())
         self.block_manager.free(request.request_id)
