@@ -59,8 +59,16 @@ class BlockTables:
             rows = self._rows_of(tables)
             self._last_tables, self._last_rows = tables, rows
         lengths = np.fromiter(map(len, tables), np.int64, len(tables))
-        for i in np.flatnonzero(lengths != self._written[rows]).tolist():
-            self._write(int(rows[i]), tables[i])
+        written = self._written[rows]
+        grown = np.flatnonzero(lengths != written)
+        if len(grown):
+            one = grown[lengths[grown] == written[grown] + 1]  # a decode's new block: one entry each
+            if len(one) == len(grown) and lengths[one].max() <= self.array.shape[1]:
+                self.array[rows[one], written[one]] = [tables[i][-1] for i in one.tolist()]
+                self._written[rows[one]] += 1
+            else:
+                for i in grown.tolist():
+                    self._write(int(rows[i]), tables[i])
         return self.array[rows, :width]
 
     def _rows_of(self, tables: list[list[int]]) -> np.ndarray:
