@@ -223,6 +223,15 @@ class BlockManager:
             state.num_tokens = num_tokens
             state.num_written_hashes = len(state.block_hashes)
             return True
+        if (num_tokens == first_write + 1 == state.num_tokens + 1 == len(state.block_ids) * self.block_size + 1
+                and self.sliding_window is None and self._free):
+            # A decode whose table is full: one new block, nothing shared or behind a window
+            # (the general case below, in short; 1 step in block_size for each decode).
+            state.block_ids.append(self._pop_free_block())
+            state.num_tokens = num_tokens
+            state.num_written_hashes = len(state.block_hashes)
+            self._register_full_blocks(state, token_ids)
+            return True
         num_tokens = max(num_tokens, state.num_tokens)
         num_new = self.num_blocks_needed(num_tokens) - len(state.block_ids)
         shared = [i for i in range(first_write // self.block_size, len(state.block_ids))
