@@ -12,6 +12,7 @@ runs it (`run_plan`) through the same collectives; only rank 0 gets logits and s
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -99,6 +100,8 @@ class ModelRunner:
                           for _ in range(self.arch.num_layers)]
         self.sampler = Sampler(eos_token_ids)
         self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), config.max_num_seqs)
+        # The previous `execute`'s steady decodes: their requests and rows (see _steady_rows).
+        self._last_steady: tuple[list[Request], SteadyRows] | None = None
         if config.cuda_graphs and self.backend.name != "cupy":
             log.warning("cuda_graphs: off, since attention runs on the %s backend (graphs need cupy)",
                         self.backend.name)
@@ -152,7 +155,7 @@ class ModelRunner:
         if self.lora is not None:
             self.lora.assign_slots([s.request.lora_name for s in order], rows)
         plan = StepPlan(list(sched.blocks_to_copy), rows, slices, bool(sampling),
-                        SteadyRows.of(steady, steady_requests) if steady else None)
+                        self._steady_rows(steady, steady_requests))
         prompt_logits, logits = self.run_plan(plan)
         prompt_lps = self._score_prompts(jobs, prompt_logits)
         if not sampling:
@@ -191,6 +194,7 @@ class ModelRunner:
         not yet resolved), each row computes the token that step samples for it, still on the
         device, one position further than the request's counters say."""
         start = time.perf_counter()
+        self._last_steady = None  # its rows run one position further, and `execute` does not see them
         requests = sched.steady_requests
         steady = SteadyRows.of(sched.scheduled, requests)
         device_ids = None
@@ -213,6 +217,22 @@ class ModelRunner:
         else:  # a seeded row's key is its output position: one further with a step in flight
             tokens = self.sampler.sample_tensor(logits, SamplingBatch.of_requests(requests, previous is not None))
         return InflightStep.launched(sched, requests, tokens, start)
+
+    def _steady_rows(self, steady: list[ScheduledRequest], requests: list[Request]) -> SteadyRows | None:
+        """The steady decodes' rows. Where they are the previous step's requests in the same
+        order (as the scheduler keeps them), each has computed exactly its one token since:
+        the positions advance by one and the tables are the same lists, so only the tokens
+        are read again (SteadyRows.following)."""
+        last = self._last_steady
+        if not steady:
+            self._last_steady = None
+            return None
+        if last is not None and len(last[0]) == len(requests) and all(map(operator.is_, requests, last[0])):
+            rows = last[1].following(requests)
+        else:
+            rows = SteadyRows.of(steady, requests)
+        self._last_steady = requests, rows
+        return rows
 
     def forward(self, rows: list[ForwardRow], steady: SteadyRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the model over `rows` (single-token rows and verifications first, for the batched

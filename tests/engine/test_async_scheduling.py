@@ -91,6 +91,29 @@ def test_packed_plain_tokens_give_the_unpacked_outputs(bundled_path, monkeypatch
     assert packed[2][0][2] == "stop" and len(packed[7]) == 2
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steady_rows_carried_from_the_step_before_equal_fresh_ones(bundled_path, monkeypatch, async_scheduling):
+    """ModelRunner._steady_rows reuses the previous step's rows where the steady decodes are the
+    same requests: through chunking, prefix hits, preemptions, stops and steps launched ahead,
+    they must equal rows read afresh from the requests."""
+    from engine.step_rows import SteadyRows
+    carried = collections.Counter()
+    inner = ModelRunner._steady_rows
+
+    def checked(self, steady, requests):
+        reused = self._last_steady is not None and self._last_steady[0] == requests
+        rows = inner(self, steady, requests)
+        if rows is not None:
+            fresh = SteadyRows.of(steady, requests)
+            assert (rows.token_ids == fresh.token_ids).all() and (rows.positions == fresh.positions).all()
+            assert rows.block_tables == fresh.block_tables
+            carried[reused] += 1
+        return rows
+    monkeypatch.setattr(ModelRunner, "_steady_rows", checked)
+    _run(bundled_path, async_scheduling, max_num_seqs=12, num_kv_blocks=14, max_num_batched_tokens=48)
+    assert carried[True] > 10 and carried[False] > 0
+
+
 def test_aborts_while_a_step_is_in_flight_lose_nothing(bundled_path, launches):
     config = EngineConfig(model=str(bundled_path), dtype="float32", num_kv_blocks=64, async_scheduling=True)
     core = EngineCore(config, (2,))
