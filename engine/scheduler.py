@@ -530,6 +530,9 @@ class Scheduler:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.num_finished += 1
+        # Its standing entry refers back to it: a cycle that only the cyclic GC would free, in
+        # a full collection (the request had lived long enough to reach the oldest generation).
+        request.decode_entry = None
         if self.stats is not None:
             self.stats.observe_finished(request, time.monotonic())
         self.block_manager.free(request.request_id)
