@@ -123,6 +123,3 @@ class PlainTokens:
         self.request_ids += request_ids
         self.token_ids += token_ids
         self.num_cached_tokens += num_cached_tokens
-
-    def outputs(self) -> list[EngineCoreOutput]:
-        return list(map(plain_output, self.request_ids, self.token_ids, self.num_cached_tokens))

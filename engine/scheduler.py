@@ -208,10 +208,10 @@ class Scheduler:
         return True
 
     def _renew_lease(self, request: Request, end: int) -> bool:
-        """Grow a steady decode's table to `end` tokens (writing from `end - 1`: a step ahead,
-        that is the position after the token in flight) and lease the new room; False (the
-        general path decides) if blocks run short or it has no lease to renew (not a steady
-        decode). Its entry (`decode_entry`) holds the live table, so it stays right."""
+        """Grow a steady decode's table to `end` tokens, its step writing KV at position
+        `end - 1` (a step ahead: the position after the token in flight), and lease the new
+        room; False (the general path decides) if blocks run short or it has no lease to renew
+        (not a steady decode). Its entry (`decode_entry`) holds the live table, so it stays right."""
         if not request.decode_lease_end or request.decode_entry is None:
             return False
         if not self.block_manager.append_slots(request.request_id, request.all_token_ids, end, end - 1):
