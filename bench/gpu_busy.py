@@ -1,8 +1,8 @@
 """`pagedserve bench gpu-busy`: how busy the GPU is during the decode phase at 256 concurrent
 sequences, and how far a decode step is from its memory-bandwidth bound.
 
-The engine runs a random-weight model (bench/random_model.py) through `EngineCore.step()`, as
-the offline `LLM` and the engine process do, with the offline output processor after each step.
+The engine runs a random-weight model (bench/random_model.py) through `EngineCore.step_packed()`,
+as the offline `LLM` and the engine process do, with the offline output processor after each step.
 Two passes over the same workload:
 - **timed**: the wall time of each decode step (every sequence has its first token), of the
   engine step and of output processing apart;
@@ -129,13 +129,16 @@ class _Workload:
                     profiler.start()
                 phase_start = time.perf_counter()
             start = time.perf_counter()
-            outputs = self.core.step()  # ends with the sampled ids on the host: the GPU is done
+            # Ends with the sampled ids on the host (the GPU is done with the step, or with async
+            # scheduling the next is already on it); plain tokens packed, as the engine process has them.
+            outputs, plain = self.core.step_packed()
             stepped = time.perf_counter()
-            processor.process_outputs(outputs)
+            processor.process_outputs(outputs, plain)
             done = time.perf_counter()
-            if decoding and len(outputs) == self.num_seqs:
+            ids = [o.request_id for o in outputs] + plain.request_ids
+            if decoding and len(ids) == self.num_seqs:
                 steps, engine_s, output_s = steps + 1, engine_s + stepped - start, output_s + done - stepped
-            started.update(o.request_id for o in outputs)
+            started.update(ids)
         phase_s = time.perf_counter() - phase_start
         steps = max(steps, 1)
         result = {"decode_steps": steps, "step_ms": 1e3 * phase_s / steps, "engine_ms": 1e3 * engine_s / steps,
