@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 import zlib
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import zmq
@@ -215,25 +216,19 @@ class EngineProc:
         # every step. Most outputs are one plain token each (the core packs most of them,
         # EngineCore.step_packed), packed into three lists; the rest become RequestOutputs,
         # built in place (no copies).
-        responses: dict[str, tuple[ipc.EngineResponse, PlainTokens]] = {}
+        responses: dict[str, tuple[ipc.EngineResponse, PlainTokens]] = defaultdict(
+            lambda: (ipc.EngineResponse(), PlainTokens()))
         if plain is not None:
             for core_id, token_id, num_cached in zip(plain.request_ids, plain.token_ids, plain.num_cached_tokens):
                 frontend_id, request_id = core_id.split(":", 1)
-                entry = responses.get(frontend_id)
-                if entry is None:
-                    entry = responses[frontend_id] = (ipc.EngineResponse(), PlainTokens())
-                entry[1].request_ids.append(request_id)
-                entry[1].token_ids.append(token_id)
-                entry[1].num_cached_tokens.append(num_cached)
+                responses[frontend_id][1].add([request_id], [token_id], [num_cached])
         for out in outputs:
             frontend_id, request_id = out.request_id.split(":", 1)
-            entry = responses.get(frontend_id)
-            if entry is None:
-                entry = responses[frontend_id] = (ipc.EngineResponse(), PlainTokens())
+            response, packed = responses[frontend_id]
             if is_plain_token(out):
-                entry[1].add([request_id], out.new_token_ids, [out.num_cached_tokens])
+                packed.add([request_id], out.new_token_ids, [out.num_cached_tokens])
             else:
-                output_to_proto(out, request_id, entry[0].outputs)
+                output_to_proto(out, request_id, response.outputs)
         for frontend_id, (response, packed) in responses.items():
             add_plain_tokens(response.outputs, packed)
             response.outputs.stats.CopyFrom(self.stats)
