@@ -8,13 +8,8 @@ import operator
 from itertools import repeat
 
 from engine.outputs import SchedulerOutput
-from engine.request import Request
 from engine.scheduler import Scheduler
-
-_num_computed = operator.attrgetter("num_computed_tokens")
-_lease_end = operator.attrgetter("decode_lease_end")
-_spec_token_ids = operator.attrgetter("spec_token_ids")
-_decode_entry = operator.attrgetter("decode_entry")
+from engine.steady_decodes import _decode_entry, _lease_end, _num_computed, _spec_token_ids
 
 
 class AsyncScheduler(Scheduler):
