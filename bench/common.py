@@ -26,6 +26,8 @@ def machine_info(device: str = "cpu") -> dict:
         # What CPU matmuls run on: bf16 is ~5x slower than float32 without bf16 instructions.
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_bf16": cpu_has_bf16(),
         "cpu_flags": _cpu_flags(),
+        # Switches such as PAGEDSERVE_CUPY_PREFILL (an A/B of the prefill kernels) change what ran.
+        "pagedserve_env": {k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_")},
     }
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))

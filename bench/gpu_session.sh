@@ -7,6 +7,7 @@
 #     bash bench/gpu_session.sh throughput-cpu   # the same steps on CPU, tiny shape, tiny workload:
 #                                                # checks the script itself on any machine (~2 min)
 #     bash bench/gpu_session.sh quick        # a short lease (~4 min): below; quick-cpu checks it
+#     bash bench/gpu_session.sh prefill      # long prompts (~5 min): below; prefill-cpu checks it
 #
 # Results and logs go under $OUT (default /tmp/pagedserve-gpu); summary.txt ends with a table.
 #
@@ -45,6 +46,10 @@
 # fused layer kernels and with --no-layer-kernels; one server over gRPC and HTTP, one with
 # --api-server-count 4 over HTTP, one with --async-admission-steps 0 over gRPC; one offline
 # run. The same workload as throughput.
+# prefill: the cupy backend against the torch one, GPU tests first; then prompt tok/s on 32 prompts
+# of 2,048 tokens and 8 of 8,192 (output 1 token: all prefill, chunked by the 2,048-token budget)
+# with the cupy backend's FlashAttention prefill, its paged_prefill kernel
+# (PAGEDSERVE_CUPY_PREFILL=paged) and the torch backend (SDPA), same model as throughput.
 # Besides the image it needs these wheels (cp312, manylinux x86-64; docs/kernels.md says how to
 # fetch and carry them): llguidance pyzmq grpcio grpcio-health-checking grpcio-reflection
 # protobuf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn
@@ -59,8 +64,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=${1:-kernels}
 case $MODE in
-  kernels|throughput|throughput-cpu|quick|quick-cpu) ;;
-  *) echo "usage: bash bench/gpu_session.sh [kernels|throughput|throughput-cpu|quick|quick-cpu]" >&2; exit 2 ;;
+  kernels|throughput|throughput-cpu|quick|quick-cpu|prefill|prefill-cpu) ;;
+  *) echo "usage: bash bench/gpu_session.sh [kernels|throughput|throughput-cpu|quick|quick-cpu|prefill|prefill-cpu]" >&2
+     exit 2 ;;
 esac
 OUT=${OUT:-/tmp/pagedserve-gpu}
 mkdir -p "$OUT"
@@ -239,9 +245,33 @@ quick_session() {  # a short lease: this change's correctness, then its A/Bs, ea
   finish
 }
 
+prefill_session() {  # long prompts: the prefill kernels against each other and the torch backend
+  sizes
+  first_steps || { finish; return 1; }
+  step kernel-tests 90 "$res/kernel-tests.log" $PY -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_cupy_backend.py tests/kernels/test_flash_prefill_plan.py
+  local runs=("2048 32" "8192 8")
+  [[ $MODE == *-cpu ]] && runs=("64 4")
+  local run len prompts
+  for run in "${runs[@]}"; do
+    read -r len prompts <<< "$run"
+    local long=(-m pagedserve bench offline "${model[@]}" --max-num-seqs "$prompts" --kv-cache-memory-gb "$kv"
+                --max-model-len $((len + 256)) --num-prompts "$prompts" --input-len "$len" --output-len 1
+                --repeats 2 --single-repeats 1)
+    step "prefill-$len-flash" 90 "$res/prefill-$len-flash.log" env PAGEDSERVE_CUPY_PREFILL=flash $PY "${long[@]}" \
+      --attention-backend "$backend" --output-dir "$res/offline-prefill-$len-flash"
+    step "prefill-$len-paged" 90 "$res/prefill-$len-paged.log" env PAGEDSERVE_CUPY_PREFILL=paged $PY "${long[@]}" \
+      --attention-backend "$backend" --output-dir "$res/offline-prefill-$len-paged"
+    step "prefill-$len-torch" 90 "$res/prefill-$len-torch.log" $PY "${long[@]}" --attention-backend torch \
+      --output-dir "$res/offline-prefill-$len-torch"
+  done
+  finish
+}
+
 case $MODE in
   kernels) kernels_session ;;
   quick|quick-cpu) quick_session ;;
+  prefill|prefill-cpu) prefill_session ;;
   *) throughput_session ;;
 esac
 rm -f "$STEPS"

@@ -96,7 +96,9 @@ def _time_engine_batch(llm, prompts, params, repeats: int) -> dict:
         times.append(time.perf_counter() - start)
         assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
     tokens = len(prompts) * params.max_tokens
-    return {"output_tokens": tokens, "seconds": times, "output_tok_s": tokens / median(times)}
+    # With --output-len 1 the run is all prefill: prompt tok/s is then the prefill rate.
+    return {"output_tokens": tokens, "seconds": times, "output_tok_s": tokens / median(times),
+            "prompt_tok_s": sum(map(len, prompts)) / median(times)}
 
 
 def time_engine_single(llm, prompt: list[int], output_len: int, repeats: int) -> dict:
@@ -163,7 +165,8 @@ def _report(results: dict, ratios: dict) -> None:
             for name, r in results.items() if "output_tok_s" in r]
     print()
     print_table(["run", "output tok/s", "seconds (median)"], rows)
-    print(f"\nsingle-request decode: {results['engine_single']['decode_tok_s']:.1f} tok/s, "
+    print(f"\nengine, all prompts: {results['engine_batch']['prompt_tok_s']:.0f} prompt tok/s (with their decode)")
+    print(f"single-request decode: {results['engine_single']['decode_tok_s']:.1f} tok/s, "
           f"TTFT {results['engine_single']['ttft_s'] * 1000:.0f} ms")
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x")

@@ -24,18 +24,28 @@ def print_steps(steps_file: Path) -> None:
         print(f"{name:<18} {rc:>7} {secs:>4}  {last}")
 
 
+def offline_label(r: dict) -> str:
+    """The engine run of an offline JSON: backend, async, and for a long-prompt (prefill) run
+    its prompt length and prefill kernels (PAGEDSERVE_CUPY_PREFILL)."""
+    label = r["engine_config"]["attention_backend"]
+    if r["engine_config"].get("async_scheduling"):
+        label += ", async"
+    if r["workload"]["output_len"] == 1:
+        prefill = r["machine"].get("pagedserve_env", {}).get("PAGEDSERVE_CUPY_PREFILL", "")
+        label += f", {r['workload']['input_len']} in{', ' + prefill if prefill else ''}"
+    return label
+
+
 def offline_rows(out: Path) -> list[list[object]]:
     """One row per measured run of each offline JSON: engine by backend, then HF."""
     rows = []
     for path in sorted(out.glob("offline-*.json")):
         r = json.loads(path.read_text())
-        backend = r["engine_config"]["attention_backend"]
-        if r["engine_config"].get("async_scheduling"):
-            backend += ", async"
         single = r["results"]["engine_single"]
-        rows.append([f"engine {backend}", r["results"]["engine_batch"]["output_tok_s"],
+        rows.append([f"engine {offline_label(r)}", r["results"]["engine_batch"]["output_tok_s"],
+                     r["results"]["engine_batch"].get("prompt_tok_s", ""),
                      single["decode_tok_s"], single["ttft_s"] * 1000, path.name])
-        rows += [[name.replace("_", " "), res["output_tok_s"], "", "", path.name]
+        rows += [[name.replace("_", " "), res["output_tok_s"], "", "", "", path.name]
                  for name, res in r["results"].items() if name.startswith("hf_")]
     return rows
 
@@ -80,6 +90,8 @@ def plot(paths: list[Path], png: Path) -> Path:
     for path in paths:
         r = json.loads(path.read_text())
         gpu = r.get("machine", {}).get("gpu") or gpu
+        if (r.get("benchmark") == "offline" or path.name.startswith("offline-")) and r["workload"]["output_len"] == 1:
+            continue  # a prefill run: its output tok/s is no decode throughput
         if r.get("benchmark") == "offline" or path.name.startswith("offline-"):
             backend = r["engine_config"]["attention_backend"]
             mode = ", async" if r["engine_config"].get("async_scheduling") else ""
@@ -115,7 +127,8 @@ def main(argv: list[str]) -> int:
     offline, serve = offline_rows(out), serve_rows(out)
     if offline:
         print()
-        print_table(["offline", "output tok/s", "1-stream tok/s", "1-stream TTFT ms", "file"], offline)
+        print_table(["offline", "output tok/s", "prompt tok/s", "1-stream tok/s", "1-stream TTFT ms", "file"],
+                    offline)
     if serve:
         print()
         print_table(["serve", "concurrency", "output tok/s", "TTFT p50 ms", "TPOT p50 ms", "done / failed",

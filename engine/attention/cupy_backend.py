@@ -7,10 +7,12 @@ Same cache layout as the torch reference, so either backend reads the other's ca
     kv_cache: [2, Hkv, num_blocks, block_size, D]
                ^ 0 = K, 1 = V
 
-`prepare` runs once per step: int32 copies of the runner's metadata, the decode plan
-(single pass or split-K, see cupy_kernels.ops.plan_decode) and the prefill tile map.
-`forward` then costs one reshape_and_cache launch plus one or two attention launches
-per layer.
+`prepare` runs once per step: int32 copies of the runner's metadata and the decode plan
+(single pass or split-K, see cupy_kernels.ops.plan_decode). The first layer's `forward`
+plans the step's prefill chunks: for fp16 and bf16, FlashAttention over the chunks'
+gathered contexts (engine/attention/flash_prefill.py, tensor cores); for fp32, the tile map
+of cupy_kernels' `paged_prefill`. `forward` then costs one reshape_and_cache launch plus one
+or two attention launches per layer (and the gather).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.attention.flash_prefill import (FlashPrefillPlan, flash_prefill, flash_prefill_enabled,
+                                            plan_flash_prefill)
 from engine.attention.torch_backend import copy_kv_blocks
 
 
@@ -64,10 +68,6 @@ class CupyAttentionBackend:
             if numel:
                 self.reserve_workspace(numel, tables.device)
             state["decode"] = (tables, meta.decode_context_lens.to(torch.int32), plan)
-        if meta.prefills:
-            chunks = [(c.token_start, c.num_tokens, c.context_len) for c in meta.prefills]
-            state["prefill"] = ops.build_prefill_batch(chunks, [c.block_table for c in meta.prefills],
-                                                       self.group, meta.slot_mapping.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
@@ -83,8 +83,26 @@ class CupyAttentionBackend:
             ops.decode_attention(out[:num_decode], q[:num_decode], kv_cache, tables, lens, self.scale, plan,
                                  self.workspace)
         if meta.prefills:
-            ops.prefill_attention(out, q, kv_cache, state["prefill"], self.scale)
+            if "prefill" not in state:  # planned at the first layer, which knows the cache's dtype
+                state["prefill"] = self._plan_prefill(meta, kv_cache.dtype)
+            plan = state["prefill"]
+            if isinstance(plan, FlashPrefillPlan):
+                flash_prefill(out, q, kv_cache, plan, self.scale)
+            else:
+                ops.prefill_attention(out, q, kv_cache, plan, self.scale)
         return out
+
+    def _plan_prefill(self, meta: AttentionMetadata, dtype: torch.dtype):
+        """FlashAttention's varlen layout for fp16/bf16 (flash_prefill.py), else the tile map
+        of cupy_kernels' paged_prefill."""
+        from cupy_kernels import ops
+        plan = plan_flash_prefill(meta.prefills, meta.backend_state["block_size"]) \
+            if flash_prefill_enabled(dtype) else None
+        if plan is not None:
+            return plan
+        chunks = [(c.token_start, c.num_tokens, c.context_len) for c in meta.prefills]
+        return ops.build_prefill_batch(chunks, [c.block_table for c in meta.prefills], self.group,
+                                       meta.slot_mapping.device)
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
         copy_kv_blocks(kv_caches, pairs)  # the torch backend's cache layout

@@ -65,13 +65,14 @@ def strided_qkv(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_size:
     return tuple(fused.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1))
 
 
-def mixed_step(block_size: int, num_blocks: int, gen: torch.Generator, device: str):
+def mixed_step(block_size: int, num_blocks: int, gen: torch.Generator, device: str,
+               chunks: tuple[tuple[int, int], ...] = ((20, 50), (9, 9))):
     """One engine step's AttentionMetadata, as the runner builds it (int64, on `device`):
-    three decodes (contexts 1, 40, 700) then two prefill chunks, 20 new tokens over 30
-    cached and 9 fresh, over randomly permuted blocks."""
+    three decodes (contexts 1, 40, 700) then prefill chunks of (new tokens, context) each,
+    by default 20 new tokens over 30 cached and 9 fresh, over randomly permuted blocks."""
     from engine.attention import AttentionMetadata, PrefillChunk
     perm = torch.randperm(num_blocks, generator=gen).tolist()
-    decode_lens, chunks = [1, 40, 700], [(20, 50), (9, 9)]
+    decode_lens = [1, 40, 700]
     tables = []
     for n in decode_lens + [c for _, c in chunks]:
         count = -(-n // block_size)

@@ -1,0 +1,62 @@
+"""The cupy backend's FlashAttention prefill layout (engine/attention/flash_prefill.py), on CPU:
+the packed contexts it gathers, attended with flash's bottom-right causal mask chunk by
+chunk, equal the torch reference backend's prefill rows. The flash call itself runs in
+tests/kernels/test_cupy_backend.py on a GPU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import get_attention_backend
+from engine.attention.flash_prefill import FlashPrefillPlan, gather_contexts, plan_flash_prefill
+from kernel_inputs import mixed_step
+
+HEADS, KV_HEADS, DIM, BLOCKS = 8, 2, 64, 200
+# (new tokens, context): cached prefixes, fresh prompts, one token over a long prefix.
+CHUNKS = ((20, 50), (9, 9), (100, 100), (1, 300), (33, 33))
+
+
+def bottom_right_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashPrefillPlan,
+                        scale: float) -> torch.Tensor:
+    """What flash computes for the plan: chunk i's new token j sees keys 0 .. c - n + j."""
+    out = []
+    cq, ck = plan.cu_seq_q.tolist(), plan.cu_seq_k.tolist()
+    for a, b, c, d in zip(cq, cq[1:], ck, ck[1:]):
+        n, context = b - a, d - c
+        mask = torch.arange(context)[None, :] <= (context - n + torch.arange(n))[:, None]
+        out.append(F.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1), attn_mask=mask,
+            scale=scale, enable_gqa=True).transpose(0, 1))
+    return torch.cat(out)
+
+
+def test_gathered_contexts_attended_bottom_right_equal_the_reference():
+    backend = get_attention_backend("torch", HEADS, KV_HEADS, DIM, "cpu")
+    block_size = 16
+    torch.manual_seed(0)
+    cache = torch.randn(backend.kv_cache_shape(BLOCKS, block_size))
+    meta = mixed_step(block_size, BLOCKS, torch.Generator().manual_seed(1), "cpu", CHUNKS)
+    num_tokens = meta.slot_mapping.numel()
+    q, k, v = torch.randn(num_tokens, HEADS + 2 * KV_HEADS, DIM).split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+    backend.prepare(meta)
+    reference = backend.forward(q, k, v, cache, meta)  # writes the new K/V into the cache too
+
+    plan = plan_flash_prefill(meta.prefills, block_size)
+    assert plan.first_row == meta.num_decode_tokens and plan.num_rows == num_tokens - plan.first_row
+    assert plan.cu_seq_q.dtype == plan.cu_seq_k.dtype == torch.int32
+    assert (plan.max_q, plan.max_k) == (100, 300)
+    packed_k, packed_v = gather_contexts(cache, plan)
+    assert packed_k.shape == (sum(c for _, c in CHUNKS), KV_HEADS, DIM) and packed_k.is_contiguous()
+    rows = slice(plan.first_row, plan.first_row + plan.num_rows)
+    # The packed keys of a chunk's new tokens are the k that was just written.
+    new_keys = torch.cat([packed_k[end - n:end] for (n, _), end in zip(CHUNKS, plan.cu_seq_k[1:].tolist())])
+    assert torch.equal(new_keys, k[rows])
+    ours = bottom_right_causal(q[rows], packed_k, packed_v, plan, backend.scale)
+    torch.testing.assert_close(ours, reference[rows], rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_that_are_not_one_run_of_rows_get_no_plan():
+    meta = mixed_step(16, BLOCKS, torch.Generator().manual_seed(1), "cpu", CHUNKS[:2])
+    meta.prefills[1].token_start += 1  # a gap between the two chunks' rows
+    assert plan_flash_prefill(meta.prefills, 16) is None
