@@ -42,8 +42,9 @@
 #    then HTTP again from a server with --api-server-count 4;
 # 5. step 2 again with --no-async-scheduling (no HF), then with `--attention-backend torch`;
 # 6. in the time left, `bench gpu-busy` on a random llama-3-8b (weights built on the GPU).
-# quick: the GPU tests of the layer kernels, test_gpu_e2e.py and test_gpu_families.py; `bench gpu-busy` with the
-# fused layer kernels and with --no-layer-kernels; one server over gRPC and HTTP, one with
+# quick: the GPU tests of the layer kernels, the cupy backend (both prefill paths), test_gpu_e2e.py and
+# test_gpu_families.py; `bench gpu-busy` with the fused layer kernels, with --no-layer-kernels and with the
+# tensor-core decode (PAGEDSERVE_CUPY_DECODE=mma); one server over gRPC and HTTP, one with
 # --api-server-count 4 over HTTP, one with --async-admission-steps 0 over gRPC; one offline
 # run. The same workload as throughput.
 # prefill: the cupy backend against the torch one, GPU tests first; then prompt tok/s on 32 prompts
@@ -129,14 +130,16 @@ if not files:
     sys.exit("\nno kernels JSON: see bench.log")
 r = json.load(open(files[-1]))["results"]
 rows = [d for d in r["decode"] if "pct" in d]
-def worst(heads):
-    pts = [d["pct"] for d in rows if d["heads"] == heads and d["batch"] == 64 and d["context"] >= 1024]
+def worst(heads, key="pct"):
+    pts = [d[key] for d in rows if d["heads"] == heads and d["batch"] == 64 and d["context"] >= 1024]
     return min(pts) if pts else float("nan")
 fixed = r["fixed_cost"]
 print(f"\ncopy bandwidth            {r['copy_gb_s']:8.0f} GB/s")
 for heads, target in (("MHA", 85), ("GQA8", 60)):
     v = worst(heads)
     print(f"{heads:<5} bs64 L>=1k, worst  {v:8.1f} %   target >= {target}%  {'ok' if v >= target else 'MISS'}")
+    v = worst(heads, "mma_pct")
+    print(f"{heads:<5} tensor cores        {v:8.1f} %   target >= {target}%  {'ok' if v >= target else 'MISS'}")
 g = fixed["gpu_us_per_call"]
 print(f"fixed cost (GPU)          {g:8.2f} us  target <= 10 us  {'ok' if g <= 10 else 'MISS'}")
 for k, v in fixed["host_us_per_launch"].items():
@@ -233,10 +236,12 @@ throughput_session() {  # see the header: the most important numbers first
 quick_session() {  # a short lease: this change's correctness, then its A/Bs, each in the same run
   sizes
   first_steps || { finish; return 1; }
-  step kernel-tests 150 "$res/kernel-tests.log" $PY -m pytest -q -rfE -p no:cacheprovider \
-    tests/kernels/test_layer_kernel.py tests/kernels/test_gpu_e2e.py tests/kernels/test_gpu_families.py
+  step kernel-tests 180 "$res/kernel-tests.log" $PY -m pytest -q -rfE -p no:cacheprovider \
+    tests/kernels/test_layer_kernel.py tests/kernels/test_cupy_backend.py tests/kernels/test_gpu_e2e.py \
+    tests/kernels/test_gpu_families.py
   step gpu-busy 60 "$res/gpu-busy.log" $PY "${busy[@]}"
   step gpu-busy-eager 60 "$res/gpu-busy-eager.log" $PY "${busy[@]}" --no-layer-kernels
+  step gpu-busy-mma 60 "$res/gpu-busy-mma.log" env PAGEDSERVE_CUPY_DECODE=mma $PY "${busy[@]}"
   serve_with "" "grpc http"
   serve_with "-4fe" "http" --api-server-count 4
   serve_with "-admit0" "grpc" --async-admission-steps 0

@@ -107,7 +107,8 @@ def graph_of(calls) -> object:
 
 
 def decode_case(name: str, batch: int, context: int, props, pool_gb: float, replays: int, copy_gbs: float) -> dict:
-    """Both decode kernels on one shape; per-call time from graph replays over rotated inputs."""
+    """The decode kernel single pass and split-K, and the tensor-core one under its plan, on one
+    shape; per-call time from graph replays over rotated inputs."""
     import torch
     from cupy_kernels import ops
     num_q_heads, num_kv_heads = HEADS[name]
@@ -136,6 +137,9 @@ def decode_case(name: str, batch: int, context: int, props, pool_gb: float, repl
     elif context > ops.PARTITION_TOKENS:  # what splitting would have given
         plans["split"] = ops.DecodePlan(heuristic.heads_per_cta, heuristic.num_chunks,
                                         math.ceil(context / ops.PARTITION_TOKENS))
+    # The tensor-core kernel (decode_mma.cu) under its own heuristic plan.
+    group = num_q_heads // num_kv_heads
+    plans["mma"] = ops.plan_decode(batch, num_kv_heads, group, context, props.multi_processor_count, True)
     workspace = torch.empty(max(ops.decode_workspace_numel(batch, num_q_heads, HEAD_SIZE, p) for p in plans.values())
                             or 1, device="cuda")
     for kind, plan in plans.items():
@@ -148,7 +152,7 @@ def decode_case(name: str, batch: int, context: int, props, pool_gb: float, repl
     row["heuristic"] = "split" if heuristic.split else "single"
     if "split" in plans:
         row["split_partition_tokens"] = plans["split"].partition_tokens
-    row["pct"] = row[f"{row['heuristic']}_pct"]
+    row["pct"] = row[f"{row['heuristic']}_pct"]  # the default kernel (decode.cu); mma_pct: decode_mma.cu
     del cache, qs, outs, workspace
     return row
 
@@ -209,10 +213,12 @@ def report(results: dict) -> None:
     print(f"fixed cost: {fixed['gpu_us_per_call']:.2f} us GPU per tiny decode call; host per launch: "
           + ", ".join(f"{k} {v:.1f} us" for k, v in fixed["host_us_per_launch"].items()))
     rows = [[r["heads"], r["batch"], r["context"], r.get("single_us", "-"), r.get("single_pct", "-"),
-             r.get("split_us", "-"), r.get("split_pct", "-"), r.get("heuristic", r.get("skipped", ""))]
+             r.get("split_us", "-"), r.get("split_pct", "-"), r.get("heuristic", r.get("skipped", "")),
+             r.get("mma_us", "-"), r.get("mma_pct", "-")]
             for r in results["decode"]]
     print()
-    print_table(["heads", "batch", "context", "single us", "single %", "split us", "split %", "chosen"], rows)
+    print_table(["heads", "batch", "context", "single us", "single %", "split us", "split %", "chosen",
+                 "mma us", "mma %"], rows)
 
 
 if __name__ == "__main__":  # python -m bench.kernels: no CLI imports (the GPU session uses it)

@@ -69,6 +69,8 @@ def gpu_busy_rows(out: Path) -> list[list[object]]:
         mode = "async" if r["workload"].get("async_scheduling") else "sync"
         if r["workload"].get("layer_kernels") is False:
             mode += ", eager layers"
+        if r.get("machine", {}).get("pagedserve_env", {}).get("PAGEDSERVE_CUPY_DECODE") == "mma":
+            mode += ", mma decode"
         rows.append([f"{r['workload']['model']}, {r['workload']['num_seqs']} seqs, {mode}", f"{res['timed']['step_ms']:.2f}", f"{res['bound_ms']:.2f}",
                      f"{res['step_ms_over_bound']:.2f}", "" if busy is None else f"{100 * busy:.1f}%",
                      path.name])

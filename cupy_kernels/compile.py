@@ -22,7 +22,8 @@ CTYPES = {"float32": "float", "float16": "half_t", "bfloat16": "bf16_t"}
 HEAD_SIZES = (64, 96, 128)
 BLOCK_SIZES = (16, 32)
 GROUP_TILES = (1, 2, 4, 8)  # query heads per decode CTA; larger groups take several CTAs
-SOURCES = ("cache", "decode", "prefill", "layers")
+SOURCES = ("cache", "decode", "decode_mma", "prefill", "layers")
+MMA_DTYPES = ("float16", "bfloat16")  # the tensor-core decode (decode_mma.cu) has no fp32 path
 LAYER_KERNELS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul")
 
 
@@ -42,6 +43,10 @@ def decode_expr(dtype: str, head_size: int, block_size: int, heads_per_cta: int,
             f"{'true' if split else 'false'}>")
 
 
+def decode_mma_expr(dtype: str, head_size: int, block_size: int, split: bool) -> str:
+    return f"paged_decode_mma<{CTYPES[dtype]}, {head_size}, {block_size}, {'true' if split else 'false'}>"
+
+
 def reduce_expr(dtype: str, head_size: int) -> str:
     return f"paged_decode_reduce<{CTYPES[dtype]}, {head_size}>"
 
@@ -56,15 +61,18 @@ def layer_expr(kernel: str, dtype: str) -> str:
 
 def all_instantiations() -> dict[str, list[str]]:
     """Every instantiation the launchers can ask for, by source file."""
-    decode, prefill = [], []
+    decode, decode_mma, prefill = [], [], []
     for dtype in CTYPES:
         for d in HEAD_SIZES:
             decode.append(reduce_expr(dtype, d))
             for bs in BLOCK_SIZES:
                 prefill.append(prefill_expr(dtype, d, bs))
                 decode += [decode_expr(dtype, d, bs, g, split) for g in GROUP_TILES for split in (False, True)]
+                if dtype in MMA_DTYPES:
+                    decode_mma += [decode_mma_expr(dtype, d, bs, split) for split in (False, True)]
     layers = [layer_expr(k, dtype) for k in LAYER_KERNELS for dtype in CTYPES]
-    return {"cache": [cache_expr()], "decode": decode, "prefill": prefill, "layers": layers}
+    return {"cache": [cache_expr()], "decode": decode, "decode_mma": decode_mma, "prefill": prefill,
+            "layers": layers}
 
 
 @functools.cache

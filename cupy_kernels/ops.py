@@ -32,6 +32,7 @@ PARTITION_TOKENS = 512  # split-K partition length when a plan names none
 PARTITION_CHOICES = (1024, 512, 256, 128)
 PREFILL_ROWS = 16  # query rows per prefill CTA (QROWS in prefill.cu)
 MAX_HEADS_PER_CTA = 8  # largest GROUP_TILES entry
+MMA_HEADS_PER_CTA = 16  # the tensor-core decode's CTA: the M rows of mma.sync (MMA_ROWS in decode_mma.cu)
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 _streams: dict[int, object] = {}
@@ -93,28 +94,34 @@ class DecodePlan:
     num_chunks: int  # CTAs per KV head (group / heads_per_cta, rounded up)
     num_partitions: int  # 1: single pass; more: split-K, each partition_tokens long
     partition_tokens: int = PARTITION_TOKENS
+    tensor_cores: bool = False  # decode_mma.cu (fp16/bf16; heads_per_cta 16) instead of decode.cu
 
     @property
     def split(self) -> bool:
         return self.num_partitions > 1
 
 
-def plan_decode(batch: int, num_kv_heads: int, group: int, max_context: int, num_sms: int) -> DecodePlan:
+def plan_decode(batch: int, num_kv_heads: int, group: int, max_context: int, num_sms: int,
+                tensor_cores: bool = False) -> DecodePlan:
     """Single pass when its CTAs alone cover every SM or contexts are short; otherwise
     split the context into the longest partitions that still give every SM a CTA (the
     shortest choice if none does), so that small batches with long contexts spread over
     the chip. `max_context` is an upper bound: with CUDA graphs it is max_model_len, and
-    partitions past a sequence's end exit at once."""
-    heads_per_cta = min(MAX_HEADS_PER_CTA, 1 << (group - 1).bit_length())
+    partitions past a sequence's end exit at once. `tensor_cores`: plan for decode_mma.cu
+    (the caller checks the dtype: fp16/bf16)."""
+    if tensor_cores:
+        heads_per_cta = MMA_HEADS_PER_CTA
+    else:
+        heads_per_cta = min(MAX_HEADS_PER_CTA, 1 << (group - 1).bit_length())
     num_chunks = -(-group // heads_per_cta)
     ctas = batch * num_kv_heads * num_chunks
     if max_context <= PARTITION_CHOICES[-1] or ctas >= num_sms:
-        return DecodePlan(heads_per_cta, num_chunks, 1)
+        return DecodePlan(heads_per_cta, num_chunks, 1, tensor_cores=tensor_cores)
     for tokens in PARTITION_CHOICES:
         parts = math.ceil(max_context / tokens)
         if parts > 1 and ctas * parts >= num_sms:
             break
-    return DecodePlan(heads_per_cta, num_chunks, parts, tokens)
+    return DecodePlan(heads_per_cta, num_chunks, parts, tokens, tensor_cores)
 
 
 def decode_workspace_numel(batch: int, num_q_heads: int, head_size: int, plan: DecodePlan) -> int:
@@ -148,8 +155,12 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
             _ptr(kv_cache), _v_cache_ptr(kv_cache), _ptr(block_tables), np.int32(block_tables.stride(0)),
             _ptr(context_lens), np.int32(kv_cache.shape[2]), np.int32(group), np.int32(plan.num_chunks),
             np.int32(plan.partition_tokens), np.float32(scale * LOG2E))
-    expr = kc.decode_expr(dtype, head_size, block_size, plan.heads_per_cta, plan.split)
-    _launch("decode", expr, q.device, (batch, num_kv_heads * plan.num_chunks, parts), args)
+    if plan.tensor_cores:
+        assert dtype in kc.MMA_DTYPES and plan.heads_per_cta == MMA_HEADS_PER_CTA, f"tensor cores: {dtype}, {plan}"
+        source, expr = "decode_mma", kc.decode_mma_expr(dtype, head_size, block_size, plan.split)
+    else:
+        source, expr = "decode", kc.decode_expr(dtype, head_size, block_size, plan.heads_per_cta, plan.split)
+    _launch(source, expr, q.device, (batch, num_kv_heads * plan.num_chunks, parts), args)
     if plan.split:
         args = (_ptr(out), part_out, part_max, part_sum, _ptr(context_lens), np.int32(parts),
                 np.int32(plan.partition_tokens))

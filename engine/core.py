@@ -57,12 +57,12 @@ class EngineCore:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.eos_token_ids = eos_token_ids
-        self.model_runner = ModelRunner(config, self.model_path, eos_token_ids)
+        # Rows of the LM head past the tokenizer's tokens are padding: never sampled.
+        self.model_runner = ModelRunner(config, self.model_path, eos_token_ids,
+                                        num_tokens=None if tokenizer is None else len(tokenizer))
         self.vocab_size = self.model_runner.arch.vocab_size
         self.structured_output = None
         if tokenizer is not None:
-            # Rows of the LM head past the tokenizer's tokens are padding: never sampled.
-            self.model_runner.sampler.num_tokens = min(len(tokenizer), self.vocab_size)
             self.structured_output = StructuredOutputManager(tokenizer, self.vocab_size, eos_token_ids)
         # A draft model shares the block tables and attends to whole contexts: keep every block.
         kv_window = self.model_runner.kv_window if config.speculative_method != "draft" else None

@@ -1,8 +1,11 @@
-"""CUDA graphs for pure-decode steps: the model forward (not sampling) captured once per
-batch-size bucket, replayed with new inputs copied into static buffers.
+"""CUDA graphs for pure-decode steps: the model forward, the LM head and each row's argmax,
+captured once per batch-size bucket, replayed with new inputs copied into static buffers.
 
 A decode step then costs a handful of small copies and one replay instead of a few
-launches per layer from Python. Static buffers, sized for the largest bucket:
+launches per layer from Python; a step whose rows all decode greedily reads its tokens
+from the graph's argmax, and other rows sample from the graph's logits. (Graphs run on one
+rank with no adapters: EngineConfig turns them off with tensor parallelism or LoRA, so
+the LM head needs no collective.) Static buffers, sized for the largest bucket:
 
     input_ids, positions  [max_bs] int64
     slot_mapping          [max_bs] int32     -1 on padding rows: nothing is written
@@ -16,11 +19,24 @@ buckets use split-K over max_model_len and partitions past a sequence's end exit
 
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.models.llama import ForwardContext
+
+
+class GraphOutputs(NamedTuple):
+    """A replay's outputs: views of the graph's static buffers, valid until the next replay."""
+
+    hidden: torch.Tensor  # [n, H] final hidden states
+    logits: torch.Tensor  # [n, vocab_size]
+    greedy: torch.Tensor  # [n] int64: each row's argmax over the tokenizer's tokens (Sampler.argmax_tensor)
+
+    def first(self, n: int) -> GraphOutputs:
+        return GraphOutputs(self.hidden[:n], self.logits[:n], self.greedy[:n])
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -33,9 +49,10 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode forwards, one per bucket; `run` replays the right one."""
 
-    def __init__(self, model, backend, kv_caches: list[torch.Tensor], block_size: int, max_num_seqs: int,
-                 max_model_len: int, device: torch.device) -> None:
-        self.model, self.backend, self.kv_caches = model, backend, kv_caches
+    def __init__(self, model, argmax: Callable[[torch.Tensor], torch.Tensor], backend, kv_caches: list[torch.Tensor],
+                 block_size: int, max_num_seqs: int, max_model_len: int, device: torch.device) -> None:
+        """`argmax`: the sampler's greedy choice over logits (Sampler.argmax_tensor), captured too."""
+        self.model, self.argmax, self.backend, self.kv_caches = model, argmax, backend, kv_caches
         self.block_size = block_size
         self.buckets = bucket_sizes(max_num_seqs)
         width = -(-max_model_len // block_size)
@@ -45,7 +62,7 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros((n, width), dtype=torch.int32, device=device)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, GraphOutputs]] = {}
         pin = device.type == "cuda"
         self._staging = [(torch.zeros(4 * n, dtype=torch.long, pin_memory=pin),
                           torch.zeros(n * width, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
@@ -75,20 +92,25 @@ class DecodeGraphs:
         for batch in reversed(self.buckets):
             ctx = ForwardContext(self.backend, self._meta(batch), self.kv_caches)
             # Warm-up outside capture: compiles kernels and creates library handles.
-            self.model(self.input_ids[:batch], self.positions[:batch], ctx)
+            self._forward(batch, ctx)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                hidden = self.model(self.input_ids[:batch], self.positions[:batch], ctx)
+                outputs = self._forward(batch, ctx)
             pool = graph.pool()
-            self.graphs[batch] = (graph, hidden)
+            self.graphs[batch] = (graph, outputs)
         torch.cuda.synchronize()
 
+    def _forward(self, batch: int, ctx: ForwardContext) -> GraphOutputs:
+        hidden = self.model(self.input_ids[:batch], self.positions[:batch], ctx)
+        logits = self.model.compute_logits(hidden)
+        return GraphOutputs(hidden, logits, self.argmax(logits))
+
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
-            block_tables: np.ndarray, device_input_ids: torch.Tensor | None = None) -> torch.Tensor:
+            block_tables: np.ndarray, device_input_ids: torch.Tensor | None = None) -> GraphOutputs:
         """Replay for these n decode rows (int64 arrays; n <= max_batch, `block_tables`
-        [n, w] with w <= the captured width); returns hidden [n, H], a view of the graph's
-        output, valid until the next replay. Columns past w keep older entries: no row's
+        [n, w] with w <= the captured width); returns the first n rows of the graph's
+        outputs, valid until the next replay. Columns past w keep older entries: no row's
         context reaches them, so attention never reads them. `device_input_ids` ([n], on the
         device) replace `input_ids`: the tokens of a step still running (async scheduling).
 
@@ -119,6 +141,6 @@ class DecodeGraphs:
         self._copied[turn].record()
         if device_input_ids is not None:
             self.input_ids[:n].copy_(device_input_ids)
-        graph, hidden = self.graphs[batch]
+        graph, outputs = self.graphs[batch]
         graph.replay()
-        return hidden[:n]
+        return outputs.first(n)

@@ -26,6 +26,7 @@ from engine.attention import AttentionMetadata, PrefillChunk, get_attention_back
 from engine.block_tables import BlockTables
 from engine.config import EngineConfig
 from engine.cpu_tuning import bucket, tune_cpu
+from engine.cuda_graphs import DecodeGraphs, GraphOutputs
 from engine.distributed.state import SINGLE, TPShard, all_reduce_min, broadcast_object
 from engine.layers.parallel import check_shardable, local_sizes
 from engine.models.llama import ForwardContext
@@ -64,9 +65,10 @@ class _PromptJob:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, eos_token_ids: tuple[int, ...],
-                 shard: TPShard | None = None) -> None:
+                 shard: TPShard | None = None, num_tokens: int | None = None) -> None:
         """`shard`: a worker's rank (it has joined the group already); None on rank 0, which
-        starts the workers itself when `config.tensor_parallel_size` > 1."""
+        starts the workers itself when `config.tensor_parallel_size` > 1. `num_tokens`: the
+        tokenizer's size; rows of the LM head past it (padding) are never sampled."""
         self.config = config
         self.device = torch.device(config.device)
         self.arch = read_arch_config(model_path)
@@ -90,7 +92,7 @@ class ModelRunner:
         self.kv_window = max(windows) if None not in windows else None
         self.backend = get_attention_backend(config.attention_backend, local["num_heads"], self.num_kv_heads,
                                              self.arch.head_dim, config.device,
-                                             any(w is not None for w in windows))
+                                             any(w is not None for w in windows), DTYPES[config.dtype])
         self.block_size = config.block_size
         # Every rank must hold the same blocks: the smallest pool any rank can afford.
         self.num_kv_blocks = all_reduce_min(
@@ -98,7 +100,7 @@ class ModelRunner:
         shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size)
         self.kv_caches = [torch.zeros(shape, dtype=DTYPES[config.dtype], device=self.device)
                           for _ in range(self.arch.num_layers)]
-        self.sampler = Sampler(eos_token_ids)
+        self.sampler = Sampler(eos_token_ids, None if num_tokens is None else min(num_tokens, self.arch.vocab_size))
         self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), config.max_num_seqs)
         # The previous `execute`'s steady decodes: their requests and rows (see _steady_rows).
         self._last_steady: tuple[list[Request], SteadyRows] | None = None
@@ -118,9 +120,8 @@ class ModelRunner:
             self.workers.stop()
 
     def _capture_graphs(self):
-        from engine.cuda_graphs import DecodeGraphs
-        graphs = DecodeGraphs(self.model, self.backend, self.kv_caches, self.block_size,
-                              self.config.max_num_seqs, self.max_model_len, self.device)
+        graphs = DecodeGraphs(self.model, self.sampler.argmax_tensor, self.backend, self.kv_caches,
+                              self.block_size, self.config.max_num_seqs, self.max_model_len, self.device)
         graphs.capture()
         return graphs
 
@@ -156,13 +157,15 @@ class ModelRunner:
             self.lora.assign_slots([s.request.lora_name for s in order], rows)
         plan = StepPlan(list(sched.blocks_to_copy), rows, slices, bool(sampling),
                         self._steady_rows(steady, steady_requests))
-        prompt_logits, logits = self.run_plan(plan)
+        prompt_logits, logits, greedy = self.run_plan(plan)
         prompt_lps = self._score_prompts(jobs, prompt_logits)
         if not sampling:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start)
         if all_plain_greedy(steady_requests, sampling[num_steady:]):  # the hot path: no per-row sampling state
             model_end = time.perf_counter()
-            tokens = self.sampler.argmax(logits[:len(sampling)])
+            if greedy is None:
+                greedy = self.sampler.argmax_tensor(logits)
+            tokens = greedy[:len(sampling)].tolist()
             rest = sampling[num_steady:]
             return ModelRunnerOutput([s.request.request_id for s in rest], [[t] for t in tokens[num_steady:]],
                                      [[None]] * len(rest), prompt_lps, model_end - start,
@@ -202,18 +205,19 @@ class ModelRunner:
             steady.positions += 1
             device_ids = previous.input_ids(requests)
         n = len(requests)
-        if self.graphs is not None:
+        greedy = None
+        if self.graphs is not None:  # the LM head and the argmax ran in the graph too
             inputs = self._decode_inputs([], steady)
-            hidden = self.graphs.run(inputs.token_ids, inputs.positions, inputs.slots, inputs.block_tables,
-                                     device_ids)
+            _, logits, greedy = self.graphs.run(inputs.token_ids, inputs.positions, inputs.slots,
+                                                inputs.block_tables, device_ids)
         else:
             input_ids, positions, meta, _ = self._prepare([], steady)
             if device_ids is not None:
                 input_ids[:n].copy_(device_ids)
             hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
-        logits = self.model.compute_logits(hidden[:n])
+            logits = self.model.compute_logits(hidden[:n])
         if all_plain_greedy(requests, []):
-            tokens = self.sampler.argmax_tensor(logits)
+            tokens = greedy if greedy is not None else self.sampler.argmax_tensor(logits)
         else:  # a seeded row's key is its output position: one further with a step in flight
             tokens = self.sampler.sample_tensor(logits, SamplingBatch.of_requests(requests, previous is not None))
         return InflightStep.launched(sched, requests, tokens, start)
@@ -243,6 +247,13 @@ class ModelRunner:
         of the step is written before attention reads any, so token j sees drafts 0..j-1.
         The decode kernel is much cheaper than a prefill chunk for a few tokens, and each
         token goes through the same kernels as without speculation."""
+        hidden, last_rows, _ = self._forward(rows, steady)
+        return hidden, last_rows
+
+    def _forward(self, rows: list[ForwardRow], steady: SteadyRows | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, GraphOutputs | None]:
+        """`forward`, plus a CUDA graph's outputs where the step ran in one (its logits and
+        argmax cover every row, in order, sampled or not)."""
         if any(f.num_logits > 1 for f in rows):
             rows = [one for f in rows for one in as_decodes(f)]
         if self.graphs is not None and self._all_decode(rows, steady):
@@ -250,19 +261,26 @@ class ModelRunner:
         input_ids, positions, meta, last_rows = self._prepare(rows, steady)
         if self.lora is not None:
             self.lora.set_tokens(rows)
-        return self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches)), last_rows
+        hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
+        return hidden, last_rows, None
 
     @torch.inference_mode()
-    def run_plan(self, plan: StepPlan) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
+    def run_plan(self, plan: StepPlan) -> tuple[list[torch.Tensor | None], torch.Tensor | None, torch.Tensor | None]:
         """Run one step on this rank (rank 0 first broadcasts it): (the prompt-logprob slices'
-        logits, the sampling rows' logits). Logits are None except on rank 0."""
+        logits, the sampling rows' logits, their argmax where a CUDA graph computed it, else
+        None). Logits are None except on rank 0."""
         if self.workers is not None:
             broadcast_object(plan, self.shard)
         self.copy_blocks(plan.blocks_to_copy)
-        hidden, last_rows = self.forward(plan.rows, plan.steady)
+        hidden, last_rows, graph = self._forward(plan.rows, plan.steady)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in plan.logits_slices]
-        logits = self.model.compute_logits(hidden[last_rows]) if plan.sample else None
-        return prompt_logits, logits
+        if not plan.sample:
+            return prompt_logits, None, None
+        if graph is not None:  # the graph's LM head covered every row: keep the sampling ones
+            if len(last_rows) == len(graph.greedy):
+                return prompt_logits, graph.logits, graph.greedy
+            return prompt_logits, graph.logits[last_rows], graph.greedy[last_rows]
+        return prompt_logits, self.model.compute_logits(hidden[last_rows]), None
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy whole KV blocks src -> dst before a forward. The copies replaced
@@ -367,11 +385,12 @@ class ModelRunner:
         n = len(rows) + (0 if steady is None else len(steady.token_ids))
         return 0 < n <= self.graphs.max_batch and num_leading_decodes(rows) == len(rows)
 
-    def _run_graph(self, rows: list[ForwardRow], steady: SteadyRows | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_graph(self, rows: list[ForwardRow], steady: SteadyRows | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, GraphOutputs]:
         """A pure-decode step through the captured graph of its batch-size bucket."""
         inputs = self._decode_inputs(rows, steady)
-        hidden = self.graphs.run(inputs.token_ids, inputs.positions, inputs.slots, inputs.block_tables)
-        return hidden, self._tensor(inputs.logits_rows)
+        outputs = self.graphs.run(inputs.token_ids, inputs.positions, inputs.slots, inputs.block_tables)
+        return outputs.hidden, self._tensor(inputs.logits_rows), outputs
 
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values).to(self.device, non_blocking=True)

@@ -75,11 +75,12 @@ class AttentionBackend(Protocol):
 
 
 def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: str,
-                          sliding_window: bool = False) -> AttentionBackend:
+                          sliding_window: bool = False, dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """The backend `name` ("auto": the CPU kernels on a CPU device, the CUDA kernels on a
     CUDA one, where they are available and fit the head size; else torch) for a model on
     `device`. `sliding_window`: some layer of the model is windowed, which the CUDA
-    kernels do not do (so "auto" picks torch there, and "cupy" is refused)."""
+    kernels do not do (so "auto" picks torch there, and "cupy" is refused). `dtype`: the
+    KV cache's, which picks the CUDA kernels' variants (tensor cores for fp16/bf16)."""
     on_cpu = torch.device(device).type == "cpu"
     if name == "auto" and on_cpu:
         import cpu_kernels
@@ -114,5 +115,5 @@ def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim
             raise ValueError(f"attention_backend 'cupy' needs cupy and a CUDA GPU (sm_80+): {reason}; "
                              "install the gpu extra (pip install 'pagedserve[gpu]') or use 'torch'")
         from engine.attention.cupy_backend import CupyAttentionBackend
-        return CupyAttentionBackend(num_heads, num_kv_heads, head_dim)
+        return CupyAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
     raise ValueError(f"attention_backend: {name!r} is not available (available: auto, torch, cpu, cupy)")

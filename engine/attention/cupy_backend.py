@@ -7,28 +7,35 @@ Same cache layout as the torch reference, so either backend reads the other's ca
     kv_cache: [2, Hkv, num_blocks, block_size, D]
                ^ 0 = K, 1 = V
 
-`prepare` runs once per step: int32 copies of the runner's metadata and the decode plan
-(single pass or split-K, see cupy_kernels.ops.plan_decode). The first layer's `forward`
-plans the step's prefill chunks: for fp16 and bf16, FlashAttention over the chunks'
-gathered contexts (engine/attention/flash_prefill.py, tensor cores); for fp32, the tile map
-of cupy_kernels' `paged_prefill`. `forward` then costs one reshape_and_cache launch plus one
-or two attention launches per layer (and the gather).
+`prepare` runs once per step: int32 copies of the runner's metadata, the decode plan
+(single pass or split-K, see cupy_kernels.ops.plan_decode) and the prefill plan: for fp16
+and bf16, FlashAttention's varlen layout over the chunks' contexts gathered from the cache
+(engine/attention/flash_prefill.py, tensor cores); for fp32, the tile map of cupy_kernels'
+`paged_prefill`. `forward` then costs one reshape_and_cache launch plus one or two
+attention launches per layer (and the gather).
+
+Decode runs `paged_decode` (decode.cu, CUDA cores) by default; `PAGEDSERVE_CUPY_DECODE=mma`
+runs the tensor-core `paged_decode_mma` (decode_mma.cu) for fp16/bf16 caches instead, until
+a GPU measurement picks the default (docs/kernels.md).
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.attention.flash_prefill import (FlashPrefillPlan, flash_prefill, flash_prefill_enabled,
-                                            plan_flash_prefill)
+from engine.attention.flash_prefill import (FLASH_DTYPES, FlashPrefillPlan, flash_prefill,
+                                            flash_prefill_enabled, plan_flash_prefill)
 from engine.attention.torch_backend import copy_kv_blocks
 
 
 class CupyAttentionBackend:
     name = "cupy"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32
+                 ) -> None:
         from cupy_kernels import compile as kc
         if head_dim not in kc.HEAD_SIZES:
             raise ValueError(f"attention_backend 'cupy': head size {head_dim} is not supported "
@@ -40,6 +47,9 @@ class CupyAttentionBackend:
         self.scale = head_dim ** -0.5
         self.num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self.workspace: torch.Tensor | None = None  # split-K scratch, grown on demand
+        self.flash_prefill = flash_prefill_enabled(dtype)
+        self.decode_tensor_cores = (dtype in FLASH_DTYPES  # the 16-bit types, as decode_mma.cu's
+                                    and os.environ.get("PAGEDSERVE_CUPY_DECODE", "simt") == "mma")
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         from cupy_kernels import compile as kc
@@ -63,11 +73,19 @@ class CupyAttentionBackend:
             tables = meta.decode_block_tables.to(torch.int32)
             # The padded table width bounds every context without reading lengths back.
             bound = tables.shape[1] * state["block_size"]
-            plan = ops.plan_decode(meta.num_decode_tokens, self.num_kv_heads, self.group, bound, self.num_sms)
+            plan = ops.plan_decode(meta.num_decode_tokens, self.num_kv_heads, self.group, bound, self.num_sms,
+                                   self.decode_tensor_cores)
             numel = ops.decode_workspace_numel(meta.num_decode_tokens, self.num_heads, self.head_dim, plan)
             if numel:
                 self.reserve_workspace(numel, tables.device)
             state["decode"] = (tables, meta.decode_context_lens.to(torch.int32), plan)
+        if meta.prefills:
+            plan = plan_flash_prefill(meta.prefills, state["block_size"]) if self.flash_prefill else None
+            if plan is None:
+                chunks = [(c.token_start, c.num_tokens, c.context_len) for c in meta.prefills]
+                plan = ops.build_prefill_batch(chunks, [c.block_table for c in meta.prefills], self.group,
+                                               meta.slot_mapping.device)
+            state["prefill"] = plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
@@ -83,26 +101,12 @@ class CupyAttentionBackend:
             ops.decode_attention(out[:num_decode], q[:num_decode], kv_cache, tables, lens, self.scale, plan,
                                  self.workspace)
         if meta.prefills:
-            if "prefill" not in state:  # planned at the first layer, which knows the cache's dtype
-                state["prefill"] = self._plan_prefill(meta, kv_cache.dtype)
             plan = state["prefill"]
             if isinstance(plan, FlashPrefillPlan):
                 flash_prefill(out, q, kv_cache, plan, self.scale)
             else:
                 ops.prefill_attention(out, q, kv_cache, plan, self.scale)
         return out
-
-    def _plan_prefill(self, meta: AttentionMetadata, dtype: torch.dtype):
-        """FlashAttention's varlen layout for fp16/bf16 (flash_prefill.py), else the tile map
-        of cupy_kernels' paged_prefill."""
-        from cupy_kernels import ops
-        plan = plan_flash_prefill(meta.prefills, meta.backend_state["block_size"]) \
-            if flash_prefill_enabled(dtype) else None
-        if plan is not None:
-            return plan
-        chunks = [(c.token_start, c.num_tokens, c.context_len) for c in meta.prefills]
-        return ops.build_prefill_batch(chunks, [c.block_table for c in meta.prefills], self.group,
-                                       meta.slot_mapping.device)
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
         copy_kv_blocks(kv_caches, pairs)  # the torch backend's cache layout

@@ -1,7 +1,8 @@
 """CupyAttentionBackend against TorchAttentionBackend through the engine's interface:
 int64 metadata as the runner builds it, decodes and prefill chunks in one step. Prefill
 chunks go through FlashAttention (fp16/bf16) or cupy_kernels' paged_prefill (fp32, or
-PAGEDSERVE_CUPY_PREFILL=paged): both are checked."""
+PAGEDSERVE_CUPY_PREFILL=paged), decodes through paged_decode or, with
+PAGEDSERVE_CUPY_DECODE=mma, the tensor-core paged_decode_mma (fp16/bf16): all are checked."""
 
 from __future__ import annotations
 
@@ -17,15 +18,17 @@ from engine.attention.flash_prefill import FlashPrefillPlan
 CHUNKS = ((20, 50), (9, 9), (300, 300), (1, 700), (64, 1000))
 
 
+@pytest.mark.parametrize("decode", ["simt", "mma"])
 @pytest.mark.parametrize("prefill", ["flash", "paged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_matches_torch_backend(dtype, block_size, prefill, monkeypatch):
+def test_matches_torch_backend(dtype, block_size, prefill, decode, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CUPY_PREFILL", prefill)
+    monkeypatch.setenv("PAGEDSERVE_CUPY_DECODE", decode)
     heads, kv_heads, dim, num_blocks = 16, 4, 128, 400
     outs, caches = [], []
     for name in ("torch", "cupy"):
-        backend = get_attention_backend(name, heads, kv_heads, dim, "cuda")
+        backend = get_attention_backend(name, heads, kv_heads, dim, "cuda", dtype=dtype)
         torch.manual_seed(0)
         cache = torch.randn(backend.kv_cache_shape(num_blocks, block_size), device="cuda").to(dtype)
         meta = mixed_step(block_size, num_blocks, torch.Generator().manual_seed(1), "cuda", CHUNKS)
@@ -35,7 +38,8 @@ def test_matches_torch_backend(dtype, block_size, prefill, monkeypatch):
         backend.prepare(meta)
         outs.append(backend.forward(q, k, v, cache, meta).float())
         caches.append(cache)
-    flash = prefill == "flash" and dtype != torch.float32
-    assert isinstance(meta.backend_state["prefill"], FlashPrefillPlan) == flash
+    sixteen_bits = dtype != torch.float32
+    assert isinstance(meta.backend_state["prefill"], FlashPrefillPlan) == (prefill == "flash" and sixteen_bits)
+    assert meta.backend_state["decode"][2].tensor_cores == (decode == "mma" and sixteen_bits)
     assert torch.equal(caches[0], caches[1])
     assert relative_error(outs[1], outs[0]) <= 2 * TOLERANCE[dtype]  # both round to dtype

@@ -1,4 +1,5 @@
-"""Paged decode attention (single pass and split-K) against the float32 reference."""
+"""Paged decode attention (single pass and split-K) against the float32 reference: the CUDA-core
+kernel (decode.cu) and, for fp16/bf16, the tensor-core one (decode_mma.cu)."""
 
 from __future__ import annotations
 
@@ -27,19 +28,29 @@ def run_decode(ctx: PagedContexts, q: torch.Tensor, plan: ops.DecodePlan, scale:
     return out
 
 
+# GQA 20:1 takes two tensor-core CTAs per KV head (16 heads each, the second one 4).
+MMA_GQA = GQA + ((20, 1),)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size", [64, 96, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("heads", GQA, ids=[f"{h}q{k}kv" for h, k in GQA])
+@pytest.mark.parametrize("heads", MMA_GQA, ids=[f"{h}q{k}kv" for h, k in MMA_GQA])
 @pytest.mark.parametrize("split", [0, ops.PARTITION_TOKENS, 128], ids=["single", "split", "split128"])
-def test_decode(dtype, head_size, block_size, heads, split):
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["simt", "mma"])
+def test_decode(dtype, head_size, block_size, heads, split, tensor_cores):
+    if tensor_cores and dtype == torch.float32:
+        pytest.skip("the tensor-core decode takes fp16/bf16 only")
+    if heads == (20, 1) and not tensor_cores:
+        pytest.skip("group 20 is for the tensor-core CTAs of 16 heads")
     num_q_heads, num_kv_heads = heads
     lens = contexts(block_size)
     ctx = PagedContexts(lens, num_kv_heads, head_size, block_size, dtype, seed=len(lens) + head_size)
     q, _, _ = strided_qkv(len(lens), num_q_heads, num_kv_heads, head_size, dtype, ctx.gen)
-    plan = ops.plan_decode(len(lens), num_kv_heads, num_q_heads // num_kv_heads, 0, 132)
+    plan = ops.plan_decode(len(lens), num_kv_heads, num_q_heads // num_kv_heads, 0, 132, tensor_cores)
     if split:
-        plan = ops.DecodePlan(plan.heads_per_cta, plan.num_chunks, math.ceil(max(lens) / split) + 1, split)
+        plan = ops.DecodePlan(plan.heads_per_cta, plan.num_chunks, math.ceil(max(lens) / split) + 1, split,
+                              tensor_cores)
     scale = head_size ** -0.5
     out = run_decode(ctx, q, plan, scale)
     ref = reference.paged_decode(q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, scale)
@@ -48,14 +59,15 @@ def test_decode(dtype, head_size, block_size, heads, split):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_decode_large_batch(dtype):
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["simt", "mma"])
+def test_decode_large_batch(dtype, tensor_cores):
     """A batch as the engine runs it: 64 random contexts, GQA 8:1, the heuristic's plan."""
     gen = torch.Generator().manual_seed(1)
     lens = torch.randint(1, 3000, (64,), generator=gen).tolist()
     ctx = PagedContexts(lens, 4, 128, 16, dtype, seed=2)
     q, _, _ = strided_qkv(64, 32, 4, 128, dtype, ctx.gen)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plan = ops.plan_decode(64, 4, 8, ctx.block_tables.shape[1] * 16, sms)
+    plan = ops.plan_decode(64, 4, 8, ctx.block_tables.shape[1] * 16, sms, tensor_cores)
     out = run_decode(ctx, q, plan, 128 ** -0.5)
     ref = reference.paged_decode(q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, 128 ** -0.5)
     assert_close(out, ref, dtype, f"decode {plan}")
@@ -65,6 +77,7 @@ def test_decode_is_deterministic():
     lens = [1000, 5, 2000]
     ctx = PagedContexts(lens, 2, 128, 16, torch.bfloat16, seed=3)
     q, _, _ = strided_qkv(3, 16, 2, 128, torch.bfloat16, ctx.gen)
-    for plan in (ops.DecodePlan(8, 1, 1), ops.DecodePlan(8, 1, 4), ops.DecodePlan(8, 1, 16, 128)):
+    for plan in (ops.DecodePlan(8, 1, 1), ops.DecodePlan(8, 1, 4), ops.DecodePlan(8, 1, 16, 128),
+                 ops.DecodePlan(16, 1, 1, tensor_cores=True), ops.DecodePlan(16, 1, 16, 128, True)):
         first = run_decode(ctx, q, plan, 0.1)
         assert all(torch.equal(first, run_decode(ctx, q, plan, 0.1)) for _ in range(3)), f"{plan}: a race?"

@@ -1,5 +1,6 @@
 """The decode heuristic (CPU): single pass when the CTAs fill the chip or contexts are
-short, split-K otherwise, in the longest partitions that fill it; GQA groups map onto CTAs of at most 8 query heads."""
+short, split-K otherwise, in the longest partitions that fill it; GQA groups map onto CTAs of at most 8 query
+heads (16 on tensor cores)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,11 @@ def test_single_pass_when_ctas_fill_the_chip_or_contexts_are_short():
     assert not plan_decode(1, 8, 8, PARTITION_CHOICES[-1], SMS).split
     assert plan_decode(1, 8, 8, PARTITION_CHOICES[-1] + 1, SMS).num_partitions == 2
     assert plan_decode(4, 8, 8, 8192, SMS).split  # 32 CTAs alone would leave 100 SMs idle
+
+
+@pytest.mark.parametrize("group, num_chunks", [(1, 1), (7, 1), (16, 1), (20, 2)])
+def test_tensor_core_plans_take_16_heads_per_cta(group, num_chunks):
+    plan = plan_decode(64, 8, group, 4096, SMS, tensor_cores=True)
+    assert plan.tensor_cores and (plan.heads_per_cta, plan.num_chunks) == (16, num_chunks)
+    split = plan_decode(8, 2, 16, 8192, SMS, tensor_cores=True)  # 16 CTAs: split-K, on tensor cores still
+    assert split.split and split.tensor_cores
