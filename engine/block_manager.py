@@ -223,10 +223,7 @@ class BlockManager:
             state.num_tokens = num_tokens
             state.num_written_hashes = len(state.block_hashes)
             return True
-        if (num_tokens == first_write + 1 == state.num_tokens + 1 == len(state.block_ids) * self.block_size + 1
-                and self.sliding_window is None and self._free):
-            # A decode whose table is full: one new block, nothing shared or behind a window
-            # (the general case below, in short; 1 step in block_size for each decode).
+        if self._opens_next_block(state, first_write, num_tokens):
             state.block_ids.append(self._pop_free_block())
             state.num_tokens = num_tokens
             state.num_written_hashes = len(state.block_hashes)
@@ -276,6 +273,14 @@ class BlockManager:
         return (first_write == state.num_tokens < num_tokens < len(block_ids) * bs
                 and first_write // bs == len(block_ids) - 1 and self.sliding_window is None
                 and self._blocks[block_ids[-1]].ref_count == 1)
+
+    def _opens_next_block(self, state: _SeqBlocks, first_write: int, num_tokens: int) -> bool:
+        """The other decode case, 1 step in block_size: the step writes the first position past
+        a full table, so it needs one new block, and nothing is shared or behind a window (the
+        general case, in short). The count of tokens here may lag behind first_write where a
+        decode lease was spent: those positions were the last block's, which the lease held."""
+        return (num_tokens == first_write + 1 == len(state.block_ids) * self.block_size + 1
+                and state.num_tokens <= first_write and self.sliding_window is None and bool(self._free))
 
     def free(self, seq_id: str, step_discarded: bool = False) -> None:
         """Drop a sequence's references; unknown ids are a no-op.

@@ -1,6 +1,7 @@
 """The block manager's decode path: random operation sequences (new, step, fork, free,
 preempt) checked against a simulated KV store, the O(1) decode append against the full one,
-and decode leases. Split from test_block_manager.py, whose helpers it uses."""
+and decode leases (spent without a call, renewed as the scheduler does). Split from
+test_block_manager.py, whose helpers it uses."""
 
 from __future__ import annotations
 
@@ -57,8 +58,11 @@ class _Sim:
     sequence it had already scheduled.
     """
 
-    def __init__(self, bm: BlockManager) -> None:
+    def __init__(self, bm: BlockManager, leases: bool = False) -> None:
+        """`leases`: one-token decode steps hold a decode lease, as the scheduler's steady
+        decodes do: no call while it lasts, then append_slots from the write position."""
         self.bm = bm
+        self.leases: dict[str, int] | None = {} if leases else None
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.num_computed: dict[str, int] = {}
@@ -87,6 +91,7 @@ class _Sim:
             self.pending = None
             self.bm.free(seq_id, step_discarded=True)
             del self.tokens[seq_id], self.num_computed[seq_id]
+            self._forget_lease(seq_id)
 
     def new(self, toks: list[int], chunk: int) -> None:
         seq_id = f"s{self.next_id}"
@@ -110,24 +115,43 @@ class _Sim:
         if decoding:
             toks.append(sampled)
         end = min(len(toks), start + chunk)
+        if self.leases is not None and decoding and end == start + 1:
+            if start < self.leases.get(seq_id, 0):  # the lease covers this write: no call
+                self.schedule(seq_id, start, end)
+                return
+            if self.leases.get(seq_id):  # spent: renew from the write position
+                if not self.bm.append_slots(seq_id, toks, end, start):
+                    toks.pop()
+                    return
+                self.leases[seq_id] = self.bm.decode_lease(seq_id)
+                self.schedule(seq_id, start, end)
+                return
         before = snapshot(self.bm, list(self.tokens))
         if not self.bm.append_slots(seq_id, toks, end):
             assert snapshot(self.bm, list(self.tokens)) == before
             if decoding:
                 toks.pop()
             return
+        if self.leases is not None and decoding and end == start + 1:
+            self.leases[seq_id] = self.bm.decode_lease(seq_id)
         self.schedule(seq_id, start, end)
+
+    def _forget_lease(self, seq_id: str) -> None:
+        if self.leases is not None:
+            self.leases.pop(seq_id, None)
 
     def fork(self, parent: str) -> None:
         child = f"s{self.next_id}"
         self.next_id += 1
         self.bm.fork(parent, child)
+        self._forget_lease(parent)  # its last block is shared now, as the scheduler knows
         self.tokens[child] = list(self.tokens[parent])
         self.num_computed[child] = self.num_computed[parent]
 
     def free(self, seq_id: str) -> None:
         self.bm.free(seq_id)
         del self.tokens[seq_id], self.num_computed[seq_id]
+        self._forget_lease(seq_id)
 
     def check(self) -> None:
         self.bm.check_invariants()
@@ -138,9 +162,9 @@ class _Sim:
 
 
 @settings(max_examples=500, deadline=None)
-@given(ops=st.lists(_ops, min_size=5, max_size=50), num_blocks=st.integers(1, 16))
-def test_random_operations_keep_invariants(ops, num_blocks):
-    run_random_operations(_Sim(BlockManager(num_blocks, block_size=BS)), ops, num_blocks)
+@given(ops=st.lists(_ops, min_size=5, max_size=50), num_blocks=st.integers(1, 16), leases=st.booleans())
+def test_random_operations_keep_invariants(ops, num_blocks, leases):
+    run_random_operations(_Sim(BlockManager(num_blocks, block_size=BS), leases), ops, num_blocks)
 
 
 def run_random_operations(sim: _Sim, ops: list[tuple], num_blocks: int) -> None:
@@ -167,16 +191,20 @@ def run_random_operations(sim: _Sim, ops: list[tuple], num_blocks: int) -> None:
 
 
 class _FullAppendOnly(BlockManager):
-    """append_slots without its O(1) decode case: the reference that case must equal."""
+    """append_slots without its two decode cases: the reference those must equal."""
 
     def _fits_last_block(self, *args) -> bool:
         return False
 
+    def _opens_next_block(self, *args) -> bool:
+        return False
+
 
 @settings(max_examples=200, deadline=None)
-@given(ops=st.lists(_ops, min_size=5, max_size=50), num_blocks=st.integers(1, 16))
-def test_decode_fast_path_leaves_the_same_state_as_the_full_append(ops, num_blocks):
-    fast, full = _Sim(BlockManager(num_blocks, block_size=BS)), _Sim(_FullAppendOnly(num_blocks, block_size=BS))
+@given(ops=st.lists(_ops, min_size=5, max_size=50), num_blocks=st.integers(1, 16), leases=st.booleans())
+def test_decode_fast_path_leaves_the_same_state_as_the_full_append(ops, num_blocks, leases):
+    fast = _Sim(BlockManager(num_blocks, block_size=BS), leases)
+    full = _Sim(_FullAppendOnly(num_blocks, block_size=BS), leases)
     run_random_operations(fast, ops, num_blocks)
     run_random_operations(full, ops, num_blocks)
     # Every allocation, copy, hash and free since the start shows in the free queue's order
