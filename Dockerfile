@@ -29,6 +29,7 @@ RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /opt/pagedserve/src
 COPY pyproject.toml README.md ./
+COPY common common
 COPY pagedserve pagedserve
 COPY engine engine
 COPY frontend frontend

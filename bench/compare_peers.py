@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import RESULTS_DIR, machine_info, print_table, write_result
+from bench.reporting import RESULTS_DIR, machine_info, print_table, write_result
 from bench.servers import SERVER_START_TIMEOUT_S, SERVER_STOP_TIMEOUT_S, free_port, server_for
 
 PEERS = ("pagedserve-grpc", "pagedserve-http", "llama-server")

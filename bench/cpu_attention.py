@@ -19,7 +19,7 @@ import math
 import sys
 import time
 
-from bench.common import machine_info, median, print_table, write_result
+from bench.reporting import machine_info, median, print_table, write_result
 
 BATCHES = (1, 8, 32, 64)
 CONTEXTS = (256, 1024, 4096)

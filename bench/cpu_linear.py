@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 
-from bench.common import machine_info, median, print_table, write_result
+from bench.reporting import machine_info, median, print_table, write_result
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 ROWS = (1, 8, 32, 512, 2048)

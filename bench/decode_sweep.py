@@ -59,7 +59,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output", required=True, help="JSON file to write")
     args = p.parse_args()
-    from bench.common import machine_info
+    from bench.reporting import machine_info
     json.dump({"benchmark": "decode_sweep", "machine": machine_info("cuda"), "results": sweep()},
               open(args.output, "w"), indent=1)
     return 0

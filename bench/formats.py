@@ -28,9 +28,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from bench.common import machine_info, median, print_table, write_result
 from bench.offline import time_engine_single
 from bench.plots import save_figure
+from bench.reporting import machine_info, median, print_table, write_result
 
 FORMATS = {
     "float32": dict(dtype="float32", quantization="none"),
@@ -92,7 +92,7 @@ def hf_export(gguf: Path) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from engine.models.loader import cache_dir
+    from common.paths import cache_dir
     folder = cache_dir() / "hf-export" / f"{gguf.stem}-{gguf.stat().st_size}"
     if not (folder / "config.json").is_file():
         from safetensors.torch import save_file
@@ -110,7 +110,7 @@ def hf_export(gguf: Path) -> Path:
 
 
 def measure(model: str, spec: dict, args) -> dict:
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     llm = LLM(model, enable_prefix_caching=False, num_threads=args.num_threads, **spec)
     vocab = llm.engine.vocab_size
     rng = random.Random(0)
@@ -138,7 +138,7 @@ def measure(model: str, spec: dict, args) -> dict:
 
 
 def perplexity(llm) -> float:
-    from engine import SamplingParams
+    from pagedserve import SamplingParams
     out = llm.generate(TEXT.read_text(), SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
     nll = [-next(iter(entry.values())) for entry in out.prompt_logprobs[1:]]
     return math.exp(sum(nll) / len(nll))

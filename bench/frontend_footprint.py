@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import machine_info, median, print_table, write_result
+from bench.reporting import machine_info, median, print_table, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATION = "pagedserve.v1.Generation"
@@ -163,8 +163,8 @@ def wait_serving(address: str, deadline: float) -> None:
 def generate_once(address: str) -> int:
     import grpc
 
-    from pagedserve.v1 import generation_pb2 as gen
-    from pagedserve.v1 import generation_pb2_grpc
+    from common.v1 import generation_pb2 as gen
+    from common.v1 import generation_pb2_grpc
     with grpc.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         req = gen.GenerateRequest(text="The capital of France is",

@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from bench.common import RESULTS_DIR, machine_info, print_table, write_result
+    from bench.reporting import RESULTS_DIR, machine_info, print_table, write_result
     from bench.random_model import random_model_dir, random_weights_dtype
     from engine.config import EngineConfig
     from engine.core import EngineCore
@@ -110,7 +110,7 @@ class _Workload:
     def run(self, name: str, profile: bool) -> dict:
         import torch
 
-        from engine.sampling_params import SamplingParams
+        from common.sampling_params import SamplingParams
         from frontend.output_processor import OutputProcessor
         params = SamplingParams(temperature=0.0, max_tokens=self.output_len, ignore_eos=True)
         processor = OutputProcessor(self.tokenizer, self.core.eos_token_ids)

@@ -25,7 +25,7 @@ import sysconfig
 import time
 from pathlib import Path
 
-from bench.common import machine_info, median, print_table, write_result
+from bench.reporting import machine_info, median, print_table, write_result
 
 VOCAB = 49152  # SmolLM2's LM head rows (= its tokenizer's size)
 

@@ -28,15 +28,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
+from common.ipc import sampling_params_from_proto
+from common.sampling_params import SamplingParams
+from common.v1 import generation_pb2 as gen, generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2
+from common.v1 import tokenization_pb2_grpc
+from common.validation import PromptLimits
 from frontend.detokenizer import IncrementalDetokenizer
-from engine.ipc import sampling_params_from_proto
-from engine.sampling_params import SamplingParams
-from engine.validation import PromptLimits
 from frontend.input_processor import InputProcessor
 from frontend.servicers import prompt_from_request
-from pagedserve.v1 import generation_pb2 as gen
-from pagedserve.v1 import generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2
-from pagedserve.v1 import tokenization_pb2_grpc
 
 GENERATION_SERVICE = gen.DESCRIPTOR.services_by_name["Generation"].full_name
 MAX_MODEL_LEN_CAP = 8192  # as the engine: the model's own limit, at most this

@@ -9,7 +9,7 @@ the device waits for unless it overlaps. The offline `LLM`'s output processing (
 stop strings) is timed on its own: on a server it runs in the frontend process.
 
 `--baseline REF` measures a git commit the same way in the same run (from a temporary
-worktree, in a child process): the before/after that the README quotes. The measurement
+worktree, in a child process): the before/after that docs/performance.md quotes. The measurement
 below therefore uses only interfaces every commit has (EngineCore, OutputProcessor). The
 two builds' runs alternate (baseline, current, baseline, ...), each keeping its engine, so
 that the VM's drift in speed (this project's 2-core VMs vary by 2x within minutes) falls on
@@ -71,7 +71,7 @@ class Workload:
         self.num_runs = 0
 
     def run(self, profile: bool = False) -> dict:
-        from engine.sampling_params import SamplingParams
+        from engine import SamplingParams  # (where both sides of --baseline have it)
         from frontend.output_processor import OutputProcessor
         processor = OutputProcessor(self.tokenizer, self.core.eos_token_ids)
         run, self.num_runs = self.num_runs, self.num_runs + 1
@@ -224,7 +224,7 @@ def _interleaved(args: argparse.Namespace, model_dir: Path, head: str) -> dict[s
 def run(args: argparse.Namespace) -> int:
     if args.measure_only:
         return _serve_runs(args)
-    from bench.common import RESULTS_DIR, machine_info, print_table, write_result
+    from bench.reporting import RESULTS_DIR, machine_info, print_table, write_result
     from bench.plots import plot_host_step
     from bench.random_model import random_model_dir
     model_dir = random_model_dir("tiny", "float32")

@@ -20,7 +20,7 @@ import statistics
 import sys
 import time
 
-from bench.common import machine_info, print_table, write_result
+from bench.reporting import machine_info, print_table, write_result
 
 BATCHES = (1, 4, 16, 64, 128, 256)
 CONTEXTS = (128, 512, 1024, 2048, 4096, 8192)

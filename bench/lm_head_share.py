@@ -25,7 +25,7 @@ def _timed(fn, acc: dict, key: str):
 
 
 def measure(model: str, dtype: str, batches: list[int], steps: int, sampling: dict) -> list[dict]:
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     llm = LLM(model, dtype=dtype, enable_prefix_caching=False)
     runner = llm.engine.model_runner
     acc = {"head": 0.0, "sampler": 0.0, "step": 0.0}

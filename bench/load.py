@@ -85,7 +85,7 @@ async def run_load(send: Send, requests: list[BenchRequest], offsets_s: list[flo
 
 async def generate(stub, request: BenchRequest, run_start: float | None = None) -> RequestRecord:
     """One greedy Generate stream that must produce exactly `request.output_len` tokens."""
-    from pagedserve.v1 import generation_pb2 as gen
+    from common.v1 import generation_pb2 as gen
     sampling = gen.SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=True)
     if isinstance(request.prompt, str):
         message = gen.GenerateRequest(text=request.prompt, sampling=sampling)

@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import machine_info, print_table, write_result
 from bench.plots import save_figure
+from bench.reporting import machine_info, print_table, write_result
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -85,7 +85,7 @@ def _best_run(llm, prompts: list[list[int]], names: list[str | None], args: argp
 
 
 def _time_run(llm, prompts: list[list[int]], names: list[str | None], output_len: int) -> dict:
-    from engine import SamplingParams
+    from pagedserve import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
     steps, execute = [], llm.engine.model_runner.execute
 
@@ -109,7 +109,7 @@ def _time_run(llm, prompts: list[list[int]], names: list[str | None], output_len
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import LLM
+    from pagedserve import LLM
     from engine.models.loader import resolve_model_path
     model_path = resolve_model_path(args.model)
     common = dict(dtype=args.dtype, num_threads=args.num_threads, enable_prefix_caching=False,

@@ -18,9 +18,9 @@ import time
 
 from tqdm import tqdm
 
-from bench.common import machine_info, median, print_table, write_result
 from bench.plots import plot_offline
 from bench.random_model import add_random_weights_arg, use_random_weights
+from bench.reporting import machine_info, median, print_table, write_result
 from engine.arg_utils import add_engine_args, engine_config_from_args
 
 
@@ -62,7 +62,7 @@ def random_prompts(n: int, length: int, vocab_size: int, seed: int) -> list[list
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     use_random_weights(args, "bench offline")
     config = engine_config_from_args(args)
     llm = LLM(**vars(config))
@@ -103,7 +103,7 @@ def _time_engine_batch(llm, prompts, params, repeats: int) -> dict:
 
 def time_engine_single(llm, prompt: list[int], output_len: int, repeats: int) -> dict:
     """Decode rate of one request alone: tokens after the first over the time after it."""
-    from engine import SamplingParams
+    from pagedserve import SamplingParams
     core, rates, ttfts = llm.engine, [], []
     for i in tqdm(range(repeats), desc="engine, one request", unit="run"):
         core.reset_prefix_cache()

@@ -82,7 +82,7 @@ def random_model_dir(shape: str, dtype: str = "bfloat16", root: Path | None = No
 
 
 def random_models_root() -> Path:
-    from engine.models.loader import cache_dir
+    from common.paths import cache_dir
     return cache_dir() / "random-models"
 
 

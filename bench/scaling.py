@@ -161,7 +161,7 @@ def _wait_all_routed(address: str, n: int, deadline: float) -> None:
     """Until the frontend has the handshake of all N engines (it is SERVING from the first one on)."""
     import grpc
 
-    from pagedserve.v1 import info_pb2, info_pb2_grpc
+    from common.v1 import info_pb2, info_pb2_grpc
     with grpc.insecure_channel(address) as channel:
         stub = info_pb2_grpc.InfoStub(channel)
         while time.monotonic() < deadline:
@@ -176,7 +176,7 @@ def _timed_run(cluster: Cluster, n: int, args: argparse.Namespace) -> dict:
     import grpc
 
     from bench.serve_workload import grpc_model_info
-    from pagedserve.v1 import generation_pb2_grpc
+    from common.v1 import generation_pb2_grpc
     with grpc.insecure_channel(cluster.address) as channel:
         model = grpc_model_info(channel, cluster.address)
     requests = _requests(n * args.prompts_per_engine, model["vocab_size"], f"{args.seed}:n{n}", args)

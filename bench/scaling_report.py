@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from bench.common import machine_info, print_table, write_result
 from bench.plots import save_figure
+from bench.reporting import machine_info, print_table, write_result
 
 HEADER = ["engines", "routing", "conc", "ok / failed", "out tok/s", "efficiency", "TTFT p50", "TTFT p99", "TPOT p50",
           "cores busy", "engine CPU ms/tok", "frontend", "client", "token split", "prefix hit"]

@@ -38,8 +38,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import machine_info, write_result
 from bench.random_model import use_random_weights
+from bench.reporting import machine_info, write_result
 from bench.serve_args import ServePlan, add_arguments, check_args
 from bench.serve_metrics import rate_label, summarize
 from bench.serve_report import (print_run, print_runs, print_structured, print_structured_runs,

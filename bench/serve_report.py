@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from bench.common import print_table
+from bench.reporting import print_table
 from bench.serve_metrics import LATENCIES, STATS, rate_label
 from bench.serve_structured import PHASES
 

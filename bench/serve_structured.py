@@ -46,7 +46,7 @@ class JsonRecord(RequestRecord):
 
 async def generate_json(stub, request: JsonRequest, run_start: float | None = None) -> JsonRecord:
     """One greedy Generate stream of a chat prompt, constrained or not; ends on its own."""
-    from pagedserve.v1 import generation_pb2 as gen
+    from common.v1 import generation_pb2 as gen
     message = gen.GenerateRequest(chat=gen.Chat(messages=[gen.ChatMessage(role="user", content=request.prompt)]),
                                   sampling=gen.SamplingParams(temperature=0, max_tokens=request.output_len))
     if request.constrained:

@@ -61,7 +61,7 @@ def grpc_model_info(channel, address: str) -> dict:
     """GetModelInfo's facts the workloads need; SystemExit if the server does not answer."""
     import grpc
 
-    from pagedserve.v1 import info_pb2, info_pb2_grpc
+    from common.v1 import info_pb2, info_pb2_grpc
     try:
         info = info_pb2_grpc.InfoStub(channel).GetModelInfo(info_pb2.GetModelInfoRequest(), timeout=30)
     except grpc.RpcError as e:
@@ -101,7 +101,7 @@ def _requests(count_tokens: Callable[[str, bool], int], args: argparse.Namespace
 
 def grpc_token_counter(channel) -> Callable[[str, bool], int]:
     """Counts with the server's own Tokenize (while `channel` is open)."""
-    from pagedserve.v1 import tokenization_pb2, tokenization_pb2_grpc
+    from common.v1 import tokenization_pb2, tokenization_pb2_grpc
     tokenize = tokenization_pb2_grpc.TokenizationStub(channel).Tokenize
 
     def count_tokens(text: str, add_special_tokens: bool) -> int:
@@ -113,7 +113,7 @@ def grpc_token_counter(channel) -> Callable[[str, bool], int]:
 
 def grpc_chat_counter(channel) -> Callable[[str], int]:
     """Counts a user message as Generate renders it with the chat template."""
-    from pagedserve.v1 import generation_pb2, tokenization_pb2, tokenization_pb2_grpc
+    from common.v1 import generation_pb2, tokenization_pb2, tokenization_pb2_grpc
     tokenize = tokenization_pb2_grpc.TokenizationStub(channel).Tokenize
 
     def count_tokens(message: str) -> int:
@@ -181,7 +181,7 @@ async def _sender(address: str, workload: Workload, args: argparse.Namespace, ba
         return
     import grpc
 
-    from pagedserve.v1 import generation_pb2_grpc
+    from common.v1 import generation_pb2_grpc
     async with grpc.aio.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         if workload.dataset["name"] == "structured":
@@ -204,7 +204,7 @@ def time_offline(config: EngineConfig, args: argparse.Namespace) -> dict:
 
 
 def _time_offline_once(config: EngineConfig, args: argparse.Namespace) -> dict:
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     llm = LLM(**vars(config))
     vocab = llm.engine.vocab_size
     requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,

@@ -27,7 +27,7 @@ import grpc
 import psutil
 from tqdm import tqdm
 
-from bench.common import machine_info, print_table, write_result
+from bench.reporting import machine_info, print_table, write_result
 from bench.servers import server_for
 from engine.arg_utils import add_engine_args, engine_config_from_args
 
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _soak(address: str, args: argparse.Namespace, frontend: psutil.Process, engine: psutil.Process):
-    from pagedserve.v1 import generation_pb2_grpc, info_pb2_grpc
+    from common.v1 import generation_pb2_grpc, info_pb2_grpc
     tally, samples = Tally(), []
     async with grpc.aio.insecure_channel(address) as channel:
         stub, info = generation_pb2_grpc.GenerationStub(channel), info_pb2_grpc.InfoStub(channel)
@@ -111,7 +111,7 @@ async def _soak(address: str, args: argparse.Namespace, frontend: psutil.Process
 
 
 async def _worker(stub, rng: random.Random, end: float, args: argparse.Namespace, tally: Tally) -> None:
-    from pagedserve.v1 import generation_pb2 as gen
+    from common.v1 import generation_pb2 as gen
     while time.monotonic() < end:
         max_tokens = rng.randint(1, 32)
         seeded = rng.random() < 0.5
@@ -154,7 +154,7 @@ async def _one(stub, request, max_tokens: int, cancel_after: int | None, timeout
 
 
 async def _sample(info, frontend: psutil.Process, engine: psutil.Process, tally: Tally, t_s: float) -> dict:
-    from pagedserve.v1 import info_pb2
+    from common.v1 import info_pb2
     s = await info.GetServerInfo(info_pb2.GetServerInfoRequest(), timeout=30)
     return {"t_s": round(t_s, 2), "frontend_rss_mb": frontend.memory_info().rss / 2**20,
             "engine_rss_mb": engine.memory_info().rss / 2**20,
@@ -165,7 +165,7 @@ async def _sample(info, frontend: psutil.Process, engine: psutil.Process, tally:
 
 async def _wait_idle(info, timeout_s: float = 30) -> dict:
     """The engine's state once nothing runs (stats arrive with the 0.5 s heartbeat)."""
-    from pagedserve.v1 import info_pb2
+    from common.v1 import info_pb2
     deadline = time.monotonic() + timeout_s
     while True:
         s = await info.GetServerInfo(info_pb2.GetServerInfoRequest(), timeout=30)

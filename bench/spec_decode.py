@@ -189,7 +189,7 @@ def _timed_run(address: str, metrics_url: str, workload: str, concurrency: int, 
     async def go() -> tuple[list[SpecRecord], float]:
         import grpc
 
-        from pagedserve.v1 import generation_pb2_grpc
+        from common.v1 import generation_pb2_grpc
         async with grpc.aio.insecure_channel(address) as channel:
             send = functools.partial(generate_spec, generation_pb2_grpc.GenerationStub(channel))
             await asyncio.gather(*(send(r) for r in warmup))

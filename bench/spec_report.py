@@ -9,8 +9,8 @@ import statistics
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.common import machine_info, print_table, write_result
 from bench.plots import save_figure
+from bench.reporting import machine_info, print_table, write_result
 from bench.serve_metrics import tpot_ms
 
 HEADER = ["workload", "conc", "config", "ok / failed", "out len", "TPOT p50", "TPOT mean", "TTFT p50", "out tok/s",

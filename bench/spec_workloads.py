@@ -104,7 +104,7 @@ def shuffled_tasks(tasks: list[EditTask], seed: int) -> list[EditTask]:
 
 async def generate_spec(stub, request: SpecRequest, run_start: float | None = None) -> SpecRecord:
     """One greedy Generate stream: token ids as they are, text as a chat user message."""
-    from pagedserve.v1 import generation_pb2 as gen
+    from common.v1 import generation_pb2 as gen
     sampling = gen.SamplingParams(temperature=0, max_tokens=request.output_len, ignore_eos=request.ignore_eos)
     if isinstance(request.prompt, str):
         chat = gen.Chat(messages=[gen.ChatMessage(role="user", content=request.prompt)])

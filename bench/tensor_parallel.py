@@ -17,8 +17,8 @@ import multiprocessing
 import os
 import time
 
-from bench.common import machine_info, print_table, write_result
 from bench.offline import random_prompts
+from bench.reporting import machine_info, print_table, write_result
 from engine.arg_utils import add_engine_args, engine_config_from_args
 
 SHM_ENV = "PAGEDSERVE_TP_SHM"  # "0": CPU ranks use gloo for every collective (engine/distributed/workers.py)
@@ -91,7 +91,7 @@ def _time_generate(config, size: int, comm: str, num_prompts: int, input_len: in
 
     import torch
 
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     torch.set_flush_denormal(True)
     if comm == "gloo":
         os.environ[SHM_ENV] = "0"  # read when the workers are made, below

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.common import print_table
+from bench.reporting import print_table
 
 
 def print_steps(steps_file: Path) -> None:

@@ -63,7 +63,7 @@ def _load(family: str) -> str | None:
 
 
 def build_dir(family: str) -> Path:
-    from engine.models.loader import cache_dir
+    from common.paths import cache_dir
     import torch
     source = (CSRC / f"{family}.cpp").read_bytes()
     key = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.quantized import BLOCK, QuantizedTensor, pack_int4, unpack_int4
+from cpu_kernels.quant_format import BLOCK, QuantizedTensor, pack_int4, unpack_int4
 
 GROUP = 16  # columns per vector
 SUPER_GROUP = 8  # groups interleaved vector by vector

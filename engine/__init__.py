@@ -1,21 +1,21 @@
-"""pagedserve's engine: paged KV cache, continuous batching, our own model code.
+"""pagedserve's engine: paged KV cache, continuous batching, our own model code. The engine
+process is engine/main.py; the offline API is `from pagedserve import LLM, SamplingParams`.
 
-    from engine import LLM, SamplingParams
-    llm = LLM()  # the bundled SmolLM2-135M-Instruct
-    print(llm.generate("The capital of France is", SamplingParams(temperature=0))[0].outputs[0].text)
+`from engine import LLM` still works for one release, with a DeprecationWarning.
 """
 
+from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
-from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "EngineConfig", "RequestOutput", "CompletionOutput"]
-_LAZY = {"LLM", "RequestOutput", "CompletionOutput"}
+__all__ = ["SamplingParams", "EngineConfig"]
+_MOVED = {"LLM", "RequestOutput", "CompletionOutput"}  # to pagedserve (the entrypoints' layer)
 
 
 def __getattr__(name: str):
-    # The offline API pulls in torch and transformers; importing it lazily keeps light
-    # commands (health checks, --help) fast.
-    if name in _LAZY:
-        from engine import llm
-        return getattr(llm, name)
+    if name in _MOVED:
+        import warnings
+        warnings.warn(f"`from engine import {name}` is deprecated: use `from pagedserve import {name}`",
+                      DeprecationWarning, stacklevel=2)
+        import pagedserve.llm  # an upward import, for compatibility only (.importlinter ignores it)
+        return getattr(pagedserve.llm, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

@@ -93,18 +93,3 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
-
-
-def add_log_level_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                        help="log level (default: info)")
-
-
-def add_drain_arg(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument("--drain-timeout-s", type=float, default=30.0,
-                        help=f"{what} (default: 30)")
-
-
-def configure_logging(level: str) -> None:
-    import logging
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -10,8 +10,9 @@ A sequence's block table maps token positions to blocks:
 Prefix caching keys each full block by a chained hash of (parent_hash, tokens, extra_keys),
 so a key covers the whole prefix before it. The hash is a real digest (BLAKE2b, 64 bits), not
 Python's `hash()`, which salts strings per process: every process computes the same key for
-the same blocks, so a frontend can tell which engine holds a prompt's prefix. Blocks dropping to ref 0 join an LRU free queue but
-keep their hash, and can be hit until popped for reuse. Free queue, front popped first:
+the same blocks (common.prefix_hash), so a frontend can tell which engine holds a prompt's
+prefix. Blocks dropping to ref 0 join an LRU free queue but keep their hash, and can be hit
+until popped for reuse. Free queue, front popped first:
 
     [never used ...] [seq A's last block, ..., seq A's first block] [seq B's ...]
 
@@ -34,26 +35,13 @@ placeholder is never dereferenced. A sequence thus holds at most
 
 from __future__ import annotations
 
-import array
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-ROOT_HASH = None  # parent hash of a sequence's first block
+from common.prefix_hash import ROOT_HASH, hash_block
+
 FREED_BLOCK = -1  # a released table entry, before every window (see the module docstring)
-
-
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple) -> int:
-    """Chained content hash of one full block, the same in every process (about 2 µs).
-    `extra_keys` must repr the same everywhere (ints, strings). Module-level so tests can
-    force collisions; a hit is verified against the block's tokens anyway."""
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update((parent_hash or 0).to_bytes(8, "little"))
-    digest.update(array.array("q", token_ids).tobytes())
-    if extra_keys:
-        digest.update(repr(extra_keys).encode())
-    return int.from_bytes(digest.digest(), "little")
 
 
 @dataclass(slots=True)

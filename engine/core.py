@@ -12,23 +12,23 @@ import time
 from concurrent import futures
 from dataclasses import dataclass
 
+from common.errors import EngineOverloaded, InvalidRequest, LoraError
+from common.outputs import EngineCoreOutput, PlainTokens, sample_request_id
+from common.prefix_hash import block_extra_keys
+from common.sampling_params import SamplingParams
+from common.validation import PromptLimits, check_prompt
 from engine.async_scheduler import AsyncScheduler
 from engine.async_step import InflightStep
 from engine.block_manager import BlockManager
-from engine.lora.adapter import LoraAdapter
 from engine.config import EngineConfig, SchedulerConfig
+from engine.lora.adapter import LoraAdapter
 from engine.model_runner import ModelRunner
 from engine.models.loader import resolve_model_path
-from engine.outputs import EngineCoreOutput, PlainTokens
-from engine.request import Request, RequestStatus, sample_request_id
-from engine.sampling_params import SamplingParams
+from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
-from engine.structured_output.manager import StructuredOutputManager
-from engine.stats import IterationStats, SpecDecodingStats
 from engine.spec_decode.proposers import build_speculator
-from engine.errors import EngineOverloaded, InvalidRequest, LoraError
-from engine.lora import block_extra_keys
-from engine.validation import PromptLimits, check_prompt
+from engine.stats import IterationStats, SpecDecodingStats
+from engine.structured_output.manager import StructuredOutputManager
 
 log = logging.getLogger("pagedserve.engine")
 GRAMMAR_WAIT_S = 0.005

@@ -6,12 +6,9 @@ import argparse
 import logging
 import signal
 
-from engine.arg_utils import add_drain_arg, add_engine_args, add_log_level_arg, configure_logging
-from engine.arg_utils import engine_config_from_args
-from pagedserve.metrics_http import add_metrics_args
-
-DEFAULT_ADDRESS = "tcp://127.0.0.1:5570"
-
+from common.metrics_http import add_metrics_args
+from common.process_args import DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging
+from engine.arg_utils import add_engine_args, engine_config_from_args
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=DEFAULT_ADDRESS,
@@ -33,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from engine.core import EngineCore
-    from engine.errors import LoraError
+    from common.errors import LoraError
     from engine.models.loader import eos_token_ids, load_tokenizer, model_name, resolve_model_path
     from engine.models.loader import tokenizer_files
     from engine.proc import EngineProc
@@ -55,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = None
     if metrics_on:
         from engine.metrics import EngineMetrics
-        from pagedserve.metrics_http import serve_metrics
+        from common.metrics_http import serve_metrics
         metrics = EngineMetrics(model_name(path))
         serve_metrics(args.metrics_host, args.metrics_port)
     proc = EngineProc(core, args.address, model_name(path), metrics, args.drain_timeout_s,

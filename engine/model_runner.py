@@ -80,7 +80,7 @@ class ModelRunner:
         self.workers = None
         if shard is None and config.tensor_parallel_size > 1:
             from engine.distributed.workers import WorkerGroup
-            self.workers = WorkerGroup(config, model_path)
+            self.workers = WorkerGroup(config, model_path, ModelRunner)
             shard = self.workers.shard
         self.shard = shard or SINGLE
         self.model = load_model(model_path, self.arch, config.dtype, config.device, self.max_model_len,

@@ -28,15 +28,14 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from engine.core import EngineCore, EngineStats
-from engine.errors import EngineOverloaded, InvalidRequest, LoraError
-from engine.ipc import (add_plain_tokens, is_plain_token, output_to_proto, sampling_params_from_proto,
+from common.errors import EngineOverloaded, InvalidRequest, LoraError
+from common.ipc import (add_plain_tokens, is_plain_token, output_to_proto, sampling_params_from_proto,
                         structured_from_proto)
+from common.outputs import EngineCoreOutput, PlainTokens
+from common.sampling_params import SamplingParams
+from common.v1 import engine_ipc_pb2 as ipc, info_pb2
+from engine.core import EngineCore, EngineStats
 from engine.metrics import EngineMetrics
-from engine.outputs import EngineCoreOutput, PlainTokens
-from engine.sampling_params import SamplingParams
-from pagedserve.v1 import engine_ipc_pb2 as ipc
-from pagedserve.v1 import info_pb2
 
 log = logging.getLogger("pagedserve.engine")
 

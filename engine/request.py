@@ -9,17 +9,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.structured_output.manager import StructuredRequest
 
 _arrival_counter = itertools.count()
-
-
-def sample_request_id(parent_id: str, index: int) -> str:
-    """The engine-internal id of sample `index` of an n>1 request."""
-    return f"{parent_id}/{index}"
 
 
 class RequestStatus(enum.IntEnum):

@@ -40,11 +40,11 @@ import torch
 import cpu_kernels
 from cpu_kernels import ops
 
+from common.structured_output.backend import GrammarBackend, GrammarMatcher
 from engine.keyed_random import seeded_exponentials
 from engine.sampling_batch import (FREQUENCY, GREEDY, LOGPROBS, MIN_P, PENALTIES, PRESENCE, REPETITION, TEMPERATURE,
                                    TOP_K, TOP_P, UNSEEDED, SamplingBatch)
-from engine.spec_decode.rejection import greedy_verify
-from engine.structured_output.backend import GrammarBackend, GrammarMatcher
+from engine.rejection_sampler import greedy_verify
 
 NOT_EMITTED = -1  # a verification row past its group's emitted run
 
@@ -288,7 +288,7 @@ def _verify(tokens: list[int], rows: SamplingBatch) -> list[int]:
     (one-hot q, as n-gram lookup and a greedy draft model give): draft x is accepted with
     probability P(sample = x) = p(x) = min(1, p(x)/q(x)), and on rejection the emitted token
     is a sample of p given that it is not x, which is norm(max(p - q, 0)). The output is the
-    target's distribution exactly (tests/unit/test_sampler.py; spec_decode.rejection
+    target's distribution exactly (tests/unit/test_sampler.py; rejection_sampler
     is the general form, for drafts sampled from a full q). And since each row's randomness is
     its own (a seeded row's is keyed by its output position), a seeded request samples the
     very tokens it samples without speculation."""

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.sampling_params import SamplingParams
 from engine.keyed_random import mix_array
-from engine.sampling_params import SamplingParams
 
 # SamplingParams.columns, in this order.
 (TEMPERATURE, TOP_K, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE, LOGPROBS, MIN_TOKENS, GREEDY, PENALTIES,

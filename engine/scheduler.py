@@ -25,11 +25,12 @@ from __future__ import annotations
 import heapq
 import time
 
+from common.errors import InvalidRequest
+from common.outputs import EngineCoreOutput, PlainTokens, sample_request_id
 from engine.block_manager import BlockManager
-from engine.errors import InvalidRequest
 from engine.config import SchedulerConfig
-from engine.outputs import EngineCoreOutput, ModelRunnerOutput, PlainTokens, ScheduledRequest, SchedulerOutput
-from engine.request import Request, RequestStatus, sample_request_id
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.request import Request, RequestStatus
 from engine.stats import IterationStats, SpecDecodingStats
 from engine.steady_decodes import SteadyDecodes, _decode_entry, _request, _spec_token_ids
 

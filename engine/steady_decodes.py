@@ -16,7 +16,8 @@ from itertools import compress, repeat
 
 import numpy as np
 
-from engine.outputs import EngineCoreOutput, ModelRunnerOutput, PlainTokens
+from common.outputs import EngineCoreOutput, PlainTokens
+from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestStatus
 
 _num_computed = operator.attrgetter("num_computed_tokens")

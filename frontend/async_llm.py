@@ -24,17 +24,17 @@ import zlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
-from engine.ipc import output_from_proto, sampling_params_to_proto, structured_to_proto
-from engine.outputs import EngineCoreOutput
-from engine.sampling_params import SamplingParams
-from engine.validation import PromptLimits
+from common.errors import EngineOverloaded, InvalidRequest, Unavailable
+from common.ipc import output_from_proto, sampling_params_to_proto, structured_to_proto
+from common.outputs import EngineCoreOutput
+from common.sampling_params import SamplingParams
+from common.v1 import engine_ipc_pb2 as ipc
+from common.validation import PromptLimits
 from frontend.engine_client import EngineLost
 from frontend.engine_pool import EnginePool, PooledEngine
 from frontend.input_processor import InputProcessor, NotFound
 from frontend.output_processor import ABORT, TIME_LIMIT, RequestState, SampleDelta
 from frontend.tokenizer import Tokenizer
-from pagedserve.v1 import engine_ipc_pb2 as ipc
 
 log = logging.getLogger("pagedserve.frontend")
 _ABORTED = object()  # queued by abort(): the caller asked to stop it

@@ -24,10 +24,10 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
-from engine.ipc import plain_tokens_from_batch
+from common.errors import EngineOverloaded, InvalidRequest, Unavailable
+from common.ipc import plain_tokens_from_batch
+from common.v1 import engine_ipc_pb2 as ipc
 from frontend.input_processor import NotFound
-from pagedserve.v1 import engine_ipc_pb2 as ipc
 
 log = logging.getLogger("pagedserve.frontend")
 

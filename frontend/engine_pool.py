@@ -34,11 +34,11 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.errors import Unavailable
-from engine.lora import block_extra_keys
+from common.errors import Unavailable
+from common.prefix_hash import block_extra_keys
+from common.v1 import engine_ipc_pb2 as ipc
 from frontend.engine_client import EngineClient
 from frontend.router import CircuitBreaker, EngineView, RoutingPolicy, prompt_block_hashes
-from pagedserve.v1 import engine_ipc_pb2 as ipc
 
 log = logging.getLogger("pagedserve.frontend")
 _AGREED_FACTS = ("model_name", "max_model_len", "block_size", "vocab_size", "eos_token_ids", "lora_enabled",

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
-from engine.structured_output.backend import get_backend_class
-from engine.structured_output.params import StructuredOutputsParams
-from engine.validation import PromptLimits, check_prompt
+from common.errors import InvalidRequest
+from common.sampling_params import SamplingParams
+from common.structured_output import get_backend_class
+from common.structured_output.params import StructuredOutputsParams
+from common.validation import PromptLimits, check_prompt
 
 MAX_PROMPT_CHARS = 4_000_000  # refuse before tokenizing absurd inputs
 MAX_CHAT_MESSAGES = 1024

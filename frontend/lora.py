@@ -22,10 +22,10 @@ import re
 import uuid
 from collections.abc import Collection
 
-from engine.errors import InvalidRequest, Unavailable
+from common.errors import InvalidRequest, Unavailable
+from common.v1 import engine_ipc_pb2 as ipc
 from frontend.engine_pool import EnginePool, PooledEngine
 from frontend.input_processor import NotFound
-from pagedserve.v1 import engine_ipc_pb2 as ipc
 
 log = logging.getLogger("pagedserve.frontend")
 LORA_OP_TIMEOUT_S = 120.0  # an engine reads the adapter's weights from disk

@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from engine.arg_utils import add_drain_arg, add_log_level_arg, configure_logging
-from engine.main import DEFAULT_ADDRESS
+from common.metrics_http import add_metrics_args
+from common.process_args import DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging
 from frontend.router import POLICIES
-from pagedserve.metrics_http import add_metrics_args
 
 
 def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) -> None:

@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequest, RequestFailed
-from engine.outputs import EngineCoreOutput, PlainTokens, plain_output
-from engine.request import sample_request_id
-from engine.sampling_params import SamplingParams
+from common.errors import InvalidRequest, RequestFailed
+from common.outputs import EngineCoreOutput, PlainTokens, plain_output, sample_request_id
+from common.sampling_params import SamplingParams
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 # Why a sample ended. Each API maps these onto its own names (gRPC's FinishReason, OpenAI's

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.block_manager import ROOT_HASH, hash_block
+from common.prefix_hash import ROOT_HASH, hash_block
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 

@@ -23,14 +23,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.v1 import generation_pb2, generation_pb2_grpc, info_pb2, info_pb2_grpc
+from common.v1 import tokenization_pb2, tokenization_pb2_grpc
 from frontend.async_llm import AsyncLLM
 from frontend.engine_pool import EnginePool
 from frontend.interceptors import DecodeGuard, MetricsInterceptor
 from frontend.metrics import FrontendMetrics
 from frontend.router import make_policy
 from frontend.servicers import GenerationService, GrpcContext, InfoService, TokenizationService
-from pagedserve.v1 import generation_pb2, generation_pb2_grpc, info_pb2, info_pb2_grpc
-from pagedserve.v1 import tokenization_pb2, tokenization_pb2_grpc
 
 log = logging.getLogger("pagedserve.frontend")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -69,7 +69,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
         loop.add_signal_handler(sig, lambda: force.set() if stop.is_set() else stop.set())
     metrics = FrontendMetrics()
     if config.metrics_port is not None:
-        from pagedserve.metrics_http import serve_metrics
+        from common.metrics_http import serve_metrics
         serve_metrics(config.metrics_host, config.metrics_port)
     # The metrics interceptor is outermost, so it counts what the guard refuses.
     server = grpc.aio.server(interceptors=[MetricsInterceptor(metrics), DecodeGuard()],

@@ -14,17 +14,16 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.errors import EngineOverloaded, InvalidRequest, RequestFailed, Unavailable
-from engine.ipc import sampling_params_from_proto
-from engine.structured_output.params import StructuredOutputsParams
+from common.errors import EngineOverloaded, InvalidRequest, RequestFailed, Unavailable
+from common.ipc import sampling_params_from_proto
+from common.structured_output.params import StructuredOutputsParams
+from common.v1 import generation_pb2 as gen, generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2
+from common.v1 import tokenization_pb2_grpc
 from frontend.async_llm import AsyncLLM, Generation
 from frontend.input_processor import InputProcessor, NotFound
 from frontend.metrics import FrontendMetrics, outcome_code
 from frontend.output_processor import PositionLogprobs, SampleDelta
 from frontend.request_log import RequestLog
-from pagedserve.v1 import generation_pb2 as gen
-from pagedserve.v1 import generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2
-from pagedserve.v1 import tokenization_pb2_grpc
 
 log = logging.getLogger("pagedserve.frontend")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:@=+-]{1,128}")

@@ -8,7 +8,7 @@ the chat template, nothing else.
 
 The files are what `save_pretrained` writes (tokenizer.json, tokenizer_config.json,
 chat_template.jinja). The engine hands them over at the handshake, so the frontend needs no
-model files of its own (`files_from_dir` / `Tokenizer.from_files`).
+model files of its own (common.tokenizer_files / `Tokenizer.from_files`).
 """
 
 from __future__ import annotations
@@ -21,17 +21,9 @@ from tokenizers import Tokenizer as RustTokenizer
 # in a request it would stall the event loop (and with it every stream and heartbeat).
 from transformers.utils.chat_template_utils import render_jinja_template
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
-                   "special_tokens_map.json")
+from common.tokenizer_files import files_from_dir
+
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-
-
-def files_from_dir(path: str | Path) -> dict[str, bytes]:
-    """The tokenizer's files in a `save_pretrained` folder, by name."""
-    path = Path(path)
-    if not (path / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{path} has no tokenizer.json (a fast tokenizer is needed)")
-    return {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
 
 
 class Tokenizer:

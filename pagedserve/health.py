@@ -41,7 +41,7 @@ def add_health_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_ping_arguments(p: argparse.ArgumentParser) -> None:
-    from engine.main import DEFAULT_ADDRESS
+    from common.process_args import DEFAULT_ADDRESS
     p.add_argument("--address", default=DEFAULT_ADDRESS,
                    help=f"the engine's ZeroMQ endpoint, tcp://HOST:PORT or ipc://PATH (default: {DEFAULT_ADDRESS})")
     p.add_argument("--timeout-s", type=_positive_float, default=DEFAULT_TIMEOUT_S,
@@ -68,7 +68,7 @@ def ping_engine(address: str, timeout_s: float):
     import zmq
     from google.protobuf.message import DecodeError
 
-    from pagedserve.v1 import engine_ipc_pb2 as ipc
+    from common.v1 import engine_ipc_pb2 as ipc
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -26,11 +26,10 @@ import sys
 import threading
 from urllib.parse import urlsplit
 
-from engine.arg_utils import add_drain_arg, add_engine_args, add_log_level_arg, configure_logging
-from engine.main import DEFAULT_ADDRESS
-from frontend.main import add_arguments as add_frontend_args
-from frontend.main import config_from_args
-from pagedserve.metrics_http import add_metrics_args
+from common.metrics_http import add_metrics_args
+from common.process_args import DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging
+from engine.arg_utils import add_engine_args
+from frontend.main import add_arguments as add_frontend_args, config_from_args
 
 log = logging.getLogger("pagedserve")
 ENGINE_STOP_TIMEOUT_S = 15

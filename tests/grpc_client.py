@@ -12,9 +12,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from pagedserve.v1 import generation_pb2 as gen
-from pagedserve.v1 import info_pb2
-from pagedserve.v1 import tokenization_pb2 as tok
+from common.v1 import generation_pb2 as gen, info_pb2, tokenization_pb2 as tok
 
 FR = gen.FinishReason
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -64,7 +64,7 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, top_logprobs
 
 def greedy_with_logprobs(llm, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[dict]]]:
     """Our greedy tokens and top-5 logprobs per prompt, in check_outputs_match's form."""
-    from engine import SamplingParams
+    from pagedserve import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=max_new, min_tokens=max_new, logprobs=5)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
 

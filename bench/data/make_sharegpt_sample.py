@@ -16,7 +16,7 @@ DEFAULT_OUTPUT = Path(__file__).resolve().parent / "sharegpt_sample.json"
 
 
 def build(max_tokens: int, dtype: str, num_threads: int | None) -> list[dict]:
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     llm = LLM(dtype=dtype, num_threads=num_threads)
     prompts = [llm.tokenizer.encode(_chat(llm.tokenizer, q), add_special_tokens=False) for q in QUESTIONS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from cpu_kernels import ops
-from engine.attention import AttentionMetadata
+from engine.attention.base import AttentionMetadata
 from engine.attention.torch_backend import TorchAttentionBackend
 
 

@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.attention.base import AttentionMetadata
 from engine.attention.flash_prefill import (FLASH_DTYPES, FlashPrefillPlan, flash_prefill,
                                             flash_prefill_enabled, plan_flash_prefill)
 from engine.attention.torch_backend import copy_kv_blocks

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention import PrefillChunk
+from engine.attention.base import PrefillChunk
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention.base import AttentionMetadata, PrefillChunk
 from engine.cpu_tuning import bucket
 
 

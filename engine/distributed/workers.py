@@ -43,7 +43,9 @@ JOIN_TIMEOUT_S = 10.0
 class WorkerGroup:
     """Spawns ranks 1..N-1 and joins the process group as rank 0."""
 
-    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+    def __init__(self, config: EngineConfig, model_path: Path, runner_class: type) -> None:
+        """`runner_class`: what each worker builds its shard as (ModelRunner, which starts this
+        group: passed in rather than imported, so that neither module imports the other)."""
         size = config.tensor_parallel_size
         self.shard = TPShard(0, size)
         self.closing = False
@@ -52,7 +54,8 @@ class WorkerGroup:
         # CPU ranks: shared-memory collectives, unless PAGEDSERVE_TP_SHM=0 (gloo alone: to measure the difference)
         use_shm = not config.device.startswith("cuda") and os.environ.get("PAGEDSERVE_TP_SHM", "1") != "0"
         self.shm = create_handle(size, ctx) if use_shm else None
-        self.procs = {rank: ctx.Process(target=run_worker, args=(rank, size, port, config, model_path, self.shm),
+        self.procs = {rank: ctx.Process(target=run_worker, args=(rank, size, port, config, model_path, runner_class,
+                                                                 self.shm),
                                         name=f"tp-worker-{rank}", daemon=True)
                       for rank in range(1, size)}
         atexit.register(self.close)
@@ -115,7 +118,7 @@ class WorkerGroup:
                 proc.join(timeout=5)
 
 
-def run_worker(rank: int, size: int, port: int, config: EngineConfig, model_path: Path,
+def run_worker(rank: int, size: int, port: int, config: EngineConfig, model_path: Path, runner_class: type,
                shm: ShmHandle | None = None) -> None:
     """A worker process's body: build its shard of the model, then run rank 0's plans."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s")
@@ -131,8 +134,7 @@ def run_worker(rank: int, size: int, port: int, config: EngineConfig, model_path
         torch.cuda.set_device(config.device)
     shard = TPShard(rank, size)
     init_group(shard, port, config.device, shm)
-    from engine.model_runner import ModelRunner
-    runner = ModelRunner(config, model_path, eos_token_ids=(), shard=shard)
+    runner = runner_class(config, model_path, eos_token_ids=(), shard=shard)
     try:
         while (plan := broadcast_object(None, shard)) is not STOP:
             runner.run_plan(plan)

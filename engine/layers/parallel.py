@@ -23,13 +23,17 @@ is exact: any rows, and input columns on 32-value block boundaries.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.state import SINGLE, TPShard, all_reduce, gather_vocab
 from engine.layers.quantized import BLOCK, QuantizedTensor
-from engine.models.config import ModelArchConfig
+
+if TYPE_CHECKING:  # type hints only: engine.models builds on these layers, not the reverse
+    from engine.models.config import ModelArchConfig
 
 Weight = torch.Tensor | QuantizedTensor
 

@@ -19,90 +19,16 @@ the kernels cannot run.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from cpu_kernels import ops
+# The format itself lives with the kernels that pack it (cpu_kernels/quant_format.py).
+from cpu_kernels.quant_format import BLOCK, FORMATS, QuantizedTensor, quantize
 from engine.layers import Layer
 
 log = logging.getLogger("pagedserve.engine")
-BLOCK = 32
-FORMATS = ("int4", "int8")
-
-
-@dataclass
-class QuantizedTensor:
-    """A [N, K] weight in blocks of 32 along K."""
-
-    format: str  # "int4" | "int8"
-    qweight: torch.Tensor  # int4: uint8 [N, K/2], GGUF nibble order; int8: int8 [N, K]
-    scales: torch.Tensor  # float32 [N, K/32]
-    zeros: torch.Tensor | None = None  # int4: float32 [N, K/32]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.scales.shape[0], self.scales.shape[1] * BLOCK
-
-    def dequantize(self) -> torch.Tensor:
-        """The effective float32 weights: scale * q (+ zero), computed as gguf-py does."""
-        n, k = self.shape
-        values = unpack_int4(self.qweight) if self.format == "int4" else self.qweight
-        w = values.view(n, k // BLOCK, BLOCK).float() * self.scales[..., None]
-        if self.zeros is not None:
-            w = w + self.zeros[..., None]
-        return w.view(n, k)
-
-    def map_rows(self, fn) -> QuantizedTensor:
-        """The same weight with `fn` applied to the row dimension of every part."""
-        return QuantizedTensor(self.format, fn(self.qweight), fn(self.scales),
-                               None if self.zeros is None else fn(self.zeros))
-
-
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K/2] -> uint8 [N, K]: byte j of a block holds value j and j + 16."""
-    n = qweight.shape[0]
-    blocks = qweight.view(n, -1, BLOCK // 2)
-    return torch.cat([blocks & 15, blocks >> 4], dim=-1).view(n, -1)
-
-
-def pack_int4(values: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] of 0..15 -> the packed [N, K/2] layout."""
-    n = values.shape[0]
-    blocks = values.to(torch.uint8).view(n, -1, BLOCK)
-    return (blocks[..., :BLOCK // 2] | (blocks[..., BLOCK // 2:] << 4)).view(n, -1)
-
-
-def quantize(weight: torch.Tensor, fmt: str) -> QuantizedTensor:
-    """Quantize float weights [N, K] per block of 32: int4 asymmetric (min and step, as
-    Q4_1, both rounded to fp16), int8 symmetric (absmax / 127, as Q8_0)."""
-    n, k = weight.shape
-    if k % BLOCK:
-        raise ValueError(f"cannot quantize a weight with {k} columns: not a multiple of {BLOCK}")
-    w = weight.float().view(n, k // BLOCK, BLOCK)
-    if fmt == "int8":
-        scales = w.abs().amax(-1) / 127
-        q = torch.round(w * _inverse(scales)[..., None]).clamp(-127, 127).to(torch.int8)
-        return QuantizedTensor("int8", q.view(n, k), scales)
-    if fmt == "int4":
-        # Step and minimum are stored as fp16, as in GGUF's Q4_1 (the bf16 kernels read them so).
-        low = w.amin(-1).half().float()
-        scales = ((w.amax(-1) - low) / 15).half().float()
-        q = torch.round((w - low[..., None]) * _inverse(scales)[..., None]).clamp(0, 15)
-        return QuantizedTensor("int4", pack_int4(q.view(n, k)), scales, low)
-    raise ValueError(f"quantization format {fmt!r} is not supported (supported: {', '.join(FORMATS)})")
-
-
-def _inverse(scales: torch.Tensor) -> torch.Tensor:
-    return torch.where(scales != 0, 1 / scales, torch.zeros_like(scales))
-
-
-def reference_linear(x: torch.Tensor, weight: QuantizedTensor) -> torch.Tensor:
-    """What the kernels compute, in float64 and plain torch: x times the effective weights."""
-    return (x.double() @ weight.dequantize().double().t()).float()
-
-
 UNPACKED_FROM_ROWS = 3  # see QuantLinear.pack
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import LoraError
+from common.errors import LoraError
 
 # PEFT module name -> (our layer, index of its output slice)
 TARGETS = {

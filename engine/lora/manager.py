@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from engine.errors import LoraError
+from common.errors import LoraError
 from engine.lora.adapter import TARGETS, LoraAdapter, read_adapter
 from engine.lora.layers import LoraBatch, LoraLinear
 

@@ -24,39 +24,12 @@ from engine.layers.activation import GeluAndMul
 from engine.layers.norm import GemmaRMSNorm
 from engine.layers.parallel import SINGLE, TPShard, local_sizes, row_parallel, vocab_parallel_embed
 from engine.layers.rotary import Rope, RotaryEmbedding
-from engine.models.config import ModelArchConfig
-from engine.models.llama import MLP, Attention, ForwardContext, LlamaForCausalLM
 from engine.layers import Layer
-
-# Gemma 3 defaults for what a GGUF file does not record (HF's Gemma3TextConfig and llama.cpp).
-LOCAL_ROPE_THETA = 10_000.0
-SLIDING_WINDOW_PATTERN = 6  # every 6th layer attends globally, the others through the window
+from engine.models.config import LOCAL_ROPE_THETA, ModelArchConfig
+from engine.models.llama import MLP, Attention, ForwardContext, LlamaForCausalLM
 
 
-def gemma3_fields(c) -> dict:
-    """ModelArchConfig fields of a transformers Gemma3TextConfig beyond the Llama ones."""
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if getattr(c, name, None) is not None:
-            raise ValueError(f"gemma3: {name}={getattr(c, name)} is not supported (Gemma 2's soft-capping)")
-    if getattr(c, "use_bidirectional_attention", False):
-        raise ValueError("gemma3: use_bidirectional_attention is not supported (causal models only)")
-    params = getattr(c, "rope_parameters", None) or {}
-    full = params.get("full_attention") or {}
-    local = params.get("sliding_attention") or {}
-    if (local.get("rope_type") or "default") != "default":
-        raise ValueError(f"gemma3: rope scaling {local.get('rope_type')!r} on the windowed layers is not supported")
-    scaling = None if (full.get("rope_type") or "default") == "default" else dict(full)
-    return dict(rope_theta=float(full.get("rope_theta", getattr(c, "rope_theta", 1_000_000.0))),
-                rope_scaling=scaling,
-                rope_local_theta=float(local.get("rope_theta", LOCAL_ROPE_THETA)),
-                layer_types=tuple(c.layer_types), sliding_window=c.sliding_window,
-                query_pre_attn_scalar=float(c.query_pre_attn_scalar))
 
-
-def default_layer_types(num_layers: int) -> tuple[str, ...]:
-    """The 5:1 pattern, as HF derives it when a config (or a GGUF file) lists none."""
-    return tuple("sliding_attention" if (i + 1) % SLIDING_WINDOW_PATTERN else "full_attention"
-                 for i in range(num_layers))
 
 
 def is_local(cfg: ModelArchConfig, layer: int) -> bool:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.layers.quantized import QuantizedTensor, pack_int4
+from cpu_kernels.quant_format import QuantizedTensor, pack_int4
 from engine.models.config import SUPPORTED, ModelArchConfig
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
@@ -90,7 +90,7 @@ def read_gguf_config(path: Path) -> ModelArchConfig:
         qkv_bias=SUPPORTED[model_type].get("qkv_bias", False),
         qk_norm=SUPPORTED[model_type].get("qk_norm", False), sliding_window=key("attention.sliding_window"))
     if model_type == "gemma3_text":  # what the file does not record: Gemma 3's defaults, as HF takes them
-        from engine.models.gemma3 import LOCAL_ROPE_THETA, default_layer_types
+        from engine.models.config import LOCAL_ROPE_THETA, default_layer_types
         cfg = dataclasses.replace(cfg, layer_types=default_layer_types(cfg.num_layers),
                                   rope_local_theta=LOCAL_ROPE_THETA, query_pre_attn_scalar=float(cfg.head_dim))
     return cfg

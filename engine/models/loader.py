@@ -7,7 +7,6 @@ With no model named, the bundled SmolLM2-135M-Instruct GGUF from the
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -19,11 +18,12 @@ from tqdm import tqdm
 
 import cpu_kernels
 import cupy_kernels
+from common.paths import cache_dir
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import SINGLE, TPShard
-from engine.layers.rotary import RotaryEmbedding
 from engine.layers.quantized import QuantizedTensor, QuantLinear, dequantize_modules, pack_modules, quantize_modules
+from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelArchConfig
 from engine.models.registry import model_class
 
@@ -203,7 +203,7 @@ def load_tokenizer(path: Path, tokenizer: str | None = None):
 def tokenizer_files(tokenizer) -> dict[str, bytes]:
     """The tokenizer as `save_pretrained` writes it, by file name: what the engine hands its
     frontends at the handshake, so they load it without torch or model files."""
-    from frontend.tokenizer import files_from_dir
+    from common.tokenizer_files import files_from_dir
     with tempfile.TemporaryDirectory() as folder:
         tokenizer.save_pretrained(folder)
         return files_from_dir(folder)
@@ -245,12 +245,6 @@ def _gguf_tokenizer(path: Path):
     except OSError:
         shutil.rmtree(staging, ignore_errors=True)
     return tok
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("PAGEDSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedserve")
-    return Path(root)
 
 
 def _mkdir(path: Path) -> Path:

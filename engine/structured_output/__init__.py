@@ -1,9 +1,4 @@
-"""Structured output: constraining generation to a JSON schema, regex, choice or grammar.
-
-`params` is torch-free (the frontend uses it); `backend` is the grammar-library interface;
-`manager` is the engine's compile cache and per-sample matchers. docs/api.md shows the APIs.
+"""Structured output on the engine's side: the compile cache and per-sample matchers
+(`manager`); constraints, the grammar-library interface and its llguidance implementation
+are common.structured_output's, which the frontend shares. docs/api.md shows the APIs.
 """
-
-from engine.structured_output.params import StructuredOutputsParams
-
-__all__ = ["StructuredOutputsParams"]

@@ -17,9 +17,10 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequest
-from engine.structured_output.backend import CompiledGrammar, GrammarBackend, GrammarMatcher, get_backend_class
-from engine.structured_output.params import StructuredOutputsParams
+from common.errors import InvalidRequest
+from common.structured_output import get_backend_class
+from common.structured_output.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
+from common.structured_output.params import StructuredOutputsParams
 
 log = logging.getLogger("pagedserve.engine")
 CACHE_SIZE = 512  # compiled grammars kept; a matcher is copied from one per sample

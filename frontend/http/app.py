@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.errors import EngineOverloaded, InvalidRequest, Unavailable
+from common.errors import EngineOverloaded, InvalidRequest, Unavailable
 
 from frontend.http.anthropic_api import create_message
 from frontend.http.context import HttpContext, parse_body

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
-from engine.errors import EngineOverloaded, InvalidRequest, RequestFailed, Unavailable
+from common.errors import EngineOverloaded, InvalidRequest, RequestFailed, Unavailable
 from frontend.input_processor import NotFound
 
 log = logging.getLogger("pagedserve.http")

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.errors import InvalidRequest
+from common.errors import InvalidRequest
 from frontend.async_llm import Generation
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import from_exception

@@ -4,9 +4,9 @@ the tools, mapped onto frontend/tool_calls."""
 
 from __future__ import annotations
 
-from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
-from engine.structured_output.params import StructuredOutputsParams
+from common.errors import InvalidRequest
+from common.sampling_params import SamplingParams
+from common.structured_output.params import StructuredOutputsParams
 from frontend.http.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest, _Sampling
 from frontend.tool_calls.hermes import tags_are_special
 from frontend.tool_calls.tools import EMPTY_PARAMETERS, Tool, ToolChoice, ToolUse, tool_use

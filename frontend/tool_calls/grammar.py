@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 
 # Compact JSON, as for response_format: one setting for every JSON the engine constrains.
-from engine.structured_output.llguidance_backend import JSON_OPTIONS
+from common.structured_output.llguidance_backend import JSON_OPTIONS
 _ARGUMENTS_DEF = "__arguments__"
 
 

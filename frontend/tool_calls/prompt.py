@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from engine.errors import InvalidRequest
+from common.errors import InvalidRequest
 from frontend.tool_calls.tools import ToolUse
 
 _HOW_TO_CALL = (

@@ -9,8 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequest
-from engine.structured_output.params import StructuredOutputsParams
+from common.errors import InvalidRequest
+from common.structured_output.params import StructuredOutputsParams
 from frontend.tool_calls.grammar import forced_calls_grammar
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")

@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.v1 import generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2_grpc
+from common.v1 import generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 # One torch thread: the machine's few cores are shared, and OpenMP threads that outnumber

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from grpc_client import generate, greedy
-from pagedserve.v1 import generation_pb2_grpc
+from common.v1 import generation_pb2_grpc
 from test_operations import metric, scrape
 
 

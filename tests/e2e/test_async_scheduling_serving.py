@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from grpc_client import LONG, STORY, cancel, generate, greedy, request
-from pagedserve.v1 import generation_pb2 as gen
+from common.v1 import generation_pb2 as gen
 
 PROMPTS = ["The capital of France is", "List three colours:", "Once upon a time", "def add(a, b):",
            "The best way to learn", "Water boils at", "My favourite animal is", "In 1969,"]
@@ -31,7 +31,7 @@ def async_frontend(procs):
 @pytest.fixture(scope="module")
 def expected(bundled_path):
     """The offline engine, synchronous, as the server runs it (float32, greedy)."""
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     llm = LLM(str(bundled_path), dtype="float32", num_kv_blocks=128, async_scheduling=False)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS]
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

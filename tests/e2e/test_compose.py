@@ -21,9 +21,8 @@ import yaml
 import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pagedserve.cli import build_parser
-from pagedserve.cli import main as cli
-from pagedserve.v1 import engine_ipc_pb2 as ipc
+from common.v1 import engine_ipc_pb2 as ipc
+from pagedserve.cli import build_parser, main as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATION = "pagedserve.v1.Generation"

@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from grpc_client import Background, collect, generate, greedy, request
+from common.v1 import generation_pb2 as gen
 from pagedserve.health import ping_engine
-from pagedserve.v1 import generation_pb2 as gen
 from test_operations import metric, read_metrics_url, scrape
 
 # Two slots per engine: under load most requests wait, so some have not streamed when one dies.

@@ -15,7 +15,7 @@ import grpc
 import zmq
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.v1 import engine_ipc_pb2 as ipc
+from common.v1 import engine_ipc_pb2 as ipc
 
 ENGINE = "pagedserve.v1.Engine"
 SERVING = health_pb2.HealthCheckResponse.SERVING

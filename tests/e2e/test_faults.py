@@ -11,10 +11,9 @@ import pytest
 import zmq
 
 from grpc_client import GENERATION, LONG, NOT_SERVING, SERVING, STORY, Background, generate, greedy, request
-from engine.ipc import outputs_from_batch
+from common.ipc import outputs_from_batch
+from common.v1 import engine_ipc_pb2 as ipc, generation_pb2 as gen
 from pagedserve.health import ping_engine
-from pagedserve.v1 import engine_ipc_pb2 as ipc
-from pagedserve.v1 import generation_pb2 as gen
 
 
 def _engine_and_frontend(procs):

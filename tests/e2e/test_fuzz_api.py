@@ -12,14 +12,12 @@ import math
 import grpc
 import httpx
 import pytest
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 
 from grpc_client import VOCAB_SIZE, collect, generate, greedy
 from helpers import LONG
 from http_client import assert_error_body, model_name, no_new_server_errors, sse_data
-from pagedserve.v1 import generation_pb2 as gen
-from pagedserve.v1 import tokenization_pb2 as tok
+from common.v1 import generation_pb2 as gen, tokenization_pb2 as tok
 
 MAX_MODEL_LEN = 256  # small, so that any valid request ends quickly
 INT32 = st.integers(-2**31, 2**31 - 1)

@@ -22,9 +22,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoRe
 from grpc_client import (FR, GENERATION, LONG, MAX_MODEL_LEN, NOT_SERVING, SERVING, STORY, VOCAB_SIZE,
                          Background, cancel, collect, detokenize, generate, generate_error, greedy, names_field,
                          port_is_free, request, stop_across, user, wait_info)
-from pagedserve.v1 import generation_pb2 as gen
-from pagedserve.v1 import info_pb2
-from pagedserve.v1 import tokenization_pb2 as tok
+from common.v1 import generation_pb2 as gen, info_pb2, tokenization_pb2 as tok
 
 
 # -- fixtures --------------------------------------------------------------------------------
@@ -170,7 +168,7 @@ def test_greedy_matches_offline_llm(frontend):
     ours = [generate(frontend, text=p, sampling=greedy(24)) for p in prompts]
     frontend.wait_kv_free()
 
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     llm = LLM(model=None, dtype="float32", num_kv_blocks=64, max_model_len=MAX_MODEL_LEN, num_threads=1)
     params = SamplingParams(temperature=0, max_tokens=24)
     for prompt, r in zip(prompts, ours):

@@ -15,8 +15,7 @@ import time
 import zmq
 
 from grpc_client import Result, generate, greedy, user
-from pagedserve.v1 import engine_ipc_pb2 as ipc
-from pagedserve.v1 import generation_pb2 as gen
+from common.v1 import engine_ipc_pb2 as ipc, generation_pb2 as gen
 
 ENGINE_TIMEOUT_S = 3.0  # the frontend's default --engine-timeout-s
 LONG_PROMPT = list(range(1000, 2500))  # 1,500 tokens: one prefill step of seconds on a CPU core

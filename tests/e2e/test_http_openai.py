@@ -16,7 +16,7 @@ from grpc_client import generate, greedy
 from http_client import kv_free_after, model  # noqa: F401 - shared fixtures
 from http_client import (async_openai_client, openai_client, post, stop_inside,
                          tokenize)
-from pagedserve.v1 import info_pb2
+from common.v1 import info_pb2
 
 PROMPT = "The capital of France is"
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
@@ -186,7 +186,7 @@ def test_greedy_matches_grpc_and_offline_llm(client, model, frontend):
     grpc_result = generate(frontend, text=prompt, sampling=greedy(16, ignore_eos=True))
     frontend.wait_kv_free()
 
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     llm = LLM(model=None, dtype="float32", num_kv_blocks=64, max_model_len=2048, num_threads=1)
     offline = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0))[0]
     ids = offline.outputs[0].token_ids

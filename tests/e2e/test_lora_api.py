@@ -19,8 +19,8 @@ import torch
 from bench.lora_adapters import save_random_adapter
 from grpc_client import generate, greedy
 from helpers import build_tiny_model
+from common.v1 import info_pb2
 from pagedserve.health import ping_engine
-from pagedserve.v1 import info_pb2
 
 KEY = "lora-test-key"
 MAX_TOKENS = 8
@@ -47,8 +47,8 @@ def setup(tmp_path_factory, bundled_tokenizer):
 @pytest.fixture(scope="module")
 def offline(setup):
     """The offline LLM's greedy text and tokens for PROMPT and MESSAGES, per adapter (None: base)."""
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from pagedserve.llm import LLM
+    from common.sampling_params import SamplingParams
     folder, adapters = setup
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64, max_model_len=512, max_lora_rank=8,
               lora_modules={"a": str(adapters["a"]), "b": str(adapters["b"])})

@@ -10,11 +10,10 @@ import time
 import pytest
 import zmq
 
-from engine.ipc import outputs_from_batch
+from common.ipc import outputs_from_batch
 from helpers import hf_greedy
 from lora_helpers import build_lora_setup, lora_prompts, merged_model
-from pagedserve.v1 import engine_ipc_pb2 as ipc
-from pagedserve.v1 import generation_pb2 as gen
+from common.v1 import engine_ipc_pb2 as ipc, generation_pb2 as gen
 
 MAX_NEW = 8
 Kind = ipc.LoraResult

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from grpc_client import (FR, GENERATION, LONG, NOT_SERVING, STORY, Background, collect, generate,
                          generate_error, greedy, request)
-from pagedserve.v1 import generation_pb2 as gen
+from common.v1 import generation_pb2 as gen
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 

@@ -37,7 +37,7 @@ def frontend(speculative):  # http_client's fixtures (model, kv_free_after) take
 @pytest.fixture(scope="module")
 def expected(bundled_path, bundled_tokenizer):
     """The offline engine without speculation, as the server runs (float32, greedy)."""
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     llm = LLM(str(bundled_path), dtype="float32", num_kv_blocks=64)
     prompt = bundled_tokenizer.apply_chat_template([{"role": "user", "content": ASK}], add_generation_prompt=True,
                                                    tokenize=False)

@@ -16,8 +16,7 @@ import pytest
 
 from grpc_client import FR
 from helpers import LONG
-from pagedserve.v1 import generation_pb2 as gen
-from pagedserve.v1 import generation_pb2_grpc
+from common.v1 import generation_pb2 as gen, generation_pb2_grpc
 
 NUM_REQUESTS = 5000 if LONG else 1000
 IN_FLIGHT = 100

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model_runner import ModelRunner
+from pagedserve import LLM, SamplingParams
 from helpers import assert_no_leak
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import cpu_kernels
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from helpers import assert_no_leak
 
 

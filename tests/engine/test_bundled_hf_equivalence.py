@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from helpers import assert_no_leak, check_outputs_match, hf_greedy
 
 MAX_NEW = 32

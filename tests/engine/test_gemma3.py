@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from helpers import assert_matches_hf, assert_no_leak, check_outputs_match, hf_greedy
 from test_tiny_hf_equivalence import CONFIGS, tiny_prompts
 

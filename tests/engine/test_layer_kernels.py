@@ -9,10 +9,10 @@ import pytest
 
 import cpu_kernels
 from cpu_kernels import ops
-from engine import LLM
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from pagedserve import LLM
 from helpers import assert_no_leak, check_outputs_match
 from test_quantized_model import STRESS, assert_logprobs_close, greedy
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from helpers import assert_no_leak
 
 

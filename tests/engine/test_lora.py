@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import cpu_kernels
-from engine import LLM, SamplingParams
-from engine.errors import LoraError
+from common.errors import LoraError
 from engine.layers.quantized import QuantLinear, dequantize_modules
+from pagedserve import LLM, SamplingParams
 from helpers import assert_no_leak, check_outputs_match
 from lora_helpers import build_lora_setup, lora_prompts, references
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM
 from engine.layers.moe import grouped_experts, reference_experts, route
+from pagedserve import LLM
 from helpers import assert_matches_hf, assert_no_leak, build_tiny_model, greedy_with_logprobs, hf_greedy
 
 MAX_NEW = 16

@@ -15,9 +15,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelArchConfig
+from pagedserve import LLM
 from helpers import assert_matches_hf, assert_no_leak, build_tiny_model, greedy_with_logprobs, hf_greedy, tiny_hf_config
 
 MAX_NEW = 16

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.errors import InvalidRequest
+from common.ipc import output_from_proto, output_to_proto, sampling_params_from_proto, sampling_params_to_proto
+from common.outputs import EngineCoreOutput
+from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.errors import InvalidRequest
-from engine.ipc import output_from_proto, output_to_proto, sampling_params_from_proto, sampling_params_to_proto
 from engine.models.loader import eos_token_ids, load_tokenizer
-from engine.outputs import EngineCoreOutput
-from engine.sampling_params import SamplingParams
 from helpers import assert_engine_idle
 
 TOL = 1e-3

@@ -16,8 +16,8 @@ from torch import nn
 
 import cpu_kernels
 from cpu_kernels import ops
-from engine import LLM, SamplingParams
 from engine.layers.quantized import QuantEmbedding, QuantLinear, dequantize_modules
+from pagedserve import LLM, SamplingParams
 from helpers import assert_no_leak, build_tiny_model, check_outputs_match
 from test_tiny_hf_equivalence import tiny_prompts
 
@@ -151,8 +151,8 @@ def test_without_kernels_the_layers_are_dense_with_the_same_weights(tiny_llama):
 import logging, torch
 logging.basicConfig(level=logging.WARNING)
 from torch import nn
-from engine import LLM, SamplingParams
 from engine.layers.quantized import quantize
+from pagedserve import LLM, SamplingParams
 from safetensors.torch import load_file
 llm = LLM({str(tiny_llama)!r}, dtype="float32", quantization="int4", num_kv_blocks=16)
 layer = llm.engine.model_runner.model.model.layers[0].mlp.down_proj

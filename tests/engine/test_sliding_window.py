@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from helpers import assert_matches_hf, assert_no_leak, build_tiny_model, check_outputs_match, hf_greedy
 
 WINDOW, BLOCK = 24, 8

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from engine.spec_decode.speculator import Speculator
+from pagedserve.llm import LLM
 from helpers import assert_no_leak, build_tiny_model
 
 K = 4

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
+from common.errors import EngineOverloaded
+from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.metrics import EngineMetrics
 from engine.models.loader import eos_token_ids, load_tokenizer
-from engine.sampling_params import SamplingParams
-from engine.errors import EngineOverloaded
 
 PROMPTS = [[1000 * k + i for i in range(n)] for k, n in enumerate((5, 17, 33), start=1)]  # no shared prefix
 

@@ -11,10 +11,10 @@ import threading
 import jsonschema
 import pytest
 
-from engine.llm import LLM
+from common.sampling_params import SamplingParams
 from engine.outputs import ModelRunnerOutput
 from engine.request import RequestStatus
-from engine.sampling_params import SamplingParams
+from pagedserve.llm import LLM
 from helpers import assert_no_leak, build_tiny_model
 
 # Nesting, arrays, enums, required fields and string patterns. Every string, array and number

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from engine import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams
 from helpers import build_tiny_model
 
 ATOL = 1e-4

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM
+from pagedserve import LLM
 from helpers import assert_matches_hf, build_tiny_model, hf_greedy
 
 MAX_NEW = 32

@@ -86,7 +86,7 @@ def assert_greedy_match(ours: list[int], ref: tuple[list[int], list[torch.Tensor
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_cupy_backend_matches_hf(tiny_llama, config):
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     folder, prompts, reference = tiny_llama
     llm = LLM(str(folder), device="cuda", dtype="float32", attention_backend="cupy", num_kv_blocks=256,
               max_model_len=512, max_num_seqs=8, **CONFIGS[config])
@@ -134,7 +134,7 @@ def count_replays(runner) -> list[int]:
 
 def test_auto_backend_on_cuda_is_cupy_with_graphs(tiny_llama):
     """With no backend named, a CUDA engine runs the cupy kernels in CUDA graphs, scheduled async."""
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     folder, prompts, reference = tiny_llama
     llm = LLM(str(folder), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512, max_num_seqs=8)
     runner = llm.engine.model_runner
@@ -150,7 +150,7 @@ def test_auto_backend_on_cuda_is_cupy_with_graphs(tiny_llama):
 def test_seeded_samples_launched_ahead_equal_the_synchronous_ones(tiny_llama):
     """Plain random rows sampled on the device in steps launched ahead (their seeded keys one
     output position further): the tokens of the synchronous engine, on the same GPU."""
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     folder, prompts, _ = tiny_llama
     params = [SamplingParams(temperature=0.5 + 0.25 * i, seed=i, min_p=0.02 * (i % 2), max_tokens=MAX_NEW,
                              ignore_eos=True) for i in range(len(prompts))]

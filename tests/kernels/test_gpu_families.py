@@ -43,7 +43,7 @@ def save_model(folder, model_type: str, extra: dict):
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_matches_hf_on_cuda(family, tmp_path):
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     model_type, extra, llm_args, backend = FAMILIES[family]
     hf = save_model(tmp_path, model_type, extra)
     prompts = make_prompts()
@@ -61,7 +61,7 @@ def test_family_matches_hf_on_cuda(family, tmp_path):
 def test_lora_matches_hf_peft_on_cuda(tmp_path):
     from peft import PeftModel
     from bench.lora_adapters import save_random_adapter
-    from engine import LLM, SamplingParams
+    from pagedserve import LLM, SamplingParams
     hf = save_model(tmp_path / "base", "llama", {}).cpu()
     adapters = {name: save_random_adapter(hf, tmp_path / name, rank, targets, seed)
                 for name, rank, targets, seed in (("a", 8, ["q_proj", "v_proj"], 1),

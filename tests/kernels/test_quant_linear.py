@@ -9,7 +9,7 @@ import torch
 
 import cpu_kernels
 from cpu_kernels import ops
-from engine.layers.quantized import QuantizedTensor, quantize, reference_linear, unpack_int4
+from cpu_kernels.quant_format import QuantizedTensor, quantize, reference_linear, unpack_int4
 
 if not cpu_kernels.available("quant_linear"):
     pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason('quant_linear')}",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cpu_kernels import ops, packing
-from engine.layers.quantized import QuantizedTensor, quantize, reference_linear
+from cpu_kernels.quant_format import QuantizedTensor, quantize, reference_linear
 from test_quant_linear import random_weight
 
 if not ops.bf16_dot_supported():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
+from common.v1 import engine_ipc_pb2 as ipc
 from frontend.engine_pool import EnginePool, EngineState
 from frontend.router import RoundRobin
-from pagedserve.v1 import engine_ipc_pb2 as ipc
 
 
 def welcome(engine_id: str, **facts) -> ipc.Welcome:

@@ -9,13 +9,13 @@ import asyncio
 
 import pytest
 
-from engine.errors import InvalidRequest, Unavailable
-from engine.validation import PromptLimits
+from common.errors import InvalidRequest, Unavailable
+from common.v1 import engine_ipc_pb2 as ipc
+from common.validation import PromptLimits
 from frontend.engine_pool import EnginePool, EngineState
 from frontend.input_processor import InputProcessor, NotFound
 from frontend.lora import load_lora, unload_lora
 from frontend.router import RoundRobin, prompt_block_hashes
-from pagedserve.v1 import engine_ipc_pb2 as ipc
 
 A, B = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
 Kind = ipc.LoraResult.Kind
@@ -127,8 +127,8 @@ def test_routing_only_to_engines_with_the_adapter_and_hashes_keyed_by_it():
 def test_router_hashes_blocks_as_the_engine_keys_them():
     """The cache-aware router predicts the engine's prefix cache: same tokens and adapter, same
     block hashes as the engine's own (engine.core keys a request's blocks by its adapter)."""
-    from engine.block_manager import hash_block
-    from engine.lora import block_extra_keys
+    from common.prefix_hash import hash_block
+    from common.prefix_hash import block_extra_keys
 
     async def run():
         pool, a, _ = await two_engines(welcome("a", ["sql"]), welcome("b", ["sql"]))
@@ -157,7 +157,7 @@ def test_router_hashes_blocks_as_the_engine_keys_them():
 def test_an_engine_lacking_the_adapter_passes_the_request_on_then_not_found():
     """The frontend's list can be a heartbeat old: an engine's KIND_NOT_FOUND moves the request
     to another engine with the adapter; when none has it, the caller gets NotFound (404)."""
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
     from frontend.async_llm import AsyncLLM
 
     async def run():

@@ -8,7 +8,7 @@ import asyncio
 
 import httpx
 
-from engine.validation import PromptLimits
+from common.validation import PromptLimits
 from frontend.async_llm import AsyncLLM
 from frontend.engine_pool import EnginePool
 from frontend.http.app import build_app

@@ -3,7 +3,7 @@ transformers' (the offline LLM's), whose apply_chat_template returns ids unless 
 
 from __future__ import annotations
 
-from engine.validation import PromptLimits
+from common.validation import PromptLimits
 from frontend.input_processor import InputProcessor
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]

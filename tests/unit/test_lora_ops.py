@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.errors import LoraError
-from engine.lora import block_extra_keys
+from common.errors import LoraError
+from common.prefix_hash import block_extra_keys
 from engine.lora.adapter import read_adapter
 from engine.lora.layers import LoraBatch, LoraLinear
 from engine.lora.manager import LoraManager

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from common.sampling_params import SamplingParams
 from engine.arg_utils import engine_config_from_args
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SchedulerConfig
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from pagedserve.cli import build_parser
 from pagedserve.serve import engine_command

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.outputs import EngineCoreOutput
-from engine.request import sample_request_id
-from engine.sampling_params import SamplingParams
+from common.outputs import EngineCoreOutput, sample_request_id
+from common.sampling_params import SamplingParams
 from frontend.output_processor import (ABORT, EOS, LENGTH, STOP_STRING, STOP_TOKEN, TIME_LIMIT, OutputProcessor,
                                        PositionLogprobs, RequestState, SampleDelta, TokenLogprob)
 
@@ -248,7 +247,7 @@ def test_output_processor_groups_by_request_and_forgets_finished(tok):
 
 
 def test_engine_errors_become_typed_exceptions(tok):
-    from engine.errors import InvalidRequest, RequestFailed
+    from common.errors import InvalidRequest, RequestFailed
     state = RequestState(RID, [1, 2], SamplingParams(), tok, [EOS_ID])
     with pytest.raises(InvalidRequest, match="did not compile"):
         state.process([out([], finish="invalid", error="structured_outputs.regex: did not compile")])
@@ -264,8 +263,8 @@ def test_a_completed_grammar_ends_a_sample_as_eos_would(tok):
 
 
 def test_structured_outputs_cross_the_engine_socket():
-    from engine.ipc import structured_from_proto, structured_to_proto
-    from engine.structured_output.params import StructuredOutputsParams
+    from common.ipc import structured_from_proto, structured_to_proto
+    from common.structured_output.params import StructuredOutputsParams
     for params in (StructuredOutputsParams(json={"type": "object", "b": 1, "a": [1]}),
                    StructuredOutputsParams(json_object=True), StructuredOutputsParams(regex="[ab]+"),
                    StructuredOutputsParams(choice=("x", "y \"z\"")), StructuredOutputsParams(grammar='start: "a"')):
@@ -277,9 +276,9 @@ def test_structured_outputs_cross_the_engine_socket():
 def test_plain_tokens_cross_the_engine_socket_packed():
     """One token of sample 0 that ends nothing travels in OutputBatch's packed lists; every other
     output as a RequestOutput; a reader of the batch gets them all back."""
-    from engine.ipc import add_plain_tokens, is_plain_token, outputs_from_batch, plain_tokens_from_batch
-    from engine.outputs import PlainTokens
-    from pagedserve.v1 import engine_ipc_pb2 as ipc
+    from common.ipc import add_plain_tokens, is_plain_token, outputs_from_batch, plain_tokens_from_batch
+    from common.outputs import PlainTokens
+    from common.v1 import engine_ipc_pb2 as ipc
     plain = [out([7], request_id="a", num_cached_tokens=16), out([9], request_id="b")]
     others = [out([7, 8]), out([7], index=1), out([7], finish="length"), out([7], logprobs=[{7: -0.5}])]
     assert [is_plain_token(o) for o in plain + others] == [True, True, False, False, False, False]

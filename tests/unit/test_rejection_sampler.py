@@ -25,7 +25,7 @@ import torch
 
 from engine.spec_decode import rejection
 from engine.keyed_random import mix, seeded_uniforms
-from engine.spec_decode.rejection import greedy_verify, rejection_sample
+from engine.rejection_sampler import greedy_verify, rejection_sample
 
 VOCAB = 8
 K = 3  # draft slots

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from common.sampling_params import SamplingParams
 from engine import sampler as engine_sampler
 from engine.keyed_random import mix, seeded_exponentials
 from engine.sampler import SamplerOutput
 from engine.sampling_batch import UNSEEDED, SamplingBatch
-from engine.sampling_params import SamplingParams
 
 NUM_DRAWS = 5000
 TOL = 0.03

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from common.sampling_params import SamplingParams
 from engine.keyed_random import mix
+from engine.model_runner import ModelRunner
 from engine.outputs import ScheduledRequest
 from engine.request import Request
 from engine.sampling_batch import (GREEDY, LOGPROBS, MIN_TOKENS, PENALTIES, TEMPERATURE, TOP_K, TOP_P, UNSEEDED,
                                    SamplingBatch, rng_keys)
-from engine.sampling_params import SamplingParams
-from engine.model_runner import ModelRunner
 
 SETTINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3),
             SamplingParams(temperature=1.0, logprobs=2, repetition_penalty=1.2, min_tokens=4),

@@ -10,14 +10,13 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
+from common.sampling_params import SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 
 BS = 4

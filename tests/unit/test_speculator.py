@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from common.sampling_params import SamplingParams
 from engine.outputs import ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
 from engine.spec_decode.speculator import FIRST_PAUSE_STEPS, Speculator, _Backoff
 
 

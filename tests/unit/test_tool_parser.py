@@ -8,10 +8,9 @@ import json
 
 import llguidance
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
-from engine.errors import InvalidRequest
+from common.errors import InvalidRequest
 from frontend.tool_calls.grammar import forced_calls_grammar
 from frontend.tool_calls.hermes import CallArguments, CallStart, Content, HermesParser, parse, tags_are_special
 from frontend.tool_calls.json_scan import COMPLETE, INCOMPLETE, INVALID, JsonScanner

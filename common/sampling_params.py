@@ -11,8 +11,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequest
-from engine.structured_output.params import StructuredOutputsParams
+from common.errors import InvalidRequest
+from common.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as greedy, as vLLM does: dividing logits
 # by a tiny temperature only overflows.

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
+from common.errors import InvalidRequest
+from common.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pagedserve.v1 import info_pb2 as pagedserve_dot_v1_dot_info__pb2
+from . import generation_pb2 as pagedserve_dot_v1_dot_generation__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pagedserve/v1/info_pb2_grpc.py depends on'
+        + ' but the generated code in pagedserve/v1/generation_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class InfoStub:
+class GenerationStub:
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -34,59 +34,65 @@ class InfoStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.GetModelInfo = channel.unary_unary(
-                '/pagedserve.v1.Info/GetModelInfo',
-                request_serializer=pagedserve_dot_v1_dot_info__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_info__pb2.ModelInfo.FromString,
+        self.Generate = channel.unary_stream(
+                '/pagedserve.v1.Generation/Generate',
+                request_serializer=pagedserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
                 _registered_method=True)
-        self.GetServerInfo = channel.unary_unary(
-                '/pagedserve.v1.Info/GetServerInfo',
-                request_serializer=pagedserve_dot_v1_dot_info__pb2.GetServerInfoRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_info__pb2.ServerInfo.FromString,
+        self.Abort = channel.unary_unary(
+                '/pagedserve.v1.Generation/Abort',
+                request_serializer=pagedserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
                 _registered_method=True)
 
 
-class InfoServicer:
+class GenerationServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def GetModelInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Generate(self, request, context):
+        """Generates text for one prompt and streams it back.
+        Errors: INVALID_ARGUMENT (bad parameters or prompt, sent before any message),
+        RESOURCE_EXHAUSTED (too many streams or a full queue; trailing metadata
+        `grpc-retry-pushback-ms` says when to retry), UNAVAILABLE (no engine, the engine was
+        lost, or the server is draining for shutdown).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GetServerInfo(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Abort(self, request, context):
+        """Aborts running requests by id. Idempotent; one result per id.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
 
-def add_InfoServicer_to_server(servicer, server):
+def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetModelInfo,
-                    request_deserializer=pagedserve_dot_v1_dot_info__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_info__pb2.ModelInfo.SerializeToString,
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=pagedserve_dot_v1_dot_generation__pb2.GenerateRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_generation__pb2.GenerateResponse.SerializeToString,
             ),
-            'GetServerInfo': grpc.unary_unary_rpc_method_handler(
-                    servicer.GetServerInfo,
-                    request_deserializer=pagedserve_dot_v1_dot_info__pb2.GetServerInfoRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_info__pb2.ServerInfo.SerializeToString,
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=pagedserve_dot_v1_dot_generation__pb2.AbortRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_generation__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pagedserve.v1.Info', rpc_method_handlers)
+            'pagedserve.v1.Generation', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pagedserve.v1.Info', rpc_method_handlers)
+    server.add_registered_method_handlers('pagedserve.v1.Generation', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Info:
+class Generation:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def GetModelInfo(request,
+    def Generate(request,
             target,
             options=(),
             channel_credentials=None,
@@ -96,12 +102,12 @@ class Info:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
-            '/pagedserve.v1.Info/GetModelInfo',
-            pagedserve_dot_v1_dot_info__pb2.GetModelInfoRequest.SerializeToString,
-            pagedserve_dot_v1_dot_info__pb2.ModelInfo.FromString,
+            '/pagedserve.v1.Generation/Generate',
+            pagedserve_dot_v1_dot_generation__pb2.GenerateRequest.SerializeToString,
+            pagedserve_dot_v1_dot_generation__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -113,7 +119,7 @@ class Info:
             _registered_method=True)
 
     @staticmethod
-    def GetServerInfo(request,
+    def Abort(request,
             target,
             options=(),
             channel_credentials=None,
@@ -126,9 +132,9 @@ class Info:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.Info/GetServerInfo',
-            pagedserve_dot_v1_dot_info__pb2.GetServerInfoRequest.SerializeToString,
-            pagedserve_dot_v1_dot_info__pb2.ServerInfo.FromString,
+            '/pagedserve.v1.Generation/Abort',
+            pagedserve_dot_v1_dot_generation__pb2.AbortRequest.SerializeToString,
+            pagedserve_dot_v1_dot_generation__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

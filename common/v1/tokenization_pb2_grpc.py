@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from pagedserve.v1 import tokenization_pb2 as pagedserve_dot_v1_dot_tokenization__pb2
+from . import tokenization_pb2 as pagedserve_dot_v1_dot_tokenization__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

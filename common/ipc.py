@@ -6,11 +6,10 @@ the same code on both sides of the socket.
 
 from __future__ import annotations
 
-from engine.outputs import EngineCoreOutput, PlainTokens, plain_output
-from engine.sampling_params import SamplingParams
-from engine.structured_output.params import StructuredOutputsParams
-from pagedserve.v1 import engine_ipc_pb2 as ipc
-from pagedserve.v1 import generation_pb2 as gen
+from common.outputs import EngineCoreOutput, PlainTokens, plain_output
+from common.sampling_params import SamplingParams
+from common.structured_output.params import StructuredOutputsParams
+from common.v1 import engine_ipc_pb2 as ipc, generation_pb2 as gen
 
 # SamplingParams fields that proto3 marks `optional` (their default is not zero).
 _OPTIONAL = ("n", "temperature", "top_p", "seed", "max_tokens", "logprobs", "repetition_penalty",

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from common.errors import InvalidRequest
+from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.errors import InvalidRequest
 from engine.lora.adapter import LoraAdapter
 from engine.models.loader import eos_token_ids, load_tokenizer, resolve_model_path
-from engine.sampling_params import SamplingParams
 from frontend.input_processor import InputProcessor
 from frontend.output_processor import STOPPED, OutputProcessor, SampleDelta
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from engine.structured_output.params import StructuredOutputsParams
+from common.structured_output.params import StructuredOutputsParams
 
 
 class GrammarMatcher(ABC):
@@ -65,10 +65,3 @@ class GrammarBackend(ABC):
     @staticmethod
     def bitmask_width(vocab_size: int) -> int:
         return (vocab_size + 31) // 32
-
-
-def get_backend_class(name: str) -> type[GrammarBackend]:
-    if name == "llguidance":
-        from engine.structured_output.llguidance_backend import LLGuidanceBackend
-        return LLGuidanceBackend
-    raise ValueError(f"unknown structured output backend {name!r} (known: llguidance)")

@@ -1,5 +1,5 @@
-from pagedserve.v1 import generation_pb2 as _generation_pb2
-from pagedserve.v1 import info_pb2 as _info_pb2
+from . import generation_pb2 as _generation_pb2
+from . import info_pb2 as _info_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor

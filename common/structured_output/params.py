@@ -11,7 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequest
+from common.errors import InvalidRequest
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 256_000  # a schema or grammar larger than this is refused before compiling

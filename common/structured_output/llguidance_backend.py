@@ -11,9 +11,9 @@ import json
 
 import llguidance
 
-from engine.errors import InvalidRequest
-from engine.structured_output.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
-from engine.structured_output.params import StructuredOutputsParams
+from common.errors import InvalidRequest
+from common.structured_output.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
+from common.structured_output.params import StructuredOutputsParams
 
 # Compact JSON: no free whitespace between tokens, so a model can't stall a JSON document on
 # endless spaces or newlines (vLLM's `disable_any_whitespace`, on by default here).

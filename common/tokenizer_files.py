@@ -1,0 +1,17 @@
+"""The tokenizer's files, as the engine hands them to a frontend at the handshake: what
+`save_pretrained` writes (frontend/tokenizer.py builds the tokenizer from them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
+                   "special_tokens_map.json")
+
+
+def files_from_dir(path: str | Path) -> dict[str, bytes]:
+    """The tokenizer's files in a `save_pretrained` folder, by name."""
+    path = Path(path)
+    if not (path / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"{path} has no tokenizer.json (a fast tokenizer is needed)")
+    return {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}

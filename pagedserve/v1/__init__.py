@@ -1,1 +1,0 @@
-"""Python stubs generated from protos/pagedserve/v1 by `make protos`. Do not edit."""
