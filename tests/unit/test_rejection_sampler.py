@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from engine.spec_decode import rejection
+from engine import rejection_sampler as rejection
 from engine.keyed_random import mix, seeded_uniforms
 from engine.rejection_sampler import greedy_verify, rejection_sample
 
