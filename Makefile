@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 # The layers first (.importlinter: an import running upward fails here, naming it), then the tests.
 test: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 # Engine + gRPC frontend on the bundled model; `grpc listening on HOST:PORT` when ready.
 serve: setup
