@@ -11,6 +11,8 @@ the LM head needs no collective.) Static buffers, sized for the largest bucket:
     slot_mapping          [max_bs] int32     -1 on padding rows: nothing is written
     block_tables          [max_bs, W] int32  W = ceil(max_model_len / block_size)
     context_lens          [max_bs] int32     0 on padding rows: attention writes zeros
+    logits, greedy        [max_bs, vocab], [max_bs] int64: the outputs; every bucket writes
+                          its rows there (the largest bucket's own outputs)
 
 A batch of n runs in the smallest bucket >= n; rows n.. are padding. Each bucket's
 attention plan is fixed at capture from the table width (max_model_len), so small
@@ -89,6 +91,7 @@ class DecodeGraphs:
             self._meta(batch)
         self.workspace = self.backend.workspace
         pool = None
+        logits = greedy = None  # the largest bucket's outputs: every bucket's static buffers
         for batch in reversed(self.buckets):
             ctx = ForwardContext(self.backend, self._meta(batch), self.kv_caches)
             # Warm-up outside capture: compiles kernels and creates library handles.
@@ -96,15 +99,21 @@ class DecodeGraphs:
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                outputs = self._forward(batch, ctx)
+                hidden, batch_logits, batch_greedy = self._forward(batch, ctx)
+                if logits is None:  # the largest, captured first: its outputs are the buffers
+                    logits, greedy = batch_logits, batch_greedy
+                else:  # the others write into them, so that one bucket's logits are kept, not all
+                    logits[:batch].copy_(batch_logits)  # (a [256, 151,936] bf16 buffer is 78 MB)
+                    greedy[:batch].copy_(batch_greedy)
             pool = graph.pool()
-            self.graphs[batch] = (graph, outputs)
+            self.graphs[batch] = (graph, GraphOutputs(hidden, logits[:batch], greedy[:batch]))
         torch.cuda.synchronize()
 
-    def _forward(self, batch: int, ctx: ForwardContext) -> GraphOutputs:
+    def _forward(self, batch: int, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(hidden, logits, each row's argmax) of the first `batch` rows of the static inputs."""
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], ctx)
         logits = self.model.compute_logits(hidden)
-        return GraphOutputs(hidden, logits, self.argmax(logits))
+        return hidden, logits, self.argmax(logits)
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
             block_tables: np.ndarray, device_input_ids: torch.Tensor | None = None) -> GraphOutputs:
