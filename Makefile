@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test serve bench protos clean
+.PHONY: setup test test-slow serve bench protos clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,12 @@ $(STAMP): pyproject.toml
 test: setup
 	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q --durations=30 tests
+
+# The same suite at release-check sizes (--long: 20x the fuzz examples, a 5x cancellation
+# storm, a 30-minute soak): well over an hour on 2 cores.
+test-slow: setup
+	$(BIN)/lint-imports
+	$(BIN)/python -m pytest -q --long --durations=30 tests
 
 # Engine + gRPC frontend on the bundled model; `grpc listening on HOST:PORT` when ready.
 serve: setup
