@@ -1,4 +1,5 @@
-// Shared by every kernel: element types, 16-byte vector conversions, cp.async.
+// Shared by every kernel: element types, 16-byte vector conversions, cp.async, the K/V tile
+// copy into shared memory, and a decode CTA's share of the grid.
 //
 // No CUDA header is included on purpose: NVRTC then compiles these sources the
 // same way on any image (a pip-installed cupy without toolkit headers too).
@@ -135,3 +136,50 @@ template <int D, int BS>
 __device__ __forceinline__ long long cache_offset(int head, int num_blocks, int block, int offset) {
   return (((long long)head * num_blocks + block) * BS + offset) * D;
 }
+
+// Issue the cp.async copies of ROWS consecutive positions (from `first`) of one sequence's K
+// and V rows for one KV head into a shared stage (kv[0]: K, kv[1]: V), a row every ROW
+// elements; positions at or past `end` are zero-filled. THREADS threads share the copies;
+// the caller commits the group.
+template <typename T, int D, int BS, int THREADS, int ROWS, int ROW, int N>
+__device__ __forceinline__ void cp_async_kv_rows(T (&kv)[2][N], int first, int end,
+                                                 const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                                                 const int* __restrict__ table, int kv_head, int num_blocks) {
+  constexpr int VEC = Pack<T>::N, CHUNKS = D / VEC;
+  for (int i = threadIdx.x; i < ROWS * CHUNKS; i += THREADS) {
+    const int row = i / CHUNKS, c = i % CHUNKS;
+    const int pos = first + row;
+    const bool valid = pos < end;
+    long long off = 0;
+    if (valid) off = cache_offset<D, BS>(kv_head, num_blocks, table[pos / BS], pos % BS) + c * VEC;
+    cp_async16(&kv[0][row * ROW + c * VEC], k_cache + off, valid);
+    cp_async16(&kv[1][row * ROW + c * VEC], v_cache + off, valid);
+  }
+}
+
+// A decode CTA's share of the grid (decode.cu, decode_mma.cu): sequence blockIdx.x, KV head and
+// chunk of up to HEADS query heads of its group in blockIdx.y, and with SPLIT the partition
+// blockIdx.z of `partition_tokens` tokens, [start, end) of the context.
+template <int HEADS, bool SPLIT>
+struct DecodeWork {
+  int seq, part, num_parts, kv_head, chunk, num_q_heads, head0, heads_here, context_len, start, end;
+
+  __device__ DecodeWork(int group, int num_chunks, int partition_tokens, const int* __restrict__ context_lens)
+      : seq(blockIdx.x), part(blockIdx.z), num_parts(gridDim.z), kv_head(blockIdx.y / num_chunks),
+        chunk(blockIdx.y % num_chunks), num_q_heads(gridDim.y / num_chunks * group),
+        head0(kv_head * group + chunk * HEADS), heads_here(min(HEADS, group - chunk * HEADS)),
+        context_len(context_lens[seq]), start(SPLIT ? part * partition_tokens : 0),
+        end(SPLIT ? min(context_len, start + partition_tokens) : context_len) {}
+
+  // A partition wholly past its sequence's end writes max = -inf and sum 0 (the reduce skips
+  // it) and has nothing more to do: true then.
+  __device__ bool empty_partition(float* __restrict__ part_max, float* __restrict__ part_sum) const {
+    if (!SPLIT || start < context_len) return false;
+    if (threadIdx.x < heads_here) {
+      const long long i = ((long long)seq * num_q_heads + head0 + threadIdx.x) * num_parts + part;
+      part_max[i] = NEG_INF;
+      part_sum[i] = 0.f;
+    }
+    return true;
+  }
+};

@@ -52,15 +52,8 @@ __device__ __forceinline__ void decode_load_tile(
     const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* __restrict__ table, int kv_head, int num_blocks) {
   typedef DecodeShape<T, D, BS, GMAX> S;
-  for (int i = threadIdx.x; i < S::TILE * S::CHUNKS; i += DECODE_THREADS) {
-    const int row = i / S::CHUNKS, c = i % S::CHUNKS;
-    const int pos = tile_start + row;
-    const bool valid = pos < end;
-    long long off = 0;
-    if (valid) off = cache_offset<D, BS>(kv_head, num_blocks, table[pos / BS], pos % BS) + c * S::VEC;
-    cp_async16(&sm.kv[stage][0][row * S::ROW + c * S::VEC], k_cache + off, valid);
-    cp_async16(&sm.kv[stage][1][row * S::ROW + c * S::VEC], v_cache + off, valid);
-  }
+  cp_async_kv_rows<T, D, BS, DECODE_THREADS, S::TILE, S::ROW>(sm.kv[stage], tile_start, end, k_cache, v_cache, table,
+                                                              kv_head, num_blocks);
   cp_async_commit();
 }
 
@@ -179,22 +172,10 @@ __global__ void __launch_bounds__(DECODE_THREADS, 3) paged_decode(
     int num_blocks, int group, int num_chunks, int partition_tokens, float scale_log2) {
   typedef DecodeShape<T, D, BS, GMAX> S;
   __shared__ DecodeSmem<T, D, BS, GMAX> sm;
-  const int seq = blockIdx.x, part = blockIdx.z, num_parts = gridDim.z;
-  const int kv_head = blockIdx.y / num_chunks, chunk = blockIdx.y % num_chunks;
-  const int num_q_heads = gridDim.y / num_chunks * group;
-  const int head0 = kv_head * group + chunk * GMAX;
-  const int heads_here = min(GMAX, group - chunk * GMAX);
-  const int context_len = context_lens[seq];
-  const int start = SPLIT ? part * partition_tokens : 0;
-  const int end = SPLIT ? min(context_len, start + partition_tokens) : context_len;
-  if (SPLIT && start >= context_len) {  // nothing here: the reduce skips this partition
-    if (threadIdx.x < heads_here) {
-      const long long i = ((long long)seq * num_q_heads + head0 + threadIdx.x) * num_parts + part;
-      part_max[i] = NEG_INF;
-      part_sum[i] = 0.f;
-    }
-    return;
-  }
+  const DecodeWork<GMAX, SPLIT> w(group, num_chunks, partition_tokens, context_lens);
+  if (w.empty_partition(part_max, part_sum)) return;
+  const int seq = w.seq, part = w.part, num_parts = w.num_parts, kv_head = w.kv_head, num_q_heads = w.num_q_heads;
+  const int head0 = w.head0, heads_here = w.heads_here, start = w.start, end = w.end;
   for (int i = threadIdx.x; i < GMAX * S::CHUNKS; i += DECODE_THREADS) {
     const int g = i / S::CHUNKS, c = i % S::CHUNKS;
     float x[S::VEC];

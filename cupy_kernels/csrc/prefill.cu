@@ -37,16 +37,8 @@ template <typename T, int D, int BS>
 __device__ __forceinline__ void prefill_load_tile(PrefillSmem<T, D>& sm, int key0, int key_end,
                                                   const T* __restrict__ k_cache, const T* __restrict__ v_cache,
                                                   const int* __restrict__ table, int kv_head, int num_blocks) {
-  constexpr int VEC = Pack<T>::N, CHUNKS = D / VEC, ROW = PrefillSmem<T, D>::ROW;
-  for (int i = threadIdx.x; i < KT * CHUNKS; i += PREFILL_THREADS) {
-    const int row = i / CHUNKS, c = i % CHUNKS;
-    const int pos = key0 + row;
-    const bool valid = pos < key_end;
-    long long off = 0;
-    if (valid) off = cache_offset<D, BS>(kv_head, num_blocks, table[pos / BS], pos % BS) + c * VEC;
-    cp_async16(&sm.kv[0][row * ROW + c * VEC], k_cache + off, valid);
-    cp_async16(&sm.kv[1][row * ROW + c * VEC], v_cache + off, valid);
-  }
+  cp_async_kv_rows<T, D, BS, PREFILL_THREADS, KT, PrefillSmem<T, D>::ROW>(sm.kv, key0, key_end, k_cache, v_cache,
+                                                                          table, kv_head, num_blocks);
   cp_async_commit();
   cp_async_wait<0>();
 }
