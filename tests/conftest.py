@@ -5,7 +5,15 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
+
+# Under pytest-xdist (`-n N`) each worker takes one torch thread, and so does every engine it
+# starts without --num-threads (common.process_args.default_num_threads reads the variable):
+# N workers' thread pools would otherwise outnumber the cores, and OpenMP threads that wait
+# for a core slow every step down many times over.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS: torch reads it once)
 
 torch.set_flush_denormal(True)  # without it some models run 5x slower on CPU
 
@@ -19,6 +27,12 @@ def pytest_configure(config):
     # Read by helpers.LONG when test modules are imported (after this hook).
     if config.getoption("--long"):
         os.environ["PAGEDSERVE_LONG_TESTS"] = "1"
+    # `make test` gates every merge: hypothesis draws the same examples each run, so a failure
+    # reproduces and cannot come and go. `--long` explores: fresh random examples every run.
+    from hypothesis import settings
+    settings.register_profile("gate", derandomize=True)
+    settings.register_profile("explore", derandomize=False)
+    settings.load_profile("explore" if config.getoption("--long") else "gate")
 
 
 @pytest.fixture(scope="session")
