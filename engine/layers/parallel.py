@@ -129,6 +129,13 @@ def row_parallel(layer: nn.Module, x: torch.Tensor, shard: TPShard) -> torch.Ten
     return all_reduce(layer(x), shard)
 
 
+def vocab_embedding(cfg: ModelArchConfig, shard: TPShard) -> nn.Embedding:
+    """This rank's rows of the token table, uninitialised: the checkpoint fills them.
+    (nn.Embedding's own random init, normal_, on the meta device the model is built on imports
+    torch._dynamo: a second of every engine's start-up.)"""
+    return nn.Embedding.from_pretrained(torch.empty(local_sizes(cfg, shard)["vocab_rows"], cfg.hidden_size))
+
+
 def vocab_parallel_embed(embed: nn.Module, ids: torch.Tensor, shard: TPShard, vocab_size: int
                          ) -> torch.Tensor:
     """Embeddings of `ids` from a vocab-parallel table: each rank looks up the ids in its

@@ -86,7 +86,14 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
-        self.build(None)
+        if torch.get_default_device().type == "meta":
+            # Built on the meta device: the owner's init_non_persistent builds the table on the real
+            # one. Computing it here would be wasted, and math on meta tensors imports torch._dynamo
+            # (a second of every engine's start-up).
+            self.register_buffer("cos", torch.empty(max_positions, head_dim), persistent=False)
+            self.register_buffer("sin", torch.empty(max_positions, head_dim), persistent=False)
+        else:
+            self.build(None)
 
     def build(self, device: str | torch.device | None) -> None:
         """(Re)compute the fp32 cos/sin table, e.g. after the model was built on the meta device."""

@@ -22,7 +22,7 @@ from torch import nn
 
 from engine.layers.activation import GeluAndMul
 from engine.layers.norm import GemmaRMSNorm
-from engine.layers.parallel import SINGLE, TPShard, local_sizes, row_parallel, vocab_parallel_embed
+from engine.layers.parallel import SINGLE, TPShard, local_sizes, row_parallel, vocab_embedding, vocab_parallel_embed
 from engine.layers.rotary import Rope, RotaryEmbedding
 from engine.layers import Layer
 from engine.models.config import LOCAL_ROPE_THETA, ModelArchConfig
@@ -87,7 +87,7 @@ class Gemma3Model(nn.Module):
     def __init__(self, cfg: ModelArchConfig, max_positions: int, shard: TPShard = SINGLE) -> None:
         super().__init__()
         self.shard, self.vocab_size, self.hidden_size = shard, cfg.vocab_size, cfg.hidden_size
-        self.embed_tokens = nn.Embedding(local_sizes(cfg, shard)["vocab_rows"], cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg, shard)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.rotary_local = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_local_theta or LOCAL_ROPE_THETA,
                                             None)

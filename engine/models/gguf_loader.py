@@ -49,9 +49,22 @@ _PERMUTED_ARCHS = ("llama", "mistral")
 
 @functools.lru_cache(maxsize=2)
 def _reader(path: Path):
-    # Parsing the metadata (the whole vocabulary) takes seconds: do it once per file.
+    # Parsing the metadata (the whole vocabulary) takes a while: do it once per file.
     import gguf
-    return gguf.GGUFReader(str(path))
+
+    class Reader(gguf.GGUFReader):
+        # gguf reads each of the ~10^5 values in the metadata (the vocabulary, the merges) as a
+        # slice of its np.memmap, and every memmap slice runs Python (memmap.__array_finalize__):
+        # 2.7 s for SmolLM2. The same mapping viewed as a plain ndarray slices in C: 0.7 s.
+        @property
+        def data(self) -> np.ndarray:
+            return self._mapped
+
+        @data.setter
+        def data(self, memmap: np.memmap) -> None:
+            self._mapped = memmap.view(np.ndarray)  # its base, the memmap, keeps the file mapped
+
+    return Reader(str(path))
 
 
 def _field(reader, key: str, default=None):

@@ -19,7 +19,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.layers import Layer
 from engine.layers.activation import SiluAndMul
 from engine.layers.parallel import (SINGLE, TPShard, local_sizes, parallel_logits, row_parallel,
-                                    shard_checkpoint_tensor, vocab_parallel_embed)
+                                    shard_checkpoint_tensor, vocab_embedding, vocab_parallel_embed)
 from engine.layers.norm import RMSNorm
 from engine.layers.quantized import QuantEmbedding, QuantizedTensor, QuantLinear
 from engine.layers.rotary import Rope, RotaryEmbedding
@@ -111,7 +111,7 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelArchConfig, max_positions: int, shard: TPShard = SINGLE) -> None:
         super().__init__()
         self.shard, self.vocab_size = shard, cfg.vocab_size
-        self.embed_tokens = nn.Embedding(local_sizes(cfg, shard)["vocab_rows"], cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg, shard)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
