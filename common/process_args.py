@@ -1,11 +1,22 @@
 """Command-line pieces every pagedserve process shares: the engine's default endpoint, the
-log level, the drain timeout."""
+log level, the drain timeout, the default CPU thread count."""
 
 from __future__ import annotations
 
 import argparse
+import os
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5570"  # the engine's ZeroMQ endpoint, and a frontend's default
+
+
+def default_num_threads() -> int:
+    """CPU threads a process takes when --num-threads is not given: $OMP_NUM_THREADS, the
+    usual knob, when set; else the CPUs this process may run on (a container's or taskset's
+    cpuset, which os.cpu_count() ignores: threads beyond it only wait on each other)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def add_log_level_arg(parser: argparse.ArgumentParser) -> None:

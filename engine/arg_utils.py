@@ -43,7 +43,7 @@ HELP = {
                              "still go ahead while a request waits for a seat; the next synchronous step "
                              "admits every request that waited (0: admit at once)",
     "num_threads": "CPU threads for torch, split evenly over the tensor-parallel ranks, at least "
-                   "1 each (default: all cores)",
+                   "1 each (default: $OMP_NUM_THREADS, else every CPU this process may use)",
     "tensor_parallel_size": "shard the model over N processes joined by torch.distributed (gloo on "
                             "CPU, NCCL on CUDA): this one is rank 0 and starts N-1 workers; the "
                             "model's attention heads must divide by N (the bundled SmolLM2: 1 or 3); "

@@ -48,7 +48,7 @@ class EngineConfig:
     # ahead while a request waits for a free seat; the next synchronous step admits all that
     # waited at once (TGI's --max-waiting-tokens, in steps). 0: admit at once, every time.
     async_admission_steps: int = 4
-    num_threads: int | None = None  # CPU: torch intra-op threads (default: all cores), split over TP ranks
+    num_threads: int | None = None  # CPU: torch intra-op threads (default_num_threads()), split over TP ranks
     # Tensor parallel: shard the model over this many processes (this one is rank 0); the model's
     # attention heads must divide by it (checked once the model is read).
     tensor_parallel_size: int = 1

@@ -19,9 +19,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 
 import torch
+
+from common.process_args import default_num_threads
 
 log = logging.getLogger("pagedserve.engine")
 
@@ -41,7 +42,7 @@ def bucket(n: int) -> int:
 
 def tune_cpu(num_threads: int | None) -> None:
     torch.set_flush_denormal(True)  # denormals make some models 5x slower on CPU
-    torch.set_num_threads(num_threads or os.cpu_count() or 1)
+    torch.set_num_threads(num_threads or default_num_threads())
     _keep_freed_memory()
 
 

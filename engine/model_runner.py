@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.process_args import default_num_threads
 from engine.async_step import InflightStep
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.block_tables import BlockTables
@@ -75,7 +75,7 @@ class ModelRunner:
         check_shardable(self.arch, config.tensor_parallel_size)
         self.pad_shapes = self.device.type == "cpu"  # few shapes for oneDNN: see cpu_tuning
         if self.pad_shapes:  # ranks share the cores
-            tune_cpu(max(1, (config.num_threads or os.cpu_count() or 1) // config.tensor_parallel_size))
+            tune_cpu(max(1, (config.num_threads or default_num_threads()) // config.tensor_parallel_size))
         self.max_model_len = self._max_model_len()
         self.workers = None
         if shard is None and config.tensor_parallel_size > 1:

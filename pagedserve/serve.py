@@ -27,7 +27,8 @@ import threading
 from urllib.parse import urlsplit
 
 from common.metrics_http import add_metrics_args
-from common.process_args import DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging
+from common.process_args import (DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging,
+                                  default_num_threads)
 from engine.arg_utils import add_engine_args
 from frontend.main import add_arguments as add_frontend_args, config_from_args
 
@@ -94,7 +95,7 @@ def engine_command(args: argparse.Namespace, argv: list[str], address: str | Non
     metrics = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
     if args.num_threads is None and args.data_parallel_size > 1:
         # Each engine would take every core (torch's default): N engines would fight over them.
-        passthrough += ["--num-threads", str(max(1, (os.cpu_count() or 1) // args.data_parallel_size))]
+        passthrough += ["--num-threads", str(max(1, default_num_threads() // args.data_parallel_size))]
     return [sys.executable, "-m", "pagedserve", "engine", "--address", address or args.engine_address,
             "--log-level", args.log_level, *metrics, *passthrough]
 
