@@ -20,7 +20,6 @@ Speeds are medians of --repeats runs, compared as ratios to float32 measured in 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.hf_reference import hf_folder
 from bench.offline import time_engine_single
 from bench.plots import save_figure
 from bench.reporting import machine_info, median, print_table, write_result
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     results = {}
     for name in args.formats:
         spec = {"dtype": args.dtype} | FORMATS[name]
-        model = str(hf_export(gguf) if spec.pop("hf", False) else gguf)
+        model = str(hf_folder(gguf) if spec.pop("hf", False) else gguf)
         print(f"\n== {name}: {model} {spec}")
         results[name] = measure(model, spec, args)
     ratios = _ratios(results)
@@ -85,28 +85,6 @@ def run(args: argparse.Namespace) -> int:
     chart = _plot(results, path.with_suffix(".png"))
     print(f"\nwrote {path} and {chart.name}")
     return 0
-
-
-def hf_export(gguf: Path) -> Path:
-    """The GGUF as a float32 HF folder (safetensors + tokenizer), written once by transformers."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from common.paths import cache_dir
-    folder = cache_dir() / "hf-export" / f"{gguf.stem}-{gguf.stat().st_size}"
-    if not (folder / "config.json").is_file():
-        from safetensors.torch import save_file
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        folder.mkdir(parents=True, exist_ok=True)
-        # save_pretrained refuses GGUF-loaded models: write the tensors and config ourselves.
-        state = {k: v.contiguous() for k, v in model.state_dict().items()
-                 if not (model.config.tie_word_embeddings and k == "lm_head.weight")}
-        save_file(state, str(folder / "model.safetensors"))
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(folder))
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        (folder / "config.json").write_text(json.dumps(config, indent=2))
-    return folder
 
 
 def measure(model: str, spec: dict, args) -> dict:

@@ -94,13 +94,9 @@ class HFModel:
 
 def load_hf_model(path, dtype: str, device: str):
     """As `bench offline --compare-hf`: HF loads a GGUF as float32, then we cast."""
-    from transformers import AutoModelForCausalLM
-
-    from engine.models.loader import DTYPES, is_gguf
-    kwargs = {"gguf_file": path.name} if is_gguf(path) else {}
-    folder = path.parent if is_gguf(path) else path
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs)
-    return model.to(device=device, dtype=DTYPES[dtype]).eval()
+    from bench.hf_reference import load_hf_float32
+    from engine.models.loader import DTYPES
+    return load_hf_float32(path).to(device=device, dtype=DTYPES[dtype])
 
 
 class _TokenStreamer(BaseStreamer):

@@ -120,17 +120,12 @@ def time_engine_single(llm, prompt: list[int], output_len: int, repeats: int) ->
 
 
 def _time_hf(llm, prompts, args) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
-    from engine.models.loader import DTYPES, is_gguf
-    path = llm.engine.model_path
-    kwargs = {"gguf_file": path.name} if is_gguf(path) else {}
-    folder = path.parent if is_gguf(path) else path
+    from bench.hf_reference import load_hf_float32
+    from engine.models.loader import DTYPES
     out = {}
     seq_prompts = prompts[:args.hf_sequential_prompts] if args.hf_sequential_prompts else prompts
     for dtype in args.hf_dtypes:
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs)
-        model = model.to(device=args.device, dtype=DTYPES[dtype]).eval()
+        model = load_hf_float32(llm.engine.model_path).to(device=args.device, dtype=DTYPES[dtype])
         out[f"hf_{dtype}_sequential"] = _time_hf_batches(
             model, seq_prompts, 1, args.output_len, f"HF {dtype} bs=1")
         out[f"hf_{dtype}_batch{args.hf_batch_size}"] = _time_hf_batches(
