@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import random
+from dataclasses import dataclass
 
 import pytest
 
@@ -14,6 +15,8 @@ from engine.core import EngineCore
 from engine.model_runner import ModelRunner
 from pagedserve import LLM, SamplingParams
 from helpers import assert_no_leak
+
+pytestmark = pytest.mark.heavy(110)  # seconds on the 2-core CI machine: scheduled first
 
 
 @pytest.fixture
@@ -57,19 +60,71 @@ def _run(bundled_path, async_scheduling: bool, **engine):
     return llm, [[(c.token_ids, c.finish_reason, c.logprobs) for c in o.outputs] for o in outs]
 
 
-@pytest.mark.parametrize("engine", [
-    dict(max_num_seqs=8, num_kv_blocks=64, max_num_batched_tokens=64),  # chunked prefills, prefix hits
-    dict(max_num_seqs=12, num_kv_blocks=14, max_num_batched_tokens=48),  # preemptions as well
-], ids=["chunked", "preempting"])
-def test_outputs_equal_the_synchronous_engines(bundled_path, launches, engine):
-    _, expected = _run(bundled_path, False, **engine)
-    assert not launches
-    llm, got = _run(bundled_path, True, **engine)
-    assert got == expected
-    assert launches["ahead"] > 10  # steps did go ahead (fewer while preempted requests wait)
-    if engine["num_kv_blocks"] == 14:
-        assert llm.engine.scheduler.num_preemptions > 0
-    finish = collections.Counter(c[1] for r in got for c in r)
+ENGINES = {
+    "chunked": dict(max_num_seqs=8, num_kv_blocks=64, max_num_batched_tokens=64),  # chunked prefills, prefix hits
+    "preempting": dict(max_num_seqs=12, num_kv_blocks=14, max_num_batched_tokens=48),  # preemptions as well
+}
+
+
+@dataclass
+class Run:
+    outputs: list
+    launches: collections.Counter  # ModelRunner.launch calls: "ahead" (after a step in flight), "first"
+    carried: collections.Counter  # steps whose steady rows were carried from the step before (True) or not
+    num_preemptions: int
+
+
+def _observed_run(bundled_path, async_scheduling: bool, engine: dict) -> Run:
+    """_run, counting launches, and checking every step's steady rows (ModelRunner._steady_rows
+    reuses the previous step's where the steady decodes are the same requests) against rows
+    read afresh from the requests."""
+    from engine.step_rows import SteadyRows
+    launches, carried = collections.Counter(), collections.Counter()
+    launch, steady_rows = ModelRunner.launch, ModelRunner._steady_rows
+
+    def counted(self, sched, previous=None):
+        launches["ahead" if previous is not None else "first"] += 1
+        return launch(self, sched, previous)
+
+    def checked(self, steady, requests):
+        reused = self._last_steady is not None and self._last_steady[0] == requests
+        rows = steady_rows(self, steady, requests)
+        if rows is not None:
+            fresh = SteadyRows.of(steady, requests)
+            assert (rows.token_ids == fresh.token_ids).all() and (rows.positions == fresh.positions).all()
+            assert rows.block_tables == fresh.block_tables
+            carried[reused] += 1
+        return rows
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelRunner, "launch", counted)
+        patch.setattr(ModelRunner, "_steady_rows", checked)
+        llm, outputs = _run(bundled_path, async_scheduling, **engine)
+    return Run(outputs, launches, carried, llm.engine.scheduler.num_preemptions)
+
+
+@pytest.fixture(scope="module")
+def runs(bundled_path):
+    """Run(engine name, async_scheduling): each run made once for the module (a minute of CPU
+    each); the tests below check different things about the same runs."""
+    done = {}
+
+    def run(name: str, async_scheduling: bool) -> Run:
+        if (name, async_scheduling) not in done:
+            done[name, async_scheduling] = _observed_run(bundled_path, async_scheduling, ENGINES[name])
+        return done[name, async_scheduling]
+    return run
+
+
+@pytest.mark.parametrize("name", ENGINES)
+def test_outputs_equal_the_synchronous_engines(runs, name):
+    expected, got = runs(name, False), runs(name, True)
+    assert not expected.launches
+    assert got.outputs == expected.outputs
+    assert got.launches["ahead"] > 10  # steps did go ahead (fewer while preempted requests wait)
+    if name == "preempting":
+        assert got.num_preemptions > 0
+    finish = collections.Counter(c[1] for r in got.outputs for c in r)
     assert finish["stop"] > 0 and finish["length"] > 0  # stops came one step late, unseen
 
 
@@ -92,26 +147,11 @@ def test_packed_plain_tokens_give_the_unpacked_outputs(bundled_path, monkeypatch
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_steady_rows_carried_from_the_step_before_equal_fresh_ones(bundled_path, monkeypatch, async_scheduling):
-    """ModelRunner._steady_rows reuses the previous step's rows where the steady decodes are the
-    same requests: through chunking, prefix hits, preemptions, stops and steps launched ahead,
-    they must equal rows read afresh from the requests."""
-    from engine.step_rows import SteadyRows
-    carried = collections.Counter()
-    inner = ModelRunner._steady_rows
-
-    def checked(self, steady, requests):
-        reused = self._last_steady is not None and self._last_steady[0] == requests
-        rows = inner(self, steady, requests)
-        if rows is not None:
-            fresh = SteadyRows.of(steady, requests)
-            assert (rows.token_ids == fresh.token_ids).all() and (rows.positions == fresh.positions).all()
-            assert rows.block_tables == fresh.block_tables
-            carried[reused] += 1
-        return rows
-    monkeypatch.setattr(ModelRunner, "_steady_rows", checked)
-    _run(bundled_path, async_scheduling, max_num_seqs=12, num_kv_blocks=14, max_num_batched_tokens=48)
-    assert carried[True] > 10 and carried[False] > 0
+def test_steady_rows_carried_from_the_step_before_equal_fresh_ones(runs, async_scheduling):
+    """Through chunking, prefix hits, preemptions, stops and steps launched ahead, rows carried
+    from the step before equal rows read afresh (checked on every step of every run)."""
+    run = runs("preempting", async_scheduling)
+    assert run.carried[True] > 10 and run.carried[False] > 0
 
 
 def test_aborts_while_a_step_is_in_flight_lose_nothing(bundled_path, launches):
