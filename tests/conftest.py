@@ -35,6 +35,16 @@ def pytest_configure(config):
     settings.load_profile("explore" if config.getoption("--long") else "gate")
 
 
+def pytest_collection_modifyitems(config, items):
+    """The heavy modules first, longest first: `make test` hands whole modules to its workers in
+    this order (pytest-xdist's --dist loadscope --no-loadscope-reorder), so a minutes-long module
+    starts early rather than ending the run alone while the other workers idle."""
+    def weight(item) -> float:
+        marker = item.get_closest_marker("heavy")
+        return marker.args[0] if marker else 0
+    items.sort(key=weight, reverse=True)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def bundled_path():
     from engine.models.loader import bundled_model_path
@@ -50,9 +60,8 @@ def bundled_tokenizer(bundled_path):
 @pytest.fixture(scope="session")
 def bundled_hf_model(bundled_path):
     """HF transformers' own GGUF loader and Llama implementation, in fp32: the reference."""
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(bundled_path.parent), gguf_file=bundled_path.name,
-                                                dtype=torch.float32).eval()
+    from helpers import hf_gguf_model
+    return hf_gguf_model(bundled_path)
 
 
 @pytest.fixture(autouse=True)

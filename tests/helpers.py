@@ -3,15 +3,55 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import torch
 
 LONG = os.environ.get("PAGEDSERVE_LONG_TESTS") == "1"  # `pytest --long`: release-check sizes
 
+# pytest-xdist runs the suite in several worker processes ("gw0", "gw1", ...; none without -n).
+# Each draws its ports from its own block, below the kernel's ephemeral range (32768 up), where
+# every `--grpc-port 0` bind lands: a port one worker hands to a server it is about to start can
+# then be neither another worker's nor one the kernel gives out meanwhile.
+_WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_BLOCK = 1000  # ports per worker: 12 blocks from 20000 to 32000
+_FIRST_PORT = 20000 + _WORKER % 12 * _BLOCK
+_next_port = _FIRST_PORT
+
+
+def free_port(span: int = 1) -> int:
+    """A loopback port that nothing listens on, from this test worker's own block; with `span`,
+    the first of that many consecutive free ports (a server that listens on p, p + 1, ...)."""
+    global _next_port
+    for _ in range(_BLOCK):
+        if _next_port + span > _FIRST_PORT + _BLOCK:
+            _next_port = _FIRST_PORT
+        first, _next_port = _next_port, _next_port + span
+        if all(_bindable(port) for port in range(first, first + span)):
+            return first
+    raise RuntimeError(f"no {span} free ports in a row from {_FIRST_PORT} to {_FIRST_PORT + _BLOCK - 1}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:  # in use, or still in TIME_WAIT
+            return False
+
+
 TINY_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=512, vocab_size=512,
                    initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def hf_gguf_model(path: Path):
+    """HF transformers' own GGUF loader and model, in float32: the reference for a GGUF file
+    (converted once, then kept in the cache: bench.hf_reference)."""
+    from bench.hf_reference import load_hf_float32
+    return load_hf_float32(path)
 
 
 def tiny_hf_config(model_type: str, **overrides):

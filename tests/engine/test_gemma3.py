@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from helpers import assert_matches_hf, assert_no_leak, check_outputs_match, hf_greedy
+from helpers import assert_matches_hf, assert_no_leak, check_outputs_match, hf_gguf_model, hf_greedy
 from test_tiny_hf_equivalence import CONFIGS, tiny_prompts
+
+pytestmark = pytest.mark.heavy(84)  # seconds on the 2-core CI machine: scheduled first
 
 MAX_NEW = 16
 TINY_MAX_NEW = 24
@@ -109,7 +111,6 @@ def test_reblocking_is_exact(gemma_gguf, kind):
 def test_gguf_matches_hf(gemma_gguf):
     """The real model, both sides reading the same Q4_K_M file, 16 greedy tokens; one
     prompt runs past the local layers' window."""
-    from transformers import AutoModelForCausalLM
     llm = LLM(str(gemma_gguf), dtype="float32", enable_prefix_caching=True)
     tok = llm.tokenizer
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
@@ -126,9 +127,7 @@ def test_gguf_matches_hf(gemma_gguf):
     ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     assert_no_leak(llm)
     del llm
-    hf = AutoModelForCausalLM.from_pretrained(str(gemma_gguf.parent), gguf_file=gemma_gguf.name,
-                                              dtype=torch.float32).eval()
-    assert check_outputs_match(ours, hf_greedy(hf, prompts, MAX_NEW)) == 0
+    assert check_outputs_match(ours, hf_greedy(hf_gguf_model(gemma_gguf), prompts, MAX_NEW)) == 0
 
 
 @pytest.mark.parametrize("top_k, top_p", [([50, 5, 2000], [1.0, 0.9, 0.5]), ([262144, 40, 262144], [0.9, 0.95, 0.3])])
