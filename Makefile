@@ -26,16 +26,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m cpu_kernels.warm
 	touch $(STAMP)
 
-# The layers first (.importlinter: an import running upward fails here, naming it), then the tests.
+# The layers first (.importlinter: an import running upward fails here, naming it), then the
+# tests in pytest-xdist workers, one more than the cores (at most 8: the e2e tests wait on
+# processes and sockets part of the time), each taking whole modules (their servers are module
+# fixtures), the heavy ones first (tests/conftest.py); docs/testing.md. WORKERS=0: one process.
+WORKERS ?= $(shell $(PY) -c 'import os; print(min(8, len(os.sched_getaffinity(0)) + 1))')
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder --durations=30
 test: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q --durations=30 tests
+	$(PYTEST) tests
 
 # The same suite at release-check sizes (--long: 20x the fuzz examples, a 5x cancellation
-# storm, a 30-minute soak): well over an hour on 2 cores.
+# storm, a 30-minute soak, fresh hypothesis examples): well over an hour on 2 cores.
 test-slow: setup
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q --long --durations=30 tests
+	$(PYTEST) --long tests
 
 # Engine + gRPC frontend on the bundled model; `grpc listening on HOST:PORT` when ready.
 serve: setup

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,17 +19,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.v1 import generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2_grpc
+from helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 # One torch thread: the machine's few cores are shared, and OpenMP threads that outnumber
 # the free cores slow every step down many times over.
 ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048", "--num-threads", "1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def pagedserve(*args: str) -> subprocess.Popen:

@@ -19,18 +19,6 @@ from common.v1 import generation_pb2_grpc
 from test_operations import metric, scrape
 
 
-def _free_pair(procs) -> int:
-    """A port p with p + 1 free as well (frontend i serves /metrics on p + i)."""
-    for _ in range(50):
-        port = procs.free_port()
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port + 1}/", timeout=0.2)
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, ConnectionRefusedError):
-                return port
-    raise RuntimeError("no two consecutive free ports")
-
-
 def _metrics(port: int) -> dict | None:
     try:
         return scrape(f"http://127.0.0.1:{port}/metrics")
@@ -54,7 +42,7 @@ def _spawned_frontends(pid: int) -> list[int]:
 
 @pytest.fixture
 def two_frontends(procs):
-    grpc_port, http_port, metrics_port = procs.free_port(), procs.free_port(), _free_pair(procs)
+    grpc_port, http_port, metrics_port = procs.free_port(), procs.free_port(), procs.free_port(span=2)
     proc = procs.pagedserve(
         "serve", "--engine-address", f"tcp://127.0.0.1:{procs.free_port()}", "--api-server-count", "2",
         "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(metrics_port),

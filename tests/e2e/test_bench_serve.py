@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy(124)  # seconds on the 2-core CI machine: scheduled first
+
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "4"]
 ENGINE = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "64"]

@@ -8,7 +8,6 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +21,7 @@ import zmq
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from common.v1 import engine_ipc_pb2 as ipc
+from helpers import free_port
 from pagedserve.cli import build_parser, main as cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -201,13 +201,6 @@ def health_server():
     server = HealthServer()
     yield server
     server.close()
-
-
-def free_port() -> int:
-    """A loopback port that nothing listens on."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

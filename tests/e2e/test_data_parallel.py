@@ -17,6 +17,8 @@ from common.v1 import generation_pb2 as gen
 from pagedserve.health import ping_engine
 from test_operations import metric, read_metrics_url, scrape
 
+pytestmark = pytest.mark.heavy(40)  # seconds on the 2-core CI machine: scheduled first
+
 # Two slots per engine: under load most requests wait, so some have not streamed when one dies.
 FLAGS = ("--num-kv-blocks", "256", "--max-model-len", "1024", "--max-num-seqs", "2")
 PREFIX_TOKENS, SUFFIX_TOKENS = 64, 8  # 4 full blocks shared, then a tail of the request's own

@@ -26,6 +26,8 @@ from helpers import LONG
 from http_client import (assert_error_body, model_name, no_new_server_errors, post, server_errors, sse_data,
                          wait_metric)
 
+pytestmark = pytest.mark.heavy(72)  # seconds on the 2-core CI machine: scheduled first
+
 ACTIVE = 'pagedserve:active_streams{api="http"}'
 
 

@@ -18,6 +18,8 @@ from frontend.tool_calls.tools import Tool, ToolChoice, tool_use
 from http_client import kv_free_after, model  # noqa: F401 - shared fixtures
 from http_client import anthropic_client, openai_client, post, tokenize
 
+pytestmark = pytest.mark.heavy(40)  # seconds on the 2-core CI machine: scheduled first
+
 QUESTION = [{"role": "user", "content": "Give me a city and its population."}]
 CITY = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
                                          "population": {"type": "integer", "minimum": 0, "maximum": 99999}},

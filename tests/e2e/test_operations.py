@@ -18,6 +18,8 @@ from grpc_client import (FR, GENERATION, LONG, NOT_SERVING, STORY, Background, c
                          generate_error, greedy, request)
 from common.v1 import generation_pb2 as gen
 
+pytestmark = pytest.mark.heavy(42)  # seconds on the 2-core CI machine: scheduled first
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
 

@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import LONG
+
+pytestmark = pytest.mark.heavy(195)  # seconds on the 2-core CI machine: scheduled first
 
 ROOT = Path(__file__).resolve().parents[2]
 MINUTES = 30 if LONG else 3

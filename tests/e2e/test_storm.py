@@ -18,6 +18,8 @@ from grpc_client import FR
 from helpers import LONG
 from common.v1 import generation_pb2 as gen, generation_pb2_grpc
 
+pytestmark = pytest.mark.heavy(120)  # seconds on the 2-core CI machine: scheduled first
+
 NUM_REQUESTS = 5000 if LONG else 1000
 IN_FLIGHT = 100
 FATES = ["complete"] * 70 + ["cancel_early"] * 8 + ["cancel_mid"] * 8 + ["cancel_last"] * 6 + \

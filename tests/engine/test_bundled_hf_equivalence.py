@@ -9,6 +9,8 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from helpers import assert_no_leak, check_outputs_match, hf_greedy
 
+pytestmark = pytest.mark.heavy(72)  # seconds on the 2-core CI machine: scheduled first
+
 MAX_NEW = 32
 SHARED_PREFIX = (
     "You are a meticulous assistant who answers questions about geography, history and science. "

@@ -12,6 +12,8 @@ from engine.spec_decode.speculator import Speculator
 from pagedserve.llm import LLM
 from helpers import assert_no_leak, build_tiny_model
 
+pytestmark = pytest.mark.heavy(73)  # seconds on the 2-core CI machine: scheduled first
+
 K = 4
 MAX_NEW = 40
 TEXT = ("The committee met on Tuesday to review the budget for the new library. After a long "

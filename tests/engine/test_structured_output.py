@@ -17,6 +17,8 @@ from engine.request import RequestStatus
 from pagedserve.llm import LLM
 from helpers import assert_no_leak, build_tiny_model
 
+pytestmark = pytest.mark.heavy(53)  # seconds on the 2-core CI machine: scheduled first
+
 # Nesting, arrays, enums, required fields and string patterns. Every string, array and number
 # is bounded and no object takes extra keys, so even a random model must finish the document.
 PERSON = {

@@ -6,8 +6,6 @@ quantized weights sliced in their blocks; and the plan broadcast."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -19,6 +17,7 @@ from engine.layers.parallel import (check_shardable, local_sizes, parallel_logit
                                     vocab_parallel_embed)
 from engine.layers.quantized import QuantLinear, quantize
 from engine.models.config import ModelArchConfig
+from helpers import free_port
 
 HIDDEN, HEAD_DIM, INTER, TOKENS = 64, 16, 96, 5
 
@@ -103,10 +102,7 @@ def run_rank(rank: int, port: int) -> None:
 
 
 def test_parallel_layers_match_unsharded_on_two_gloo_ranks():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(run_rank, args=(port,), nprocs=2, start_method="spawn")
+    mp.start_processes(run_rank, args=(free_port(),), nprocs=2, start_method="spawn")
 
 
 def test_quantized_slices_are_exact():

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 from engine.distributed import state
 from engine.distributed.shm import SLOT_BYTES, create_handle
 from engine.distributed.state import TPShard, all_reduce, broadcast_object, destroy_group, gather_vocab, init_group
+from helpers import free_port
 
 SIZE, ROUNDS = 3, 40
 
@@ -61,15 +61,9 @@ def run_rank(rank: int, port: int, handle) -> None:
     destroy_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_shared_memory_collectives_on_three_ranks():
     handle = create_handle(SIZE, multiprocessing.get_context("spawn"))
     try:
-        mp.start_processes(run_rank, args=(_free_port(), handle), nprocs=SIZE, start_method="spawn")
+        mp.start_processes(run_rank, args=(free_port(), handle), nprocs=SIZE, start_method="spawn")
     finally:
         assert not os.path.exists(handle.path)

@@ -16,6 +16,8 @@ from grpc_client import (LONG, SERVING, STORY, Background, generate, generate_er
                          wait_info)
 from common.v1 import generation_pb2 as gen, info_pb2
 
+pytestmark = pytest.mark.heavy(48)  # seconds on the 2-core CI machine: scheduled first
+
 
 # -- engine killed and restarted ---------------------------------------------------------
 
