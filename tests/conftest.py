@@ -59,9 +59,10 @@ def bundled_tokenizer(bundled_path):
 
 @pytest.fixture(scope="session")
 def bundled_hf_model(bundled_path):
-    """HF transformers' own GGUF loader and Llama implementation, in fp32: the reference."""
-    from helpers import hf_gguf_model
-    return hf_gguf_model(bundled_path)
+    """HF transformers' own GGUF loader and Llama implementation, in fp32: the reference
+    (converted once, then kept in the cache)."""
+    from bench.hf_reference import load_hf_float32
+    return load_hf_float32(bundled_path)
 
 
 @pytest.fixture(autouse=True)

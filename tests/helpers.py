@@ -47,13 +47,6 @@ TINY_COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, n
                    initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def hf_gguf_model(path: Path):
-    """HF transformers' own GGUF loader and model, in float32: the reference for a GGUF file
-    (converted once, then kept in the cache: bench.hf_reference)."""
-    from bench.hf_reference import load_hf_float32
-    return load_hf_float32(path)
-
-
 def tiny_hf_config(model_type: str, **overrides):
     """Small random-weight configs for every architecture we implement, with each one's quirk."""
     from transformers import AutoConfig

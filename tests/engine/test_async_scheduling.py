@@ -19,8 +19,7 @@ from helpers import assert_no_leak
 pytestmark = pytest.mark.heavy(110)  # seconds on the 2-core CI machine: scheduled first
 
 
-@pytest.fixture
-def launches(monkeypatch):
+def _count_launches(patch: pytest.MonkeyPatch) -> collections.Counter:
     """Counts of ModelRunner.launch calls: 'ahead' (after a step in flight) and 'first'."""
     counts = collections.Counter()
     launch = ModelRunner.launch
@@ -28,8 +27,13 @@ def launches(monkeypatch):
     def counted(self, sched, previous=None):
         counts["ahead" if previous is not None else "first"] += 1
         return launch(self, sched, previous)
-    monkeypatch.setattr(ModelRunner, "launch", counted)
+    patch.setattr(ModelRunner, "launch", counted)
     return counts
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    return _count_launches(monkeypatch)
 
 
 def _workload(seed: int, vocab: int):
@@ -79,12 +83,8 @@ def _observed_run(bundled_path, async_scheduling: bool, engine: dict) -> Run:
     reuses the previous step's where the steady decodes are the same requests) against rows
     read afresh from the requests."""
     from engine.step_rows import SteadyRows
-    launches, carried = collections.Counter(), collections.Counter()
-    launch, steady_rows = ModelRunner.launch, ModelRunner._steady_rows
-
-    def counted(self, sched, previous=None):
-        launches["ahead" if previous is not None else "first"] += 1
-        return launch(self, sched, previous)
+    carried = collections.Counter()
+    steady_rows = ModelRunner._steady_rows
 
     def checked(self, steady, requests):
         reused = self._last_steady is not None and self._last_steady[0] == requests
@@ -97,7 +97,7 @@ def _observed_run(bundled_path, async_scheduling: bool, engine: dict) -> Run:
         return rows
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ModelRunner, "launch", counted)
+        launches = _count_launches(patch)
         patch.setattr(ModelRunner, "_steady_rows", checked)
         llm, outputs = _run(bundled_path, async_scheduling, **engine)
     return Run(outputs, launches, carried, llm.engine.scheduler.num_preemptions)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.hf_reference import load_hf_float32
 from pagedserve import LLM, SamplingParams
-from helpers import assert_matches_hf, assert_no_leak, check_outputs_match, hf_gguf_model, hf_greedy
+from helpers import assert_matches_hf, assert_no_leak, check_outputs_match, hf_greedy
 from test_tiny_hf_equivalence import CONFIGS, tiny_prompts
 
 pytestmark = pytest.mark.heavy(84)  # seconds on the 2-core CI machine: scheduled first
@@ -127,7 +128,7 @@ def test_gguf_matches_hf(gemma_gguf):
     ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     assert_no_leak(llm)
     del llm
-    assert check_outputs_match(ours, hf_greedy(hf_gguf_model(gemma_gguf), prompts, MAX_NEW)) == 0
+    assert check_outputs_match(ours, hf_greedy(load_hf_float32(gemma_gguf), prompts, MAX_NEW)) == 0
 
 
 @pytest.mark.parametrize("top_k, top_p", [([50, 5, 2000], [1.0, 0.9, 0.5]), ([262144, 40, 262144], [0.9, 0.95, 0.3])])
