@@ -47,6 +47,7 @@ def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) 
                         "RESOURCE_EXHAUSTED / 429 (default: 256)")
     p.add_argument("--engine-timeout-s", type=float, default=3.0,
                    help="engine silence after which it counts as lost (default: 3.0)")
+    add_http_arguments(p)
     p.add_argument("--log-prompts", action="store_true",
                    help="put each request's prompt in its log line (default: off; prompts may be private)")
     if with_engine_address:
@@ -56,6 +57,33 @@ def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) 
         p.add_argument("--tokenizer", default=None,
                        help="tokenizer folder (default: the engine's model, learnt in the handshake)")
         add_log_level_arg(p)
+
+
+def add_http_arguments(p: argparse.ArgumentParser) -> None:
+    from frontend.reasoning.parsers import NAMES as REASONING_PARSERS
+    from frontend.tool_calls.parsers import NAMES as TOOL_PARSERS
+    p.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_PARSERS),
+                   help="how tool calls are found in the output when tool_choice is auto (each model family "
+                        "writes them its own way); auto chooses from the model's chat template (default: auto)")
+    p.add_argument("--reasoning-parser", default="auto", choices=("auto", "none", *REASONING_PARSERS),
+                   help="how reasoning is split from the answer (reasoning_content, Anthropic thinking blocks, "
+                        "Responses reasoning items); none keeps it in the content; auto chooses from the "
+                        "model's chat template where that is unambiguous, else none (default: auto)")
+    p.add_argument("--response-store-size", type=_non_negative_int, default=1000, metavar="N",
+                   help="responses of /v1/responses (store=true) kept in this frontend's memory for "
+                        "previous_response_id and GET, least recently used dropped first (default: 1000)")
+    p.add_argument("--response-ttl-s", type=_positive_float, default=3600.0,
+                   help="how long a stored response is kept, in seconds (default: 3600)")
+    p.add_argument("--data-dir", default=None, metavar="DIR",
+                   help="where /v1/files and /v1/batches keep their files (default: a folder under "
+                        "~/.cache/pagedserve)")
+
+
+def http_options_from_args(args: argparse.Namespace):
+    from frontend.http.options import HttpOptions
+    return HttpOptions(tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                       response_store_size=args.response_store_size, response_ttl_s=args.response_ttl_s,
+                       data_dir=args.data_dir)
 
 
 def config_from_args(args: argparse.Namespace, engine_addresses: list[str], engine_dns: str | None = None,
@@ -69,7 +97,7 @@ def config_from_args(args: argparse.Namespace, engine_addresses: list[str], engi
                           metrics_port=args.metrics_port, metrics_host=args.metrics_host,
                           log_prompts=args.log_prompts, http_port=args.http_port,
                           served_model_names=args.served_model_name or [], api_key=args.api_key,
-                          allow_runtime_lora=args.allow_runtime_lora)
+                          allow_runtime_lora=args.allow_runtime_lora, http_options=http_options_from_args(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,6 +111,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 

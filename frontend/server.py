@@ -27,6 +27,7 @@ from common.v1 import generation_pb2, generation_pb2_grpc, info_pb2, info_pb2_gr
 from common.v1 import tokenization_pb2, tokenization_pb2_grpc
 from frontend.async_llm import AsyncLLM
 from frontend.engine_pool import EnginePool
+from frontend.http.options import HttpOptions
 from frontend.interceptors import DecodeGuard, MetricsInterceptor
 from frontend.metrics import FrontendMetrics
 from frontend.router import make_policy
@@ -59,6 +60,7 @@ class FrontendConfig:
     # Several frontend processes share the gRPC and HTTP ports (`serve --api-server-count`):
     # SO_REUSEPORT, so the kernel spreads new connections over them.
     reuse_port: bool = False
+    http_options: HttpOptions = field(default_factory=HttpOptions)
 
 
 async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> None:
@@ -88,7 +90,8 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     if config.http_port is not None:
         from frontend.http.app import start_http
         from frontend.http.context import HttpContext
-        ctx = HttpContext(llm, metrics, config.served_model_names, config.api_key, config.allow_runtime_lora)
+        ctx = HttpContext(llm, metrics, config.served_model_names, config.api_key, config.allow_runtime_lora,
+                          config.http_options)
         http = await start_http(ctx, config.host, config.http_port, config.reuse_port)
         llm.http_address = http[2]
         print(f"http listening on {http[2]}", flush=True)

@@ -63,7 +63,8 @@ _FRONTEND_ONLY = {"--host": 1, "--grpc-port": 1, "--max-concurrent-streams": 1, 
                   "--engine-address": 1, "--log-level": 1, "--metrics-port": 1, "--engine-metrics-port": 1,
                   "--log-prompts": 0, "--http-port": 1, "--served-model-name": -1, "--api-key": 1,
                   "--data-parallel-size": 1, "--routing-policy": 1, "--allow-runtime-lora": 0,
-                  "--api-server-count": 1}
+                  "--api-server-count": 1, "--tool-call-parser": 1, "--reasoning-parser": 1,
+                  "--response-store-size": 1, "--response-ttl-s": 1, "--data-dir": 1}
 
 
 def engine_addresses(address: str, n: int) -> list[str]:

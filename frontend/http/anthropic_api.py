@@ -24,9 +24,9 @@ from frontend.http.errors import from_exception
 from frontend.http.params import anthropic_tool_use, messages_params
 from frontend.http.protocol import AnthropicMessage, MessagesRequest, TextPart, ToolResultBlock, ToolUseBlock
 from frontend.http.runner import run_to_end, unless_disconnected
-from frontend.http.tool_output import AnthropicBlocks, StreamedCalls, anthropic_blocks
+from frontend.http.sample_output import AnthropicBlocks, anthropic_blocks
 from frontend.output_processor import EOS, LENGTH, STOP_STRING, STOPPED
-from frontend.tool_calls.hermes import Content
+from frontend.sample_parser import SampleParser
 from frontend.tool_calls.prompt import chat_with_tools
 
 _STOP_REASONS = {EOS: "end_turn", STOP_STRING: "stop_sequence", LENGTH: "max_tokens"}
@@ -75,12 +75,12 @@ async def create_message(ctx: HttpContext, request: Request):
                                      continue_final_message=continue_final, tools=template_tools)
     generation = ctx.llm.admit(prompt, params, lora_name=lora_name)
     message_id = f"msg_{uuid.uuid4().hex}"
-    parses = tools is not None and tools.parses
     if body.stream:
-        return StreamingResponse(ctx.counted(_stream(ctx, generation, message_id, body.model, parses)),
+        parser = ctx.sample_parser(tools)
+        return StreamingResponse(ctx.counted(_stream(ctx, generation, message_id, body.model, parser)),
                                  media_type="text/event-stream")
     [[sample]] = await unless_disconnected(request, ctx.counted_call(run_to_end(ctx.llm, [generation])))
-    content = anthropic_blocks(sample.text) if parses else [{"type": "text", "text": sample.text}]
+    content = anthropic_blocks(ctx.parse_sample(sample.text, tools))
     num_calls = sum(b["type"] == "tool_use" for b in content)
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": body.model,
@@ -96,18 +96,17 @@ def _usage(generation: Generation) -> dict:
 
 
 async def _stream(ctx: HttpContext, generation: Generation, message_id: str, model: str,
-                  parses: bool) -> AsyncIterator[str]:
+                  parser: SampleParser) -> AsyncIterator[str]:
     yield _event("message_start", {"message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {**_usage(generation), "output_tokens": 0}}})
-    blocks, calls = AnthropicBlocks(_event), StreamedCalls()
+    blocks = AnthropicBlocks(_event)
     reason, stop = None, None
     try:
         async for deltas in ctx.llm.generate(generation):
             for d in deltas:
                 final = d.finish_reason is not None
-                events = calls.events(d.text, final) if parses else [Content(d.text)] if d.text else []
-                for event in blocks.send(events):
+                for event in blocks.send(parser.feed(d.text, final)):
                     yield event
                 if final:
                     reason, stop = d.finish_reason, d.stop_reason
@@ -117,7 +116,7 @@ async def _stream(ctx: HttpContext, generation: Generation, message_id: str, mod
     for event in blocks.close():
         yield event
     yield _event("message_delta", {
-        "delta": {"stop_reason": _stop_reason(reason, calls.num_calls),
+        "delta": {"stop_reason": _stop_reason(reason, parser.num_calls),
                   "stop_sequence": stop if reason == STOP_STRING else None},
         "usage": {"output_tokens": generation.state.num_completion_tokens}})
     yield _event("message_stop", {})

@@ -14,7 +14,13 @@ from pydantic import BaseModel
 
 from frontend.async_llm import AsyncLLM
 from frontend.http.errors import bad_request
+from frontend.http.options import AUTO, HttpOptions
 from frontend.metrics import FrontendMetrics
+from frontend.output_events import Event
+from frontend.reasoning import parsers as reasoning_parsers
+from frontend.sample_parser import SampleParser, parse_sample
+from frontend.tool_calls import parsers as tool_parsers
+from frontend.tool_calls.tools import ToolUse
 
 log = logging.getLogger("pagedserve.http")
 MAX_BODY_BYTES = 32 * 1024 * 1024
@@ -27,6 +33,7 @@ class HttpContext:
     served_names: list[str] = field(default_factory=list)  # empty: the engine's model name
     api_key: str | None = None
     allow_runtime_lora: bool = False  # admin LoRA routes without --api-key (a trusted network)
+    options: HttpOptions = field(default_factory=HttpOptions)
 
     def __post_init__(self) -> None:
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
@@ -41,6 +48,30 @@ class HttpContext:
         """The LoRA adapter a body's `model` names, "" for the base model; NotFound (404) if
         neither. Before the first engine there is nothing to check against: 503."""
         return self.llm.require_engine().resolve_model(model, self.model_names())
+
+    def sample_parser(self, tools: ToolUse | None) -> SampleParser:
+        """A new parser for one sample of a request with these tools (see `parser_names`)."""
+        return SampleParser(*self.parser_names(tools))
+
+    def parse_sample(self, text: str, tools: ToolUse | None) -> list[Event]:
+        """A whole sample's events (frontend.sample_parser.parse_sample) for a request with these tools."""
+        return parse_sample(text, *self.parser_names(tools))
+
+    def parser_names(self, tools: ToolUse | None) -> tuple[str | None, str | None]:
+        """(reasoning parser, tool-call parser) for a request; None: that part is not parsed.
+        Forced calls are written in our grammar's format, whatever the model's family."""
+        template = self.llm.tokenizer.chat_template
+        reasoning = self.options.reasoning_parser
+        if reasoning == AUTO:
+            reasoning = reasoning_parsers.choose(template)
+        elif reasoning == "none":
+            reasoning = None
+        if tools is None or not tools.parses:
+            return reasoning, None
+        if tools.forced:
+            return reasoning, tool_parsers.FORCED
+        name = self.options.tool_call_parser
+        return reasoning, tool_parsers.choose(template) if name == AUTO else name
 
     def _token_text(self, token_id: int) -> str:
         """A token's own text, as OpenAI's logprobs show it (a byte-level piece of a character

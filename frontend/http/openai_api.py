@@ -22,7 +22,7 @@ from frontend.http.errors import from_exception
 from frontend.http.params import chat_params, completion_params, openai_tool_use
 from frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.http.runner import SampleResult, merged, run_to_end, unless_disconnected
-from frontend.http.tool_output import StreamedCalls, openai_delta, openai_message
+from frontend.http.sample_output import OpenAIDeltas, openai_message
 from frontend.output_processor import STOPPED, PositionLogprobs, SampleDelta
 from frontend.tool_calls.prompt import chat_with_tools
 
@@ -76,19 +76,18 @@ async def create_chat_completion(ctx: HttpContext, request: Request):
         tools=template_tools)
     generation = ctx.llm.admit(prompt, params, priority=body.priority, lora_name=lora_name)
     response = _Response(ctx, "chatcmpl", "chat.completion", body.model, [generation], body.stream_options)
-    parses = tools is not None and tools.parses
     if body.stream:
-        return StreamingResponse(ctx.counted(response.stream(_chat_chunk(ctx, parses), role_first=True)),
+        return StreamingResponse(ctx.counted(response.stream(_chat_chunk(ctx, tools), role_first=True)),
                                  media_type="text/event-stream")
     [samples] = await unless_disconnected(request, ctx.counted_call(run_to_end(ctx.llm, [generation])))
-    choices = [_chat_choice(ctx, s, params.logprobs is not None, parses) for s in samples]
+    choices = [_chat_choice(ctx, s, params.logprobs is not None, tools) for s in samples]
     return JSONResponse(response.body(choices))
 
 
-def _chat_choice(ctx: HttpContext, s: SampleResult, logprobs: bool, parses: bool) -> dict:
-    message = {"role": "assistant", "content": s.text}
-    if parses:  # the text outside the calls is the content; the calls are tool_calls
-        message["content"], message["tool_calls"] = openai_message(s.text)
+def _chat_choice(ctx: HttpContext, s: SampleResult, logprobs: bool, tools) -> dict:
+    reasoning, tool_parser = ctx.parser_names(tools)
+    message = {"role": "assistant", **openai_message(ctx.parse_sample(s.text, tools),
+                                                     reasoning is not None, tool_parser is not None)}
     return {"index": s.index, "message": message,
             "logprobs": _chat_logprobs(ctx, s.logprobs) if logprobs else None,
             "finish_reason": finish_reason(s.finish_reason, len(message.get("tool_calls", ()))),
@@ -191,19 +190,15 @@ def _completion_output(ctx: HttpContext, body: CompletionRequest, g: Generation,
     return text, _completion_logprobs(ctx, positions, ids, start)
 
 
-def _chat_chunk(ctx: HttpContext, parses: bool):
-    calls: dict[int, StreamedCalls] = {}  # per choice, with tools: its parser
+def _chat_chunk(ctx: HttpContext, tools):
+    streams: dict[int, OpenAIDeltas] = {}  # per choice
 
     def make(g: Generation, index: int, d: SampleDelta) -> dict:
         logprobs = _chat_logprobs(ctx, d.logprobs) if g.state.params.logprobs is not None else None
-        delta, num_calls = {"content": d.text} if d.text else {}, 0
-        if parses:
-            stream = calls.setdefault(index, StreamedCalls())
-            content, tool_calls = openai_delta(stream.events(d.text, d.finish_reason is not None), stream.ids)
-            delta = {k: v for k, v in (("content", content), ("tool_calls", tool_calls)) if v}
-            num_calls = stream.num_calls
+        stream = streams.get(index) or streams.setdefault(index, OpenAIDeltas(ctx.sample_parser(tools)))
+        delta = stream.delta(d.text, d.finish_reason is not None)
         return {"index": index, "delta": delta, "logprobs": logprobs,
-                "finish_reason": finish_reason(d.finish_reason, num_calls),
+                "finish_reason": finish_reason(d.finish_reason, stream.parser.num_calls),
                 "stop_reason": stop_reason(d.finish_reason, d.stop_reason)}
     return make
 

@@ -32,31 +32,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from frontend.output_events import CallArguments, CallStart, Content, Event
 from frontend.tool_calls.json_scan import COMPLETE, INVALID, JsonScanner
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _WS = " \t\n\r"
 _ARGUMENT_KEYS = ("arguments", "parameters")  # Hermes says arguments; Llama 3 style says parameters
-
-
-@dataclass(frozen=True, slots=True)
-class Content:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class CallStart:
-    index: int
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class CallArguments:
-    index: int
-    text: str
-
-
-Event = Content | CallStart | CallArguments
 
 
 class _Malformed(Exception):

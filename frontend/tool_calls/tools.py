@@ -56,14 +56,19 @@ class ToolUse:
         """Does the output go through the tool-call parser?"""
         return bool(self.tools) and self.choice.mode != "none"
 
+    @property
+    def forced(self) -> bool:
+        """Are the calls forced by a grammar (required, named)?"""
+        return self.choice.mode in ("required", "named")
+
     def constraint(self) -> StructuredOutputsParams | None:
         """The grammar that forces the calls (required, named), or None."""
+        if not self.forced:
+            return None
         if self.choice.mode == "required":
             return StructuredOutputsParams(grammar=forced_calls_grammar(self.tools, one=not self.choice.parallel))
-        if self.choice.mode == "named":
-            [tool] = [t for t in self.tools if t.name == self.choice.name]
-            return StructuredOutputsParams(grammar=forced_calls_grammar((tool,), one=True))
-        return None
+        [tool] = [t for t in self.tools if t.name == self.choice.name]
+        return StructuredOutputsParams(grammar=forced_calls_grammar((tool,), one=True))
 
 
 def tool_use(tools: list[Tool], choice: ToolChoice, field: str = "tools") -> ToolUse | None:

@@ -1,0 +1,1 @@
+"""Reasoning parsers: the model's thinking (`<think>...</think>`) split from its answer."""
