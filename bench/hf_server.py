@@ -189,7 +189,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         unsupported = [name for name, on in (
             ("n > 1", params.n != 1), ("min_p", params.min_p), ("stop", params.stop),
             ("stop_token_ids", params.stop_token_ids), ("logprobs", params.logprobs is not None),
-            ("penalties", params.uses_penalties), ("include_stop_str_in_output", request.include_stop_str_in_output),
+            ("penalties", params.uses_penalties), ("logit_bias, bad_words, allowed_token_ids", params.uses_logit_rules),
+            ("include_stop_str_in_output", request.include_stop_str_in_output),
             ("time_limit_ms", request.HasField("time_limit_ms"))) if on]
         if unsupported:
             raise ValueError(f"not supported by the HF baseline server: {', '.join(unsupported)}")

@@ -6,34 +6,43 @@ the same code on both sides of the socket.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from common.outputs import EngineCoreOutput, PlainTokens, plain_output
+from common.sampling_defaults import DEFAULTABLE, NO_DEFAULTS, sampling_params
 from common.sampling_params import SamplingParams
 from common.structured_output.params import StructuredOutputsParams
 from common.v1 import engine_ipc_pb2 as ipc, generation_pb2 as gen
 
-# SamplingParams fields that proto3 marks `optional` (their default is not zero).
-_OPTIONAL = ("n", "temperature", "top_p", "seed", "max_tokens", "logprobs", "repetition_penalty",
+# SamplingParams fields that proto3 marks `optional` (their default is not zero, or a model's
+# generation config may set it).
+_OPTIONAL = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "logprobs", "repetition_penalty",
              "prompt_logprobs")
-_PLAIN = ("top_k", "min_p", "min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty",
-          "disable_speculation")
+_PLAIN = ("min_tokens", "ignore_eos", "presence_penalty", "frequency_penalty", "disable_speculation")
+_INTEGERS = ("top_k", "max_tokens")  # of DEFAULTABLE; the others are floats
 
 
-def sampling_params_from_proto(msg: gen.SamplingParams, *, skip_special_tokens: bool = True,
-                               include_stop_str_in_output: bool = False,
-                               structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
-    """Raises ValueError naming the field, as SamplingParams does."""
+def sampling_params_from_proto(msg: gen.SamplingParams, *, defaults: Mapping[str, float | int] = NO_DEFAULTS,
+                               skip_special_tokens: bool = True, include_stop_str_in_output: bool = False,
+                               structured_outputs: StructuredOutputsParams | None = None,
+                               bad_words_token_ids: list[list[int]] | None = None) -> SamplingParams:
+    """An unset field takes the model's default (`defaults`, the frontend's), then SamplingParams'
+    own; unset max_tokens means "until eos or the model's length", not vLLM's 16. Raises
+    ValueError naming the field, as SamplingParams does."""
     kwargs: dict = {name: getattr(msg, name) for name in _PLAIN}
-    kwargs["max_tokens"] = None  # unset means "until eos or the model's length", not vLLM's 16
+    kwargs.update({name: None for name in DEFAULTABLE})
     kwargs.update({name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)})
-    kwargs["stop"] = list(msg.stop)
-    kwargs["stop_token_ids"] = list(msg.stop_token_ids)
-    return SamplingParams(skip_special_tokens=skip_special_tokens,
-                          include_stop_str_in_output=include_stop_str_in_output,
-                          structured_outputs=structured_outputs, **kwargs)
+    return sampling_params(
+        defaults, stop=list(msg.stop), stop_token_ids=list(msg.stop_token_ids),
+        logit_bias=dict(msg.logit_bias) or None, bad_words=list(msg.bad_words),
+        allowed_token_ids=list(msg.allowed_token_ids) or None, bad_words_token_ids=bad_words_token_ids,
+        skip_special_tokens=skip_special_tokens, include_stop_str_in_output=include_stop_str_in_output,
+        structured_outputs=structured_outputs, **kwargs)
 
 
 def sampling_params_to_proto(params: SamplingParams) -> gen.SamplingParams:
-    msg = gen.SamplingParams(stop=params.stop, stop_token_ids=params.stop_token_ids,
+    msg = gen.SamplingParams(stop=params.stop, stop_token_ids=params.stop_token_ids, logit_bias=params.logit_bias,
+                             bad_words=params.bad_words, allowed_token_ids=params.allowed_token_ids,
                              **{name: getattr(params, name) for name in _PLAIN})
     for name in _OPTIONAL:
         value = getattr(params, name)
@@ -42,13 +51,33 @@ def sampling_params_to_proto(params: SamplingParams) -> gen.SamplingParams:
     return msg
 
 
+def bad_words_to_proto(params: SamplingParams) -> list[gen.TokenIds]:
+    """AddRequest.bad_words_token_ids."""
+    return [gen.TokenIds(ids=ids) for ids in params.bad_words_token_ids]
+
+
+def bad_words_from_proto(msg: ipc.AddRequest) -> list[list[int]]:
+    return [list(word.ids) for word in msg.bad_words_token_ids]
+
+
+def sampling_defaults_to_proto(defaults: Mapping[str, float | int]) -> gen.SamplingParams:
+    """Welcome.sampling_defaults."""
+    return gen.SamplingParams(**{name: defaults[name] for name in DEFAULTABLE if name in defaults})
+
+
+def sampling_defaults_from_proto(msg: gen.SamplingParams) -> dict[str, float | int]:
+    """The defaults, floats back to the shortest decimal that makes the same float32 (the
+    wire's 0.6 arrives as 0.6000000238...)."""
+    return {name: getattr(msg, name) if name in _INTEGERS else float(f"{getattr(msg, name):.7g}")
+            for name in DEFAULTABLE if msg.HasField(name)}
+
+
 def structured_to_proto(params: StructuredOutputsParams | None) -> ipc.StructuredOutputs | None:
     if params is None:
         return None
     kind = params.kind
-    if kind == "choice":
-        return ipc.StructuredOutputs(choice=gen.Choices(choices=params.choice))
-    return ipc.StructuredOutputs(**{kind: getattr(params, kind)})
+    value = gen.Choices(choices=params.choice) if kind == "choice" else getattr(params, kind)
+    return ipc.StructuredOutputs(**{kind: value}, starts_after=params.starts_after)
 
 
 def structured_from_proto(msg: ipc.StructuredOutputs) -> StructuredOutputsParams | None:
@@ -56,9 +85,8 @@ def structured_from_proto(msg: ipc.StructuredOutputs) -> StructuredOutputsParams
     kind = msg.WhichOneof("kind")
     if kind is None:
         return None
-    if kind == "choice":
-        return StructuredOutputsParams(choice=tuple(msg.choice.choices))
-    return StructuredOutputsParams(**{kind: getattr(msg, kind)})
+    value = tuple(msg.choice.choices) if kind == "choice" else getattr(msg, kind)
+    return StructuredOutputsParams(**{kind: value}, starts_after=tuple(msg.starts_after))
 
 
 def output_to_proto(out: EngineCoreOutput, request_id: str, batch: ipc.OutputBatch | None = None

@@ -29,6 +29,11 @@ def check_prompt(prompt: list[int], params: SamplingParams, limits: PromptLimits
     bad = next((t for t in params.stop_token_ids if t >= limits.vocab_size), None)
     if bad is not None:
         raise InvalidRequest(f"stop_token_ids: {bad} is outside the vocabulary [0, {limits.vocab_size})")
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("bad_words", (t for word in params.bad_words_token_ids for t in word))):
+        bad = next((t for t in ids if t >= limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {limits.vocab_size})")
     total = len(prompt) + (params.max_tokens or 1)
     if total > limits.max_model_len:
         # The engine caps max_model_len at the KV pool's size (a longer sequence would preempt

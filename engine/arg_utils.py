@@ -37,7 +37,7 @@ HELP = {
                    "attention runs on cupy, else off)",
     "async_scheduling": "schedule and launch the next decode step while the device runs this one, "
                         "where every running request decodes greedily or at a temperature (no top-k, "
-                        "top-p, penalties or logprobs); pays on a GPU "
+                        "top-p, penalties, logit_bias, bad_words, allowed_token_ids or logprobs); pays on a GPU "
                         "(default: on where decode runs in CUDA graphs, else off); docs/engine.md",
     "async_admission_steps": "with async scheduling and the batch at least half full, decode steps that may "
                              "still go ahead while a request waits for a seat; the next synchronous step "
@@ -63,10 +63,16 @@ HELP = {
     "max_loras": "distinct LoRA adapters one engine step may mix; requests for others wait",
     "max_lora_rank": "largest LoRA rank accepted (adapters above it are refused); the device "
                      "slots are this wide",
+    "generation_config": "the requests' sampling defaults (temperature, top_p, top_k, min_p, "
+                         "repetition_penalty, max_tokens), for the fields a request leaves unset: auto "
+                         "takes the model's (an HF folder's generation_config.json, a GGUF's "
+                         "general.sampling.* keys), vllm ignores them, or a folder holding a "
+                         "generation_config.json (default: auto)",
 }
 CHOICES = {"dtype": ["float32", "bfloat16", "float16", "auto"], "scheduling_policy": ["fcfs", "priority"],
            "attention_backend": ["auto", "torch", "cpu", "cupy"], "quantization": ["none", "int4", "int8"],
            "speculative_method": ["ngram", "draft", "none"]}
+METAVARS = {"generation_config": "auto|vllm|PATH"}
 
 
 def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None:
@@ -88,7 +94,8 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None
         text = HELP[f.name]
         if "default:" not in text and "unset:" not in text:  # the help already says it otherwise
             text += f" (default: {default})"
-        group.add_argument(flag, default=default, type=kind, choices=CHOICES.get(f.name), help=text)
+        group.add_argument(flag, default=default, type=kind, choices=CHOICES.get(f.name), metavar=METAVARS.get(f.name),
+                           help=text)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -12,7 +12,7 @@ N+1's input tokens are N's sampled ids, still on the device; the host has not se
 A step goes ahead only where that changes no output (`AsyncScheduler.schedule_ahead`,
 `ModelRunner.can_launch`): every row a steady decode (one token, no drafts) sampling plain
 greedy or plain random (an argmax, or a temperature and min_p drawn on the device; no
-top-k/top-p, grammar, penalties, logprobs or `min_tokens` left), no adapters, one rank, and
+top-k/top-p, grammar, penalties, token controls, logprobs or `min_tokens` left), no adapters, one rank, and
 nobody waiting who could be admitted (or, under load, not for more than
 `async_admission_steps` steps). Stops are therefore applied one step late: a request that
 ends with step N's token also ran in step N+1, whose token for it is dropped

@@ -64,6 +64,10 @@ class EngineConfig:
     lora_modules: dict[str, str] | None = None  # name -> adapter folder, loaded at start (implies enable_lora)
     max_loras: int = 4  # distinct adapters one step may mix (device slots)
     max_lora_rank: int = 16  # largest adapter rank accepted; the slots are this wide
+    # The requests' sampling defaults (vLLM's flag): auto reads the model's (generation_config.json
+    # of an HF folder, a GGUF's general.sampling.*), vllm ignores them, else a folder holding a
+    # generation_config.json (engine/models/generation_config.py).
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -97,6 +101,8 @@ class EngineConfig:
         if self.attention_backend == "cpu" and on_cuda:
             raise ValueError("attention_backend: 'cpu' runs CPU kernels; it needs device 'cpu'")
         _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config: must be auto, vllm or a folder, got {self.generation_config!r}")
         if self.async_admission_steps < 0:
             raise ValueError(f"async_admission_steps: must be >= 0, got {self.async_admission_steps}")
         # "auto" on CUDA means cupy where it runs; the model runner turns graphs off if the

@@ -23,6 +23,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SchedulerConfig
 from engine.lora.adapter import LoraAdapter
 from engine.model_runner import ModelRunner
+from engine.models.generation_config import load_sampling_defaults
 from engine.models.loader import resolve_model_path
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
@@ -57,6 +58,8 @@ class EngineCore:
         self.config = config
         self.model_path = resolve_model_path(config.model)
         self.eos_token_ids = eos_token_ids
+        # For the fields a request leaves unset; applied by the frontend (common/sampling_defaults.py).
+        self.sampling_defaults = load_sampling_defaults(config.generation_config, self.model_path)
         # Rows of the LM head past the tokenizer's tokens are padding: never sampled.
         self.model_runner = ModelRunner(config, self.model_path, eos_token_ids,
                                         num_tokens=None if tokenizer is None else len(tokenizer))

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import zmq
 
 from common.errors import EngineOverloaded, InvalidRequest, LoraError
-from common.ipc import (add_plain_tokens, is_plain_token, output_to_proto, sampling_params_from_proto,
-                        structured_from_proto)
+from common.ipc import (add_plain_tokens, bad_words_from_proto, is_plain_token, output_to_proto,
+                        sampling_defaults_to_proto, sampling_params_from_proto, structured_from_proto)
 from common.outputs import EngineCoreOutput, PlainTokens
 from common.sampling_params import SamplingParams
 from common.v1 import engine_ipc_pb2 as ipc, info_pb2
@@ -248,7 +248,8 @@ class EngineProc:
             model_path=str(core.model_path),
             tokenizer_files={name: zlib.compress(data) for name, data in tokenizer_files.items()},
             lora_enabled=cfg.enable_lora, max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
-            max_loras=cfg.max_loras if cfg.enable_lora else 0)
+            max_loras=cfg.max_loras if cfg.enable_lora else 0,
+            sampling_defaults=sampling_defaults_to_proto(core.sampling_defaults))
 
     # -- I/O thread ----------------------------------------------------------------
 
@@ -326,7 +327,8 @@ class EngineProc:
         core_id = f"{frontend_id}:{add.request_id}"
         try:
             params = sampling_params_from_proto(
-                add.sampling, structured_outputs=structured_from_proto(add.structured_outputs))
+                add.sampling, structured_outputs=structured_from_proto(add.structured_outputs),
+                bad_words_token_ids=bad_words_from_proto(add))
         except InvalidRequest as e:
             self._reply(frontend.identity, ipc.EngineResponse(
                 error=ipc.RequestError(request_id=add.request_id, message=str(e),

@@ -5,6 +5,7 @@ Order of work per step (each stage runs only if some row needs it):
     raw logits [B, V] ──► structured output: the grammar's bitmask, -inf where it forbids
         │
         ├─► logprobs (log_softmax of the logits so far: they reflect the grammar)
+        ├─► allowed_token_ids, bad_words, logit_bias (engine/logit_rules.py)
         ├─► min_tokens: mask eos + stop_token_ids to -inf (not on constrained rows)
         ├─► penalties: repetition (prompt ∪ output), frequency, presence (output)
         ├─► greedy rows: argmax
@@ -42,8 +43,9 @@ from cpu_kernels import ops
 
 from common.structured_output.backend import GrammarBackend, GrammarMatcher
 from engine.keyed_random import seeded_exponentials
-from engine.sampling_batch import (FREQUENCY, GREEDY, LOGPROBS, MIN_P, PENALTIES, PRESENCE, REPETITION, TEMPERATURE,
-                                   TOP_K, TOP_P, UNSEEDED, SamplingBatch)
+from engine.logit_rules import apply_logit_rules
+from engine.sampling_batch import (FREQUENCY, GREEDY, LOGIT_RULES, LOGPROBS, MIN_P, PENALTIES, PRESENCE, REPETITION,
+                                   TEMPERATURE, TOP_K, TOP_P, UNSEEDED, SamplingBatch)
 from engine.rejection_sampler import greedy_verify
 
 NOT_EMITTED = -1  # a verification row past its group's emitted run
@@ -92,6 +94,8 @@ class Sampler:
         logprob_idx = np.flatnonzero(rows.columns[:, LOGPROBS] >= 0).tolist()
         raw_logprobs = (torch.log_softmax(logits[_index(logprob_idx, logits)], dim=-1)
                         if logprob_idx else None)
+        if rows.flag(LOGIT_RULES).any():
+            apply_logit_rules(logits, rows)
         self._mask_min_tokens(logits, rows)
         penalty_idx = np.flatnonzero(rows.flag(PENALTIES)).tolist()
         if penalty_idx:

@@ -22,8 +22,8 @@ from engine.keyed_random import mix_array
 
 # SamplingParams.columns, in this order.
 (TEMPERATURE, TOP_K, TOP_P, MIN_P, REPETITION, FREQUENCY, PRESENCE, LOGPROBS, MIN_TOKENS, GREEDY, PENALTIES,
- PLAIN_GREEDY) = range(12)
-NUM_COLUMNS = 12
+ PLAIN_GREEDY, LOGIT_RULES) = range(13)
+NUM_COLUMNS = 13
 UNSEEDED = -1  # an rng key: the row draws from the global RNG
 
 _columns = operator.attrgetter("columns")

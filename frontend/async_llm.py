@@ -25,7 +25,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common.errors import EngineOverloaded, InvalidRequest, Unavailable
-from common.ipc import output_from_proto, sampling_params_to_proto, structured_to_proto
+from common.ipc import (bad_words_to_proto, output_from_proto, sampling_defaults_from_proto, sampling_params_to_proto,
+                        structured_to_proto)
 from common.outputs import EngineCoreOutput
 from common.sampling_params import SamplingParams
 from common.v1 import engine_ipc_pb2 as ipc
@@ -103,13 +104,15 @@ class AsyncLLM:
 
     def on_welcome(self, welcome: ipc.Welcome) -> None:
         """Each handshake: the model's limits (a restarted engine may have another KV pool;
-        with several engines, the smallest pool decides what fits); the tokenizer only once."""
+        with several engines, the smallest pool decides what fits) and sampling defaults; the
+        tokenizer only once."""
         limits = PromptLimits(welcome.vocab_size, welcome.max_model_len,
                               self.pool.min_kv_blocks() or welcome.kv_blocks_total, welcome.block_size)
         if self.input is None:
             self.input = InputProcessor(_load_tokenizer(welcome, self.tokenizer_path), limits,
                                         lambda: self.pool.lora_adapters().keys())
         self.input.limits = limits
+        self.input.sampling_defaults = sampling_defaults_from_proto(welcome.sampling_defaults)
 
     def require_engine(self) -> InputProcessor:
         """For calls that need the model but start no generation (tokenize, model info)."""
@@ -188,7 +191,7 @@ class AsyncLLM:
             await client.add(ipc.AddRequest(
                 request_id=engine_id, prompt_token_ids=gen.state.prompt, sampling=sampling_params_to_proto(params),
                 priority=gen.priority, structured_outputs=structured_to_proto(params.structured_outputs),
-                lora_name=gen.lora_name))
+                lora_name=gen.lora_name, bad_words_token_ids=bad_words_to_proto(params)))
             while not gen.done:
                 items = [await _next(gen.queue, deadline)]
                 while not gen.queue.empty():

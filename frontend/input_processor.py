@@ -3,8 +3,9 @@ the offline `LLM` (vLLM v1's InputProcessor).
 
 Every method raises `InvalidRequest` with a message a person can act on; each API maps that
 to its own status once. Each API's own parameters become `SamplingParams` in that API's
-module (`engine/ipc.py` for the proto, `frontend/http/params.py` for OpenAI and Anthropic);
-`SamplingParams` validates them.
+module (`common/ipc.py` for the proto, `frontend/http/params.py` for OpenAI and Anthropic),
+through `sampling_params`, which gives an unset field the model's default (its generation
+config); `SamplingParams` validates them.
 
 A request names its LoRA adapter once, here: HTTP's `model` (`resolve_model`: a served name of
 the base model, or an adapter's name, as in vLLM) and gRPC's / the offline API's `lora_name`
@@ -14,9 +15,10 @@ NOT_FOUND).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 
 from common.errors import InvalidRequest
+from common.sampling_defaults import NO_DEFAULTS, sampling_params
 from common.sampling_params import SamplingParams
 from common.structured_output import get_backend_class
 from common.structured_output.params import StructuredOutputsParams
@@ -39,9 +41,12 @@ class NotFound(InvalidRequest):
 
 class InputProcessor:
     def __init__(self, tokenizer, limits: PromptLimits,
-                 lora_names: Callable[[], Collection[str]] = tuple) -> None:
+                 lora_names: Callable[[], Collection[str]] = tuple,
+                 sampling_defaults: Mapping[str, float | int] = NO_DEFAULTS) -> None:
         self.tokenizer = tokenizer
         self.limits = limits
+        # The model's generation config, for the fields a request leaves unset (common/sampling_defaults.py).
+        self.sampling_defaults = sampling_defaults
         self.lora_names = lora_names  # the adapters loaded now (they change at run time)
         self.grammar_backend = get_backend_class("llguidance")
         self._valid_constraints: dict[str, None] = {}  # validated keys, oldest first
@@ -61,6 +66,10 @@ class InputProcessor:
             raise NotFound(f"{field}: the LoRA adapter `{name}` does not exist; Info.GetModelInfo "
                            "lists the adapters loaded here", field)
         return name
+
+    def sampling_params(self, **fields: object) -> SamplingParams:
+        """SamplingParams of an API's fields, None meaning unset: common/sampling_defaults.py."""
+        return sampling_params(self.sampling_defaults, **fields)
 
     def tokenize(self, text: str, add_special_tokens: bool = True, field: str = "text") -> list[int]:
         if not isinstance(text, str) or not text:
@@ -101,10 +110,27 @@ class InputProcessor:
         return ids
 
     def check(self, prompt: list[int], params: SamplingParams, field: str = "prompt") -> None:
-        """The one check of a prompt against the model and the KV pool."""
+        """The one check of a prompt and its parameters against the model and the KV pool;
+        tokenizes `bad_words` first (into params.bad_words_token_ids), so they are checked too."""
+        if params.bad_words and not params.bad_words_token_ids:
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         check_prompt(prompt, params, self.limits, field)
         if params.structured_outputs is not None:
             self.check_constraint(params.structured_outputs)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenizing of bad_words: each word as it is (its leading spaces stripped), and
+        with one leading space where that makes other tokens of the same count, so a word is
+        banned both at the start of the text and after a space (tokenizers with and without
+        add_prefix_space)."""
+        out: list[list[int]] = []
+        for word in words:
+            bare = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(bare)
+            if spaced[0] != bare[0] and len(spaced) == len(bare):
+                out.append(spaced)
+        return out
 
     def check_constraint(self, constraint: StructuredOutputsParams) -> None:
         """Can the grammar library compile it? Checked without the vocabulary, in about a

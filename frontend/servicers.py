@@ -133,7 +133,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             raise InvalidRequest(f"time_limit_ms: must be in [1, {MAX_TIME_LIMIT_MS}] (24 hours), "
                                  f"got {request.time_limit_ms}")
         skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
-        params = sampling_params_from_proto(request.sampling, skip_special_tokens=skip,
+        params = sampling_params_from_proto(request.sampling, defaults=processor.sampling_defaults,
+                                            skip_special_tokens=skip,
                                             include_stop_str_in_output=request.include_stop_str_in_output,
                                             structured_outputs=_constraint(request))
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True

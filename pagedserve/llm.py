@@ -68,7 +68,8 @@ class LLM:
         path = resolve_model_path(self.config.model)
         self.tokenizer = load_tokenizer(path, self.config.tokenizer)
         self.engine = EngineCore(self.config, eos_token_ids(self.tokenizer), tokenizer=self.tokenizer)
-        self.input = InputProcessor(self.tokenizer, self.engine.limits)
+        self.input = InputProcessor(self.tokenizer, self.engine.limits,
+                                    sampling_defaults=self.engine.sampling_defaults)
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -78,9 +79,10 @@ class LLM:
         """Run every prompt to completion; one RequestOutput per prompt, in order. A bad
         prompt or parameter raises InvalidRequest (a ValueError) and runs nothing.
         `lora_name`: the LoRA adapter for every prompt, or one per prompt (None: the base
-        model); one not loaded raises LoraError (a ValueError)."""
+        model); one not loaded raises LoraError (a ValueError). No `sampling_params`: the
+        model's defaults (`get_default_sampling_params`)."""
         prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
             raise InvalidRequest(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
@@ -103,6 +105,11 @@ class LLM:
                 [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
         self._run(processor, results, use_tqdm)
         return list(results.values())
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation config (engine option generation_config)
+        where it sets a field, SamplingParams' own defaults elsewhere, as vLLM's."""
+        return self.input.sampling_params()
 
     def load_lora(self, name: str, path: str) -> list[LoraAdapter]:
         """Load a PEFT adapter (needs enable_lora); returns the adapters loaded now."""

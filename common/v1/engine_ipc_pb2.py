@@ -26,7 +26,7 @@ from . import generation_pb2 as pagedserve_dot_v1_dot_generation__pb2
 from . import info_pb2 as pagedserve_dot_v1_dot_info__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/engine_ipc.proto\x12\rpagedserve.v1\x1a\x1epagedserve/v1/generation.proto\x1a\x18pagedserve/v1/info.proto\"\xbf\x02\n\rEngineRequest\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x14.pagedserve.v1.HelloH\x00\x12(\n\x03\x61\x64\x64\x18\x02 \x01(\x0b\x32\x19.pagedserve.v1.AddRequestH\x00\x12-\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x1c.pagedserve.v1.AbortRequestsH\x00\x12#\n\x04ping\x18\x04 \x01(\x0b\x32\x13.pagedserve.v1.PingH\x00\x12!\n\x03\x62ye\x18\x05 \x01(\x0b\x32\x12.pagedserve.v1.ByeH\x00\x12,\n\tload_lora\x18\x06 \x01(\x0b\x32\x17.pagedserve.v1.LoadLoraH\x00\x12\x30\n\x0bunload_lora\x18\x07 \x01(\x0b\x32\x19.pagedserve.v1.UnloadLoraH\x00\x42\x06\n\x04kind\"-\n\x05Hello\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xce\x01\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12<\n\x12structured_outputs\x18\x05 \x01(\x0b\x32 .pagedserve.v1.StructuredOutputs\x12\x11\n\tlora_name\x18\x06 \x01(\t\"7\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\"5\n\x08LoadLora\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\")\n\nUnloadLora\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\x90\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"9\n\rAbortRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x13\n\x0bstop_string\x18\x02 \x01(\x08\"\x13\n\x04Ping\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x05\n\x03\x42ye\"\xf7\x01\n\x0e\x45ngineResponse\x12)\n\x07welcome\x18\x01 \x01(\x0b\x32\x16.pagedserve.v1.WelcomeH\x00\x12-\n\x07outputs\x18\x02 \x01(\x0b\x32\x1a.pagedserve.v1.OutputBatchH\x00\x12#\n\x04pong\x18\x03 \x01(\x0b\x32\x13.pagedserve.v1.PongH\x00\x12,\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.RequestErrorH\x00\x12\x30\n\x0blora_result\x18\x05 \x01(\x0b\x32\x19.pagedserve.v1.LoraResultH\x00\x42\x06\n\x04kind\"\xd6\x01\n\nLoraResult\x12\r\n\x05op_id\x18\x01 \x01(\t\x12,\n\x04kind\x18\x02 \x01(\x0e\x32\x1e.pagedserve.v1.LoraResult.Kind\x12\x0f\n\x07message\x18\x03 \x01(\t\x12,\n\x08\x61\x64\x61pters\x18\x04 \x03(\x0b\x32\x1a.pagedserve.v1.LoraAdapter\"L\n\x04Kind\x12\x0b\n\x07KIND_OK\x10\x00\x12\x10\n\x0cKIND_INVALID\x10\x01\x12\x12\n\x0eKIND_NOT_FOUND\x10\x02\x12\x11\n\rKIND_CONFLICT\x10\x03\"\xd7\x03\n\x07Welcome\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x12\n\nmodel_path\x18\x0b \x01(\t\x12\x43\n\x0ftokenizer_files\x18\x0c \x03(\x0b\x32*.pagedserve.v1.Welcome.TokenizerFilesEntry\x12\x14\n\x0clora_enabled\x18\r \x01(\x08\x12\x15\n\rmax_lora_rank\x18\x0e \x01(\r\x12\x11\n\tmax_loras\x18\x0f \x01(\r\x12\x31\n\rlora_adapters\x18\x10 \x03(\x0b\x32\x1a.pagedserve.v1.LoraAdapter\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\xba\x01\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\"\xb6\x01\n\x0bOutputBatch\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.pagedserve.v1.RequestOutput\x12)\n\x05stats\x18\x02 \x01(\x0b\x32\x1a.pagedserve.v1.EngineStats\x12\x19\n\x11token_request_ids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x1f\n\x17token_num_cached_tokens\x18\x05 \x03(\r\"\xc7\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x38\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\r\n\x05\x65rror\x18\n \x01(\tB\x10\n\x0e_stop_token_id\"\x9f\x01\n\x04Pong\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x05stats\x18\x02 \x01(\x0b\x32\x1a.pagedserve.v1.EngineStats\x12&\n\tfrontends\x18\x03 \x03(\x0b\x32\x13.pagedserve.v1.Peer\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x12\n\nlora_names\x18\x06 \x03(\t\"\xa6\x01\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12.\n\x04kind\x18\x03 \x01(\x0e\x32 .pagedserve.v1.RequestError.Kind\"A\n\x04Kind\x12\x10\n\x0cKIND_INVALID\x10\x00\x12\x13\n\x0fKIND_OVERLOADED\x10\x01\x12\x12\n\x0eKIND_NOT_FOUND\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/engine_ipc.proto\x12\rpagedserve.v1\x1a\x1epagedserve/v1/generation.proto\x1a\x18pagedserve/v1/info.proto\"\xbf\x02\n\rEngineRequest\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x14.pagedserve.v1.HelloH\x00\x12(\n\x03\x61\x64\x64\x18\x02 \x01(\x0b\x32\x19.pagedserve.v1.AddRequestH\x00\x12-\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x1c.pagedserve.v1.AbortRequestsH\x00\x12#\n\x04ping\x18\x04 \x01(\x0b\x32\x13.pagedserve.v1.PingH\x00\x12!\n\x03\x62ye\x18\x05 \x01(\x0b\x32\x12.pagedserve.v1.ByeH\x00\x12,\n\tload_lora\x18\x06 \x01(\x0b\x32\x17.pagedserve.v1.LoadLoraH\x00\x12\x30\n\x0bunload_lora\x18\x07 \x01(\x0b\x32\x19.pagedserve.v1.UnloadLoraH\x00\x42\x06\n\x04kind\"-\n\x05Hello\x12\x13\n\x0b\x66rontend_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\x84\x02\n\nAddRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12<\n\x12structured_outputs\x18\x05 \x01(\x0b\x32 .pagedserve.v1.StructuredOutputs\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x34\n\x13\x62\x61\x64_words_token_ids\x18\x07 \x03(\x0b\x32\x17.pagedserve.v1.TokenIds\"7\n\x0bLoraAdapter\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\"5\n\x08LoadLora\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04path\x18\x03 \x01(\t\")\n\nUnloadLora\x12\r\n\x05op_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\"\xa6\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x14\n\x0cstarts_after\x18\x06 \x03(\rB\x06\n\x04kind\"9\n\rAbortRequests\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x13\n\x0bstop_string\x18\x02 \x01(\x08\"\x13\n\x04Ping\x12\x0b\n\x03seq\x18\x01 \x01(\x04\"\x05\n\x03\x42ye\"\xf7\x01\n\x0e\x45ngineResponse\x12)\n\x07welcome\x18\x01 \x01(\x0b\x32\x16.pagedserve.v1.WelcomeH\x00\x12-\n\x07outputs\x18\x02 \x01(\x0b\x32\x1a.pagedserve.v1.OutputBatchH\x00\x12#\n\x04pong\x18\x03 \x01(\x0b\x32\x13.pagedserve.v1.PongH\x00\x12,\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1b.pagedserve.v1.RequestErrorH\x00\x12\x30\n\x0blora_result\x18\x05 \x01(\x0b\x32\x19.pagedserve.v1.LoraResultH\x00\x42\x06\n\x04kind\"\xd6\x01\n\nLoraResult\x12\r\n\x05op_id\x18\x01 \x01(\t\x12,\n\x04kind\x18\x02 \x01(\x0e\x32\x1e.pagedserve.v1.LoraResult.Kind\x12\x0f\n\x07message\x18\x03 \x01(\t\x12,\n\x08\x61\x64\x61pters\x18\x04 \x03(\x0b\x32\x1a.pagedserve.v1.LoraAdapter\"L\n\x04Kind\x12\x0b\n\x07KIND_OK\x10\x00\x12\x10\n\x0cKIND_INVALID\x10\x01\x12\x12\n\x0eKIND_NOT_FOUND\x10\x02\x12\x11\n\rKIND_CONFLICT\x10\x03\"\x91\x04\n\x07Welcome\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\r\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\n \x01(\t\x12\x12\n\nmodel_path\x18\x0b \x01(\t\x12\x43\n\x0ftokenizer_files\x18\x0c \x03(\x0b\x32*.pagedserve.v1.Welcome.TokenizerFilesEntry\x12\x14\n\x0clora_enabled\x18\r \x01(\x08\x12\x15\n\rmax_lora_rank\x18\x0e \x01(\r\x12\x11\n\tmax_loras\x18\x0f \x01(\r\x12\x31\n\rlora_adapters\x18\x10 \x03(\x0b\x32\x1a.pagedserve.v1.LoraAdapter\x12\x38\n\x11sampling_defaults\x18\x11 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x1a\x35\n\x13TokenizerFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"\xba\x01\n\x0b\x45ngineStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x04 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x05 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x06 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x07 \x01(\x04\"\xb6\x01\n\x0bOutputBatch\x12-\n\x07outputs\x18\x01 \x03(\x0b\x32\x1c.pagedserve.v1.RequestOutput\x12)\n\x05stats\x18\x02 \x01(\x0b\x32\x1a.pagedserve.v1.EngineStats\x12\x19\n\x11token_request_ids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12\x1f\n\x17token_num_cached_tokens\x18\x05 \x03(\r\"\xc7\x02\n\rRequestOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x14\n\x0csample_index\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\r\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x1a\n\rstop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x08 \x01(\r\x12\x38\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\r\n\x05\x65rror\x18\n \x01(\tB\x10\n\x0e_stop_token_id\"\x9f\x01\n\x04Pong\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x05stats\x18\x02 \x01(\x0b\x32\x1a.pagedserve.v1.EngineStats\x12&\n\tfrontends\x18\x03 \x03(\x0b\x32\x13.pagedserve.v1.Peer\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x10\n\x08\x64raining\x18\x05 \x01(\x08\x12\x12\n\nlora_names\x18\x06 \x03(\t\"\xa6\x01\n\x0cRequestError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\x12.\n\x04kind\x18\x03 \x01(\x0e\x32 .pagedserve.v1.RequestError.Kind\"A\n\x04Kind\x12\x10\n\x0cKIND_INVALID\x10\x00\x12\x13\n\x0fKIND_OVERLOADED\x10\x01\x12\x12\n\x0eKIND_NOT_FOUND\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,41 +40,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLO']._serialized_start=429
   _globals['_HELLO']._serialized_end=474
   _globals['_ADDREQUEST']._serialized_start=477
-  _globals['_ADDREQUEST']._serialized_end=683
-  _globals['_LORAADAPTER']._serialized_start=685
-  _globals['_LORAADAPTER']._serialized_end=740
-  _globals['_LOADLORA']._serialized_start=742
-  _globals['_LOADLORA']._serialized_end=795
-  _globals['_UNLOADLORA']._serialized_start=797
-  _globals['_UNLOADLORA']._serialized_end=838
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=841
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=985
-  _globals['_ABORTREQUESTS']._serialized_start=987
-  _globals['_ABORTREQUESTS']._serialized_end=1044
-  _globals['_PING']._serialized_start=1046
-  _globals['_PING']._serialized_end=1065
-  _globals['_BYE']._serialized_start=1067
-  _globals['_BYE']._serialized_end=1072
-  _globals['_ENGINERESPONSE']._serialized_start=1075
-  _globals['_ENGINERESPONSE']._serialized_end=1322
-  _globals['_LORARESULT']._serialized_start=1325
-  _globals['_LORARESULT']._serialized_end=1539
-  _globals['_LORARESULT_KIND']._serialized_start=1463
-  _globals['_LORARESULT_KIND']._serialized_end=1539
-  _globals['_WELCOME']._serialized_start=1542
-  _globals['_WELCOME']._serialized_end=2013
-  _globals['_WELCOME_TOKENIZERFILESENTRY']._serialized_start=1960
-  _globals['_WELCOME_TOKENIZERFILESENTRY']._serialized_end=2013
-  _globals['_ENGINESTATS']._serialized_start=2016
-  _globals['_ENGINESTATS']._serialized_end=2202
-  _globals['_OUTPUTBATCH']._serialized_start=2205
-  _globals['_OUTPUTBATCH']._serialized_end=2387
-  _globals['_REQUESTOUTPUT']._serialized_start=2390
-  _globals['_REQUESTOUTPUT']._serialized_end=2717
-  _globals['_PONG']._serialized_start=2720
-  _globals['_PONG']._serialized_end=2879
-  _globals['_REQUESTERROR']._serialized_start=2882
-  _globals['_REQUESTERROR']._serialized_end=3048
-  _globals['_REQUESTERROR_KIND']._serialized_start=2983
-  _globals['_REQUESTERROR_KIND']._serialized_end=3048
+  _globals['_ADDREQUEST']._serialized_end=737
+  _globals['_LORAADAPTER']._serialized_start=739
+  _globals['_LORAADAPTER']._serialized_end=794
+  _globals['_LOADLORA']._serialized_start=796
+  _globals['_LOADLORA']._serialized_end=849
+  _globals['_UNLOADLORA']._serialized_start=851
+  _globals['_UNLOADLORA']._serialized_end=892
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=895
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1061
+  _globals['_ABORTREQUESTS']._serialized_start=1063
+  _globals['_ABORTREQUESTS']._serialized_end=1120
+  _globals['_PING']._serialized_start=1122
+  _globals['_PING']._serialized_end=1141
+  _globals['_BYE']._serialized_start=1143
+  _globals['_BYE']._serialized_end=1148
+  _globals['_ENGINERESPONSE']._serialized_start=1151
+  _globals['_ENGINERESPONSE']._serialized_end=1398
+  _globals['_LORARESULT']._serialized_start=1401
+  _globals['_LORARESULT']._serialized_end=1615
+  _globals['_LORARESULT_KIND']._serialized_start=1539
+  _globals['_LORARESULT_KIND']._serialized_end=1615
+  _globals['_WELCOME']._serialized_start=1618
+  _globals['_WELCOME']._serialized_end=2147
+  _globals['_WELCOME_TOKENIZERFILESENTRY']._serialized_start=2094
+  _globals['_WELCOME_TOKENIZERFILESENTRY']._serialized_end=2147
+  _globals['_ENGINESTATS']._serialized_start=2150
+  _globals['_ENGINESTATS']._serialized_end=2336
+  _globals['_OUTPUTBATCH']._serialized_start=2339
+  _globals['_OUTPUTBATCH']._serialized_end=2521
+  _globals['_REQUESTOUTPUT']._serialized_start=2524
+  _globals['_REQUESTOUTPUT']._serialized_end=2851
+  _globals['_PONG']._serialized_start=2854
+  _globals['_PONG']._serialized_end=3013
+  _globals['_REQUESTERROR']._serialized_start=3016
+  _globals['_REQUESTERROR']._serialized_end=3182
+  _globals['_REQUESTERROR_KIND']._serialized_start=3117
+  _globals['_REQUESTERROR_KIND']._serialized_end=3182
 # @@protoc_insertion_point(module_scope)

@@ -24,15 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\"\xfe\x03\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x03\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x03\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x05\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x06\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x07\x88\x01\x01\x12\x1b\n\x13\x64isable_speculation\x18\x11 \x01(\x08\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\xb5\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.pagedserve.v1.ChatH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12 \n\x13skip_special_tokens\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x03\x88\x01\x01\x12\x1a\n\rtime_limit_ms\x18\n \x01(\rH\x04\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0b \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\x0c \x01(\x08H\x01\x12\x0f\n\x05regex\x18\r \x01(\tH\x01\x12(\n\x06\x63hoice\x18\x0e \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x01\x12\x11\n\x07grammar\x18\x0f \x01(\tH\x01\x12\x11\n\tlora_name\x18\x10 \x01(\tB\x07\n\x05inputB\x0c\n\nconstraintB\x16\n\x14_skip_special_tokensB\x15\n\x13_add_special_tokensB\x10\n\x0e_time_limit_ms\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"j\n\x10PositionLogprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\x85\x01\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x38\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\"j\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xab\x01\n\x08\x46inished\x12\r\n\x05index\x18\x01 \x01(\r\x12+\n\x06reason\x18\x02 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x04 \x01(\rH\x00\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.pagedserve.v1.UsageB\x0e\n\x0cmatched_stop\"\x99\x01\n\x10GenerateResponse\x12)\n\x07started\x18\x01 \x01(\x0b\x32\x16.pagedserve.v1.StartedH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.pagedserve.v1.ChunkH\x00\x12+\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.FinishedH\x00\x42\x06\n\x04kind\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\xa0\x01\n\x0b\x41\x62ortResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x06status\x18\x02 \x01(\x0e\x32!.pagedserve.v1.AbortResult.Status\"J\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_ABORTED\x10\x01\x12\x14\n\x10STATUS_NOT_FOUND\x10\x02\"<\n\rAbortResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.AbortResult*\xd4\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TIME_LIMIT\x10\x06\x32\x9f\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"4\n\x04\x43hat\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\"\xbe\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x06\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x08 \x01(\x05\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x03\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x07\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x02H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\t\x88\x01\x01\x12\x1b\n\x13\x64isable_speculation\x18\x11 \x01(\x08\x12@\n\nlogit_bias\x18\x12 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x11\n\tbad_words\x18\x13 \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x14 \x03(\x03\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x12\n\x10_prompt_logprobs\"\xb5\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12#\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x13.pagedserve.v1.ChatH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12 \n\x13skip_special_tokens\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08\x12\x10\n\x08priority\x18\x08 \x01(\x05\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\t \x01(\x08H\x03\x88\x01\x01\x12\x1a\n\rtime_limit_ms\x18\n \x01(\rH\x04\x88\x01\x01\x12\x15\n\x0bjson_schema\x18\x0b \x01(\tH\x01\x12\x15\n\x0bjson_object\x18\x0c \x01(\x08H\x01\x12\x0f\n\x05regex\x18\r \x01(\tH\x01\x12(\n\x06\x63hoice\x18\x0e \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x01\x12\x11\n\x07grammar\x18\x0f \x01(\tH\x01\x12\x11\n\tlora_name\x18\x10 \x01(\tB\x07\n\x05inputB\x0c\n\nconstraintB\x16\n\x14_skip_special_tokensB\x15\n\x13_add_special_tokensB\x10\n\x0e_time_limit_ms\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"@\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"j\n\x10PositionLogprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"\x85\x01\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x38\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\"j\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xab\x01\n\x08\x46inished\x12\r\n\x05index\x18\x01 \x01(\r\x12+\n\x06reason\x18\x02 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x03 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x04 \x01(\rH\x00\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.pagedserve.v1.UsageB\x0e\n\x0cmatched_stop\"\x99\x01\n\x10GenerateResponse\x12)\n\x07started\x18\x01 \x01(\x0b\x32\x16.pagedserve.v1.StartedH\x00\x12%\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x14.pagedserve.v1.ChunkH\x00\x12+\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.FinishedH\x00\x42\x06\n\x04kind\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\xa0\x01\n\x0b\x41\x62ortResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x06status\x18\x02 \x01(\x0e\x32!.pagedserve.v1.AbortResult.Status\"J\n\x06Status\x12\x16\n\x12STATUS_UNSPECIFIED\x10\x00\x12\x12\n\x0eSTATUS_ABORTED\x10\x01\x12\x14\n\x10STATUS_NOT_FOUND\x10\x02\"<\n\rAbortResponse\x12+\n\x07results\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.AbortResult*\xd4\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x04\x12\x19\n\x15\x46INISH_REASON_ABORTED\x10\x05\x12\x1c\n\x18\x46INISH_REASON_TIME_LIMIT\x10\x06\x32\x9f\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'common.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2376
-  _globals['_FINISHREASON']._serialized_end=2588
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2568
+  _globals['_FINISHREASON']._serialized_end=2780
   _globals['_TOKENIDS']._serialized_start=49
   _globals['_TOKENIDS']._serialized_end=72
   _globals['_CHATMESSAGE']._serialized_start=74
@@ -40,33 +42,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHAT']._serialized_start=120
   _globals['_CHAT']._serialized_end=172
   _globals['_SAMPLINGPARAMS']._serialized_start=175
-  _globals['_SAMPLINGPARAMS']._serialized_end=685
-  _globals['_GENERATEREQUEST']._serialized_start=688
-  _globals['_GENERATEREQUEST']._serialized_end=1253
-  _globals['_CHOICES']._serialized_start=1255
-  _globals['_CHOICES']._serialized_end=1281
-  _globals['_TOKENLOGPROB']._serialized_start=1283
-  _globals['_TOKENLOGPROB']._serialized_end=1347
-  _globals['_POSITIONLOGPROBS']._serialized_start=1349
-  _globals['_POSITIONLOGPROBS']._serialized_end=1455
-  _globals['_STARTED']._serialized_start=1458
-  _globals['_STARTED']._serialized_end=1591
-  _globals['_CHUNK']._serialized_start=1593
-  _globals['_CHUNK']._serialized_end=1699
-  _globals['_USAGE']._serialized_start=1701
-  _globals['_USAGE']._serialized_end=1781
-  _globals['_FINISHED']._serialized_start=1784
-  _globals['_FINISHED']._serialized_end=1955
-  _globals['_GENERATERESPONSE']._serialized_start=1958
-  _globals['_GENERATERESPONSE']._serialized_end=2111
-  _globals['_ABORTREQUEST']._serialized_start=2113
-  _globals['_ABORTREQUEST']._serialized_end=2148
-  _globals['_ABORTRESULT']._serialized_start=2151
-  _globals['_ABORTRESULT']._serialized_end=2311
-  _globals['_ABORTRESULT_STATUS']._serialized_start=2237
-  _globals['_ABORTRESULT_STATUS']._serialized_end=2311
-  _globals['_ABORTRESPONSE']._serialized_start=2313
-  _globals['_ABORTRESPONSE']._serialized_end=2373
-  _globals['_GENERATION']._serialized_start=2591
-  _globals['_GENERATION']._serialized_end=2750
+  _globals['_SAMPLINGPARAMS']._serialized_end=877
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=697
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=745
+  _globals['_GENERATEREQUEST']._serialized_start=880
+  _globals['_GENERATEREQUEST']._serialized_end=1445
+  _globals['_CHOICES']._serialized_start=1447
+  _globals['_CHOICES']._serialized_end=1473
+  _globals['_TOKENLOGPROB']._serialized_start=1475
+  _globals['_TOKENLOGPROB']._serialized_end=1539
+  _globals['_POSITIONLOGPROBS']._serialized_start=1541
+  _globals['_POSITIONLOGPROBS']._serialized_end=1647
+  _globals['_STARTED']._serialized_start=1650
+  _globals['_STARTED']._serialized_end=1783
+  _globals['_CHUNK']._serialized_start=1785
+  _globals['_CHUNK']._serialized_end=1891
+  _globals['_USAGE']._serialized_start=1893
+  _globals['_USAGE']._serialized_end=1973
+  _globals['_FINISHED']._serialized_start=1976
+  _globals['_FINISHED']._serialized_end=2147
+  _globals['_GENERATERESPONSE']._serialized_start=2150
+  _globals['_GENERATERESPONSE']._serialized_end=2303
+  _globals['_ABORTREQUEST']._serialized_start=2305
+  _globals['_ABORTREQUEST']._serialized_end=2340
+  _globals['_ABORTRESULT']._serialized_start=2343
+  _globals['_ABORTRESULT']._serialized_end=2503
+  _globals['_ABORTRESULT_STATUS']._serialized_start=2429
+  _globals['_ABORTRESULT_STATUS']._serialized_end=2503
+  _globals['_ABORTRESPONSE']._serialized_start=2505
+  _globals['_ABORTRESPONSE']._serialized_end=2565
+  _globals['_GENERATION']._serialized_start=2783
+  _globals['_GENERATION']._serialized_end=2942
 # @@protoc_insertion_point(module_scope)

@@ -72,6 +72,12 @@ def _field(reader, key: str, default=None):
     return default if field is None else field.contents()
 
 
+def read_gguf_metadata(path: Path, keys: list[str]) -> dict[str, object]:
+    """The values of those of `keys` the file carries."""
+    reader = _reader(path)
+    return {key: _field(reader, key) for key in keys if key in reader.fields}
+
+
 def read_gguf_config(path: Path) -> ModelArchConfig:
     reader = _reader(path)
     arch = _field(reader, "general.architecture")

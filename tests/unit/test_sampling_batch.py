@@ -10,8 +10,8 @@ from engine.keyed_random import mix
 from engine.model_runner import ModelRunner
 from engine.outputs import ScheduledRequest
 from engine.request import Request
-from engine.sampling_batch import (GREEDY, LOGPROBS, MIN_TOKENS, PENALTIES, TEMPERATURE, TOP_K, TOP_P, UNSEEDED,
-                                   SamplingBatch, rng_keys)
+from engine.sampling_batch import (GREEDY, LOGPROBS, MIN_TOKENS, NUM_COLUMNS, PENALTIES, TEMPERATURE, TOP_K, TOP_P,
+                                   UNSEEDED, SamplingBatch, rng_keys)
 
 SETTINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3),
             SamplingParams(temperature=1.0, logprobs=2, repetition_penalty=1.2, min_tokens=4),
@@ -28,7 +28,7 @@ def requests(outputs: list[list[int]] | None = None) -> list[Request]:
 
 def test_columns_hold_each_rows_settings():
     batch = SamplingBatch.of_requests(requests())
-    assert batch.columns.shape == (4, 12)
+    assert batch.columns.shape == (4, NUM_COLUMNS)
     for i, p in enumerate(SETTINGS):
         assert batch.columns[i, TEMPERATURE] == p.temperature and batch.columns[i, TOP_K] == p.top_k
         assert batch.columns[i, TOP_P] == p.top_p and batch.columns[i, MIN_TOKENS] == p.min_tokens
