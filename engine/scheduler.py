@@ -145,6 +145,8 @@ class Scheduler(SteadyDecodes):
         num_new = min(len(request.all_token_ids) - computed, budget)
         # Drafts follow a decode's one token, as far as the budget goes.
         drafts = request.spec_token_ids[:max(0, budget - num_new)] if request.spec_token_ids else ()
+        if drafts and request.structured is not None and request.structured.waiting:
+            drafts = request.structured.drafts_before_start(request.all_token_ids, drafts)
         num_new += len(drafts)
         end = self._slots(computed + num_new) if lookahead else computed + num_new
         while not self.block_manager.append_slots(request.request_id, request.all_token_ids, end, computed):
@@ -222,7 +224,7 @@ class Scheduler(SteadyDecodes):
         """Queue a request whose grammar (if any) has compiled; one that failed ends here."""
         if request.structured is not None:
             try:
-                request.structured.start()
+                request.structured.start(request.prompt_token_ids)
             except InvalidRequest as e:
                 request.error = str(e)
                 self._finish(request, RequestStatus.FINISHED_INVALID)
@@ -343,11 +345,13 @@ class Scheduler(SteadyDecodes):
         params = request.sampling_params
         if request.structured is not None:
             matcher = request.structured.matcher
-            if not matcher.accept(token):
+            if matcher is None:  # still reasoning: the grammar begins after its end (starts_after)
+                request.structured.watch(request.all_token_ids)
+            elif not matcher.accept(token):
                 request.error = (f"structured output: the grammar rejected sampled token {token} "
                                  f"({matcher.error() or 'no reason given'})")
                 return RequestStatus.FINISHED_ERROR
-            if matcher.is_terminated():  # the grammar is complete: that is the end, eos or not
+            elif matcher.is_terminated():  # the grammar is complete: that is the end, eos or not
                 if token in request.eos_token_ids or token in params.stop_token_ids:
                     request.stop_token_id = token
                 return RequestStatus.FINISHED_STOPPED

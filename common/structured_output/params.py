@@ -29,6 +29,11 @@ class StructuredOutputsParams:
     choice: the output is exactly one of these strings.
     grammar: a context-free grammar in llguidance's Lark syntax (which also embeds JSON
         schemas with `%json {...}`).
+
+    And, with any kind: starts_after, token ids that end the model's reasoning (`</think>`,
+    as the frontend tokenized it). The grammar then applies only after them: the output is
+    free until the prompt and output so far end with these tokens, and the rest matches the
+    grammar. Empty: the whole output matches. Not part of `key` (the grammar is the same).
     """
 
     json: str | dict | None = None
@@ -36,6 +41,7 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    starts_after: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -50,6 +56,9 @@ class StructuredOutputsParams:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise InvalidRequest(f"structured_outputs.{name}: must be a non-empty string")
+        object.__setattr__(self, "starts_after", tuple(self.starts_after))
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.starts_after):
+            raise InvalidRequest("structured_outputs.starts_after: must be a list of token ids")
         if len(self.spec) > MAX_SPEC_CHARS:
             raise InvalidRequest(f"structured_outputs.{self.kind}: {len(self.spec)} characters is more "
                                  f"than the {MAX_SPEC_CHARS} allowed")

@@ -2,11 +2,15 @@
 
     stop_reason: eos -> end_turn (tool_use when calls were made), a stop sequence ->
                  stop_sequence, max_tokens -> max_tokens
-    stream events: message_start, then per content block (text, tool_use) content_block_start,
-                   content_block_delta* (text_delta, input_json_delta), content_block_stop,
-                   then message_delta (stop_reason, output_tokens), message_stop
+    stream events: message_start, then per content block (thinking, text, tool_use)
+                   content_block_start, content_block_delta* (thinking_delta then signature_delta,
+                   text_delta, input_json_delta), content_block_stop, then message_delta
+                   (stop_reason, output_tokens), message_stop
     tools: the same machinery as OpenAI's chat (frontend/tool_calls); in the input, assistant
            tool_use blocks become the chat's tool_calls, user tool_result blocks tool messages
+    thinking: the reasoning parser's (frontend/reasoning) reasoning, as thinking blocks; the
+              request's `thinking` is the template's enable_thinking; thinking blocks sent
+              back become the assistant message's reasoning_content
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from frontend.async_llm import Generation
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import from_exception
-from frontend.http.params import anthropic_tool_use, messages_params
-from frontend.http.protocol import AnthropicMessage, MessagesRequest, TextPart, ToolResultBlock, ToolUseBlock
+from frontend.http.params import anthropic_template_kwargs, anthropic_tool_use, messages_params
+from frontend.http.protocol import (AnthropicMessage, MessagesRequest, TextPart, ThinkingBlock, ToolResultBlock,
+                                    ToolUseBlock)
 from frontend.http.runner import run_to_end, unless_disconnected
 from frontend.http.sample_output import AnthropicBlocks, anthropic_blocks
 from frontend.output_processor import EOS, LENGTH, STOP_STRING, STOPPED
@@ -48,7 +53,8 @@ def _stop_reason(reason: str | None, num_calls: int) -> str:
 
 def _chat_messages(m: AnthropicMessage) -> list[dict]:
     """One Anthropic message as chat messages: tool results first (each a tool message), then
-    the text, with the assistant's tool_use blocks as its tool_calls."""
+    the text, with the assistant's tool_use blocks as its tool_calls and its thinking as its
+    reasoning_content."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
@@ -56,7 +62,9 @@ def _chat_messages(m: AnthropicMessage) -> list[dict]:
     text = "".join(b.text for b in m.content if isinstance(b, TextPart))
     calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
              for b in m.content if isinstance(b, ToolUseBlock)]
-    message = {"role": m.role, "content": text, **({"tool_calls": calls} if calls else {})}
+    thinking = "".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
+    message = {"role": m.role, "content": text, **({"tool_calls": calls} if calls else {}),
+               **({"reasoning_content": thinking} if thinking else {})}
     return results + ([message] if text or calls or not results else [])
 
 
@@ -65,22 +73,26 @@ async def create_message(ctx: HttpContext, request: Request):
     lora_name = ctx.resolve_model(body.model)
     processor = ctx.llm.require_ready()
     tools = anthropic_tool_use(body)
-    params = messages_params(body, tools, processor)
+    template_kwargs = anthropic_template_kwargs(body)
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
     messages += [chat for m in body.messages for chat in _chat_messages(m)]
     # A conversation ending with the assistant's words asks the model to continue them.
     continue_final = messages[-1]["role"] == "assistant" if messages else False
     messages, template_tools = chat_with_tools(processor.tokenizer.chat_template, messages, tools)
     prompt = processor.tokenize_chat(messages, add_generation_prompt=not continue_final,
-                                     continue_final_message=continue_final, tools=template_tools)
+                                     continue_final_message=continue_final, chat_template_kwargs=template_kwargs,
+                                     tools=template_tools)
+    params = messages_params(body, tools, processor, ctx.parser_names(tools)[0], prompt)
     generation = ctx.llm.admit(prompt, params, lora_name=lora_name)
     message_id = f"msg_{uuid.uuid4().hex}"
+    omit_thinking = body.thinking is not None and body.thinking.display == "omitted"
     if body.stream:
         parser = ctx.sample_parser(tools)
-        return StreamingResponse(ctx.counted(_stream(ctx, generation, message_id, body.model, parser)),
+        blocks = AnthropicBlocks(_event, omit_thinking)
+        return StreamingResponse(ctx.counted(_stream(ctx, generation, message_id, body.model, parser, blocks)),
                                  media_type="text/event-stream")
     [[sample]] = await unless_disconnected(request, ctx.counted_call(run_to_end(ctx.llm, [generation])))
-    content = anthropic_blocks(ctx.parse_sample(sample.text, tools))
+    content = anthropic_blocks(ctx.parse_sample(sample.text, tools), omit_thinking)
     num_calls = sum(b["type"] == "tool_use" for b in content)
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": body.model,
@@ -96,11 +108,10 @@ def _usage(generation: Generation) -> dict:
 
 
 async def _stream(ctx: HttpContext, generation: Generation, message_id: str, model: str,
-                  parser: SampleParser) -> AsyncIterator[str]:
+                  parser: SampleParser, blocks: AnthropicBlocks) -> AsyncIterator[str]:
     yield _event("message_start", {"message": {
         "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {**_usage(generation), "output_tokens": 0}}})
-    blocks = AnthropicBlocks(_event)
     reason, stop = None, None
     try:
         async for deltas in ctx.llm.generate(generation):

@@ -67,13 +67,13 @@ async def create_chat_completion(ctx: HttpContext, request: Request):
     lora_name = ctx.resolve_model(body.model)
     processor = ctx.llm.require_ready()
     tools = openai_tool_use(body)
-    params = chat_params(body, tools, processor)
     messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
     messages, template_tools = chat_with_tools(processor.tokenizer.chat_template, messages, tools)
     prompt = processor.tokenize_chat(
         messages, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
         continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs,
         tools=template_tools)
+    params = chat_params(body, tools, processor, ctx.parser_names(tools)[0], prompt)
     generation = ctx.llm.admit(prompt, params, priority=body.priority, lora_name=lora_name)
     response = _Response(ctx, "chatcmpl", "chat.completion", body.model, [generation], body.stream_options)
     if body.stream:

@@ -63,6 +63,8 @@ class _Sampling(_Request):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     prompt_logprobs: StrictInt | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[StrictInt] | None = None
     priority: StrictInt = 0
     request_id: str | None = None
     disable_speculation: StrictBool = False  # ours: opt out of the engine's speculative decoding
@@ -134,7 +136,24 @@ class ToolResultBlock(BaseModel):
     is_error: StrictBool = False
 
 
-ContentBlock = Annotated[TextPart | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(BaseModel):
+    """An assistant's earlier thinking, sent back: its text goes to the template as the
+    message's reasoning_content (Qwen3's reads it); the signature is not checked (ours are empty)."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str = ""
+
+
+class RedactedThinkingBlock(BaseModel):
+    """Anthropic's encrypted thinking: opaque here, dropped (this server never writes one)."""
+
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = Annotated[TextPart | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                         Field(discriminator="type")]
 
 
 class AnthropicMessage(BaseModel):
@@ -155,6 +174,15 @@ class AnthropicToolChoice(BaseModel):
     disable_parallel_tool_use: StrictBool = False
 
 
+class AnthropicThinking(BaseModel):
+    """Anthropic's `thinking`: the chat template's enable_thinking (params.py). budget_tokens is
+    checked as Anthropic checks it, and not enforced beyond max_tokens (which counts thinking)."""
+
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: StrictInt | None = None
+    display: Literal["summarized", "omitted"] | None = None  # omitted: thinking blocks come back empty
+
+
 class MessagesRequest(_Request):
     model: str
     max_tokens: StrictInt
@@ -168,7 +196,9 @@ class MessagesRequest(_Request):
     metadata: dict[str, Any] | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: AnthropicToolChoice | None = None
+    thinking: AnthropicThinking | None = None
     disable_speculation: StrictBool = False  # ours, as on the OpenAI routes
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's, as on the OpenAI routes
 
 
 class TokenizeRequest(_Request):

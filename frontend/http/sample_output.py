@@ -44,7 +44,8 @@ def openai_fields(events: list[Event], ids: dict[int, str]) -> dict:
         else:
             entry = entries.setdefault(e.index, {"index": e.index, "function": {"arguments": ""}})
             entry["function"]["arguments"] += e.text
-    fields = {"reasoning_content": "".join(reasoning), "content": "".join(content), "tool_calls": list(entries.values())}
+    fields = {"reasoning_content": "".join(reasoning), "content": "".join(content),
+              "tool_calls": list(entries.values())}
     return {k: v for k, v in fields.items() if v}
 
 
@@ -62,16 +63,18 @@ def openai_message(events: list[Event], reasoning: bool, tools: bool) -> dict:
     return message
 
 
-def anthropic_blocks(events: list[Event]) -> list[dict]:
-    """A whole sample's content blocks: thinking, text and tool_use, in order."""
+def anthropic_blocks(events: list[Event], omit_thinking: bool = False) -> list[dict]:
+    """A whole sample's content blocks: thinking, text and tool_use, in order. `omit_thinking`
+    (Anthropic's thinking.display "omitted"): thinking blocks without their text."""
     blocks, arguments = [], {}
     for e in events:
         if isinstance(e, (Content, Reasoning)):
             kind, key = ("text", "text") if isinstance(e, Content) else ("thinking", "thinking")
+            text = "" if omit_thinking and kind == "thinking" else e.text
             if blocks and blocks[-1]["type"] == kind:
-                blocks[-1][key] += e.text
+                blocks[-1][key] += text
             else:
-                blocks.append(_block(kind) | {key: e.text})
+                blocks.append(_block(kind) | {key: text})
         elif isinstance(e, CallStart):
             blocks.append(_block("tool_use", e.name))
             arguments[len(blocks) - 1] = ""
@@ -95,10 +98,11 @@ def _block(kind: str, name: str = "") -> dict:
 class AnthropicBlocks:
     """A stream's content blocks, opened as the events need them: thinking_delta for
     reasoning, text_delta for content, a tool_use block (input {}) then input_json_delta
-    pieces for each call."""
+    pieces for each call. `omit_thinking`: thinking blocks open and close with no text."""
 
-    def __init__(self, event) -> None:
+    def __init__(self, event, omit_thinking: bool = False) -> None:
         self.event = event  # (kind, data) -> one SSE event
+        self.omit_thinking = omit_thinking
         self.index = -1
         self.kind: str | None = None  # the open block's type
 
@@ -108,7 +112,8 @@ class AnthropicBlocks:
             if isinstance(e, Reasoning):
                 if self.kind != "thinking":
                     out += self._open(_block("thinking"))
-                out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
+                if not self.omit_thinking:
+                    out.append(self._delta({"type": "thinking_delta", "thinking": e.text}))
             elif isinstance(e, Content):
                 if self.kind != "text":
                     out += self._open(_block("text"))
