@@ -10,11 +10,12 @@ from frontend.tool_calls import parsers as tool_parsers
 
 
 class SampleParser:
-    """`reasoning` and `tools` name the parsers; None: that part is not looked for."""
+    """`reasoning` and `tools` name the parsers; None: that part is not looked for. `functions`
+    are the request's tools (frontend.tool_calls.tools.Tool), which some tool parsers read."""
 
-    def __init__(self, reasoning: str | None = None, tools: str | None = None) -> None:
+    def __init__(self, reasoning: str | None = None, tools: str | None = None, functions: tuple = ()) -> None:
         self.reasoning = None if reasoning is None else reasoning_parsers.make_parser(reasoning)
-        self.tools = None if tools is None else tool_parsers.make_parser(tools)
+        self.tools = None if tools is None else tool_parsers.make_parser(tools, functions)
 
     @property
     def num_calls(self) -> int:
@@ -34,11 +35,12 @@ class SampleParser:
         return out + (self.tools.finish() if final else [])
 
 
-def parse_sample(text: str, reasoning: str | None = None, tools: str | None = None) -> list[Event]:
+def parse_sample(text: str, reasoning: str | None = None, tools: str | None = None,
+                 functions: tuple = ()) -> list[Event]:
     """A whole sample's events; a tool call cut off or malformed anywhere is Content (a whole
     answer has nothing sent already that it could not take back, unlike a stream)."""
     events = SampleParser(reasoning).feed(text, final=True)
     if tools is None:
         return events
     answer = "".join(e.text for e in events if isinstance(e, Content))
-    return [e for e in events if not isinstance(e, Content)] + tool_parsers.parse(tools, answer)
+    return [e for e in events if not isinstance(e, Content)] + tool_parsers.parse(tools, answer, functions)

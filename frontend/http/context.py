@@ -51,11 +51,11 @@ class HttpContext:
 
     def sample_parser(self, tools: ToolUse | None) -> SampleParser:
         """A new parser for one sample of a request with these tools (see `parser_names`)."""
-        return SampleParser(*self.parser_names(tools))
+        return SampleParser(*self.parser_names(tools), _functions(tools))
 
     def parse_sample(self, text: str, tools: ToolUse | None) -> list[Event]:
         """A whole sample's events (frontend.sample_parser.parse_sample) for a request with these tools."""
-        return parse_sample(text, *self.parser_names(tools))
+        return parse_sample(text, *self.parser_names(tools), _functions(tools))
 
     def parser_names(self, tools: ToolUse | None) -> tuple[str | None, str | None]:
         """(reasoning parser, tool-call parser) for a request; None: that part is not parsed.
@@ -99,6 +99,11 @@ class HttpContext:
     def served_name(self) -> str:
         names = self.model_names()
         return names[0] if names else ""
+
+
+def _functions(tools: ToolUse | None) -> tuple:
+    """The request's tools, which some tool-call parsers read (qwen3_coder: its parameters' types)."""
+    return () if tools is None else tools.tools
 
 
 async def parse_body(request: Request, model: type[BaseModel]):

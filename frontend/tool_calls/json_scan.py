@@ -1,10 +1,10 @@
 """An incremental JSON syntax check of one value: feed text as it arrives, and it says whether
 everything so far still begins a valid JSON value, and where that value ends once complete.
 
-The Hermes parser streams a tool call's arguments through it: each piece goes out as soon as
-it is known to belong to the value, and a value that turns malformed is caught at its first
-bad character. (`json.JSONDecoder.raw_decode` only says "not a whole value yet", never whether
-more text could still make it one.)
+The tool-call parsers of the JSON formats stream a call's arguments through it: each piece
+goes out as soon as it is known to belong to the value, and a value that turns malformed is
+caught at its first bad character. (`json.JSONDecoder.raw_decode` only says "not a whole value
+yet", never whether more text could still make it one.)
 """
 
 from __future__ import annotations
