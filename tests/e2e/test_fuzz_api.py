@@ -54,6 +54,12 @@ def sampling(wild: bool):
         "presence_penalty": field(floats(-2, 2), FLOAT32),
         "frequency_penalty": field(floats(-2, 2), FLOAT32),
         "repetition_penalty": field(floats(0.5, 2), FLOAT32),
+        # Only the wild examples draw these, so that the mostly valid ones stay those drawn before.
+        **({"logit_bias": st.dictionaries(st.integers(0, VOCAB_SIZE - 1) | INT32, floats(-100, 100) | FLOAT32,
+                                          max_size=4),
+            "allowed_token_ids": st.lists(st.integers(0, VOCAB_SIZE - 1) | INT64, max_size=5),
+            "bad_words": st.lists(st.text(alphabet="abc ", min_size=1, max_size=6) | TEXT, max_size=3)}
+           if wild else {}),
     })
 
 
@@ -303,18 +309,46 @@ MESSAGES_FIELDS = {"tools": ANTHROPIC_TOOLS, "tool_choice": ANTHROPIC_TOOL_CHOIC
                        {"role": "user", "content": "Hi"},
                        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "2"}]}])}
+RESPONSES_TOOLS = st.lists(mostly(st.fixed_dictionaries(
+    {"type": mostly(st.just("function")), "name": NAMES},
+    optional={"description": st.text(max_size=10), "parameters": SCHEMAS, "strict": st.booleans()})), max_size=3)
+RESPONSES_TOOL_CHOICE = mostly(st.sampled_from(["none", "auto", "required"]) | st.builds(
+    lambda n: {"type": "function", "name": n}, NAMES))
+TEXT_FORMATS = mostly(st.sampled_from([{"type": "text"}, {"type": "json_object"}]) | st.builds(
+    lambda s: {"type": "json_schema", "name": "x", "schema": s}, SCHEMAS))
+CALL = {"type": "function_call", "call_id": "c", "name": "f", "arguments": '{"a": 1}'}
+ITEMS = mostly(st.sampled_from([
+    "Hi", [{"role": "user", "content": "Hi"}],
+    [{"role": "developer", "content": [{"type": "input_text", "text": "Be brief."}]},
+     {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hi"}, CALL, {"type": "function_call_output", "call_id": "c", "output": "2"}],
+    [{"role": "user", "content": "Hi"}, {"type": "reasoning", "summary": [],
+                                         "content": [{"type": "reasoning_text", "text": "Hm."}]}, CALL],
+    [{"type": "function_call_output", "call_id": "c", "output": "2"}]]) | st.lists(ANY_JSON, max_size=3))
+RESPONSES_FIELDS = {"tools": RESPONSES_TOOLS, "tool_choice": RESPONSES_TOOL_CHOICE, "input": ITEMS,
+                    "text": st.builds(lambda f: {"format": f}, TEXT_FORMATS),
+                    "parallel_tool_calls": mostly(st.booleans()),
+                    "stream": st.booleans(), "temperature": st.sampled_from([0, 1.0]), "store": mostly(st.booleans()),
+                    "background": mostly(st.booleans()), "instructions": mostly(st.text(max_size=10)),
+                    "include": mostly(st.lists(st.sampled_from(["reasoning.encrypted_content", "x"]), max_size=2))}
+# Each route's field for the output's length, and its smallest conversation.
+BASICS = {"/v1/chat/completions": ("max_tokens", {"messages": [{"role": "user", "content": "Hi"}]}),
+          "/v1/messages": ("max_tokens", {"messages": [{"role": "user", "content": "Hi"}]}),
+          "/v1/responses": ("max_output_tokens", {"input": "Hi"})}
 ANSWERED: dict[str, int] = {}
 
 
 @pytest.mark.parametrize("route,fields,normal", [("/v1/chat/completions", CHAT_FIELDS, 60),
-                                                 ("/v1/messages", MESSAGES_FIELDS, 40)])
+                                                 ("/v1/messages", MESSAGES_FIELDS, 40),
+                                                 ("/v1/responses", RESPONSES_FIELDS, 40)])
 def test_structured_and_tools_fuzz(fe, route, fields, normal):
     model = model_name(fe)
+    limit, basics = BASICS[route]
 
-    @given(body=st.fixed_dictionaries({"max_tokens": st.integers(1, 12)}, optional=fields))
+    @given(body=st.fixed_dictionaries({limit: st.integers(1, 12)}, optional=fields))
     @examples(normal)
     def fuzz(body):
-        body = {"model": model, "messages": [{"role": "user", "content": "Hi"}], **body}
+        body = {"model": model, **basics, **body}
         with httpx.stream("POST", f"{fe.http_url}{route}", json=body, timeout=60) as r:
             r.read()
         assert r.status_code < 500, (r.status_code, r.text, body)
@@ -332,6 +366,9 @@ def test_structured_and_tools_fuzz(fe, route, fields, normal):
 
 
 def check_http_answer(route: str, r) -> None:
+    if route == "/v1/responses":
+        check_response(r)
+        return
     if r.headers["content-type"].startswith("text/event-stream"):
         if route == "/v1/messages":
             assert "event: error" not in r.text and r.text.rstrip().endswith('"message_stop"}'), r.text[-300:]
@@ -349,3 +386,23 @@ def check_http_answer(route: str, r) -> None:
             assert call["id"].startswith("call_") and isinstance(json.loads(call["function"]["arguments"]), dict)
         if choice["finish_reason"] == "tool_calls":
             assert choice["message"]["tool_calls"]
+
+
+def check_response(r) -> None:
+    """A Responses stream: events numbered from 0, ending complete; a whole answer: its items
+    well-formed, each call's arguments a JSON object; a background one: queued."""
+    if r.headers["content-type"].startswith("text/event-stream"):
+        events = sse_data(r.text.splitlines())
+        assert [e["sequence_number"] for e in events] == list(range(len(events))), events[-3:]
+        assert events[-1]["type"] in ("response.completed", "response.incomplete"), events[-3:]
+        answer = events[-1]["response"]
+    else:
+        answer = r.json()
+    if answer["background"]:
+        assert answer["status"] == "queued" and answer["output"] == []
+        return
+    assert answer["status"] in ("completed", "incomplete") and answer["output"]
+    for item in answer["output"]:
+        assert item["type"] in ("message", "function_call", "reasoning"), item
+        if item["type"] == "function_call" and item["status"] == "completed":
+            assert item["call_id"].startswith("call_") and isinstance(json.loads(item["arguments"]), dict)

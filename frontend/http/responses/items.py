@@ -1,0 +1,155 @@
+"""A conversation's items: what a request's `input` holds, what a response's `output` holds
+(the SDKs send earlier output items back as input), and how they become chat messages.
+
+    message               {role user|system|developer|assistant, content: text or parts}
+    function_call         an assistant's call {call_id, name, arguments}
+    function_call_output  the caller's answer {call_id, output}
+    reasoning             an assistant's thinking {content: [{type: reasoning_text, text}]}
+
+An assistant's reasoning, text and calls in a row are one assistant turn (one chat message
+with tool_calls); each function_call_output is a tool message, as anthropic_api.py maps its
+blocks. Anything malformed is a 400 naming its place, e.g. `input[2].call_id`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.errors import InvalidRequest
+
+_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal", "reasoning_text": "text"}
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    text: str
+
+
+@dataclass(frozen=True)
+class FunctionCall:
+    call_id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class CallOutput:
+    call_id: str
+    output: str
+
+
+@dataclass(frozen=True)
+class Thought:
+    text: str
+
+
+Item = Message | FunctionCall | CallOutput | Thought
+
+
+def parse_input(value, earlier: list[Item]) -> list[Item]:
+    """A request's `input` as items; `earlier` is the conversation it continues (its calls
+    are what a function_call_output may answer)."""
+    if isinstance(value, str):
+        return [Message("user", value)]
+    if value is None and earlier:
+        return []  # previous_response_id alone: the model takes the next turn
+    if not isinstance(value, list):
+        raise InvalidRequest("input: must be a string or a list of items")
+    items = [parse_item(item, f"input[{i}]") for i, item in enumerate(value)]
+    calls = {i.call_id for i in earlier if isinstance(i, FunctionCall)}
+    for i, item in enumerate(items):
+        if isinstance(item, FunctionCall):
+            calls.add(item.call_id)
+        elif isinstance(item, CallOutput) and item.call_id not in calls:
+            raise InvalidRequest(f"input[{i}].call_id: no function_call with call_id {item.call_id!r} came before "
+                                 "it in this conversation")
+    if not earlier + items:
+        raise InvalidRequest("input: must hold at least one item")
+    return items
+
+
+def parse_item(item, where: str) -> Item:
+    """One input (or earlier output) item."""
+    if not isinstance(item, dict):
+        raise InvalidRequest(f"{where}: must be an object, got {type(item).__name__}")
+    kind = item.get("type", "message" if "role" in item else None)  # the SDKs' "easy" messages have no type
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise InvalidRequest(f"{where}.role: must be one of {', '.join(_ROLES)}, got {role!r}")
+        return Message(role, _text(item.get("content"), f"{where}.content"))
+    if kind == "function_call":
+        return FunctionCall(*(_string(item, key, where) for key in ("call_id", "name", "arguments")))
+    if kind == "function_call_output":
+        output = item.get("output")
+        text = output if isinstance(output, str) else _text(output, f"{where}.output")
+        return CallOutput(_string(item, "call_id", where), text)
+    if kind == "reasoning":
+        content = item.get("content")
+        return Thought("" if content is None else _text(content, f"{where}.content"))
+    if kind == "item_reference":
+        raise InvalidRequest(f"{where}.type: item_reference is not supported; send the item itself, or "
+                             "previous_response_id")
+    if not isinstance(kind, str):
+        raise InvalidRequest(f"{where}.type: missing; an item is a message, function_call, "
+                             "function_call_output or reasoning")
+    raise InvalidRequest(f"{where}.type: {kind!r} is not supported here; items may be message, function_call, "
+                         "function_call_output or reasoning")
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if key == "arguments" and not isinstance(value, str):
+        raise InvalidRequest(f"{where}.arguments: must be a string (the arguments as JSON text)")
+    if key != "arguments" and not (isinstance(value, str) and value):
+        raise InvalidRequest(f"{where}.{key}: must be a non-empty string")
+    return value
+
+
+def _text(content, where: str) -> str:
+    """Text content: a string, or text parts joined (images and files can't be read by a text model)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where}: must be a string or a list of content parts")
+    texts = []
+    for i, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in _TEXT_PARTS:
+            raise InvalidRequest(f"{where}[{i}].type: {kind!r} is not supported; parts may be "
+                                 f"{', '.join(_TEXT_PARTS)} (text only)")
+        text = part.get(_TEXT_PARTS[kind])
+        if not isinstance(text, str):
+            raise InvalidRequest(f"{where}[{i}].{_TEXT_PARTS[kind]}: must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def chat_messages(items: list[Item], instructions: str | None) -> list[dict]:
+    """The conversation as chat messages, `instructions` first as the system message.
+    developer is the Responses API's name for what chat templates call system."""
+    messages = [{"role": "system", "content": instructions}] if instructions else []
+    turn: dict | None = None  # the assistant turn being gathered
+    for item in items:
+        if isinstance(item, Message) and item.role != "assistant":
+            turn = None
+            messages.append({"role": "system" if item.role == "developer" else item.role, "content": item.text})
+        elif isinstance(item, CallOutput):
+            turn = None
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        else:
+            if turn is None:
+                turn = {"role": "assistant", "content": ""}
+                messages.append(turn)
+            if isinstance(item, Message):
+                turn["content"] += item.text
+            elif isinstance(item, Thought):
+                if item.text:  # templates that show earlier thinking read it here, as chat clients send it
+                    turn["reasoning_content"] = turn.get("reasoning_content", "") + item.text
+            else:
+                turn.setdefault("tool_calls", []).append(
+                    {"id": item.call_id, "type": "function",
+                     "function": {"name": item.name, "arguments": item.arguments}})
+    return messages
