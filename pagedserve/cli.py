@@ -26,6 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the gRPC frontend alone, connected over ZeroMQ to an engine, or to several "
                     "(--engine-address repeated, or --engine-dns) among which it routes each request "
                     "(--routing-policy)."))
+    from pagedserve.run_batch import add_arguments as add_run_batch
+    add_run_batch(commands.add_parser(
+        "run-batch", help="run a file of requests in OpenAI's batch format offline, through one engine",
+        description="Run a JSONL file of requests in OpenAI's batch format ({custom_id, method, url, body} per "
+                    "line; url /v1/chat/completions, /v1/completions or /v1/responses) through one engine "
+                    "process and an in-process frontend, with no listener: each line gets what the HTTP route "
+                    "would answer. Writes one result line per input line as it finishes ({id, custom_id, "
+                    "response: {status_code, request_id, body}, error}); a bad line becomes an error line. "
+                    "Exit code 0 once the file is processed. The engine flags are those of serve."))
     from pagedserve.health import add_health_arguments, add_ping_arguments
     add_health_arguments(commands.add_parser(
         "health", help="grpc.health.v1 Check on a frontend; exit 0 if SERVING (a healthcheck)",
@@ -137,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         from pagedserve.serve import run
+        return run(args, argv[1:])
+    if args.command == "run-batch":
+        from pagedserve.run_batch import run
         return run(args, argv[1:])
     if args.command == "engine":
         from engine.main import run

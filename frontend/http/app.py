@@ -2,6 +2,8 @@
 served by uvicorn on the frontend's own event loop beside grpc.aio.
 
     POST /v1/completions  /v1/chat/completions  /v1/messages (Anthropic)
+    POST /v1/responses, GET|DELETE /v1/responses/{id}, POST .../cancel  (frontend/http/responses/)
+    /v1/files, /v1/batches: batch jobs                   (frontend/http/files_api.py, batches_api.py)
     GET  /v1/models  /health  /version  /metrics      POST /tokenize  /detokenize
     POST /v1/load_lora_adapter  /v1/unload_lora_adapter   (frontend/http/lora_admin.py)
 
@@ -32,11 +34,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from common.errors import EngineOverloaded, InvalidRequest, Unavailable
 
 from frontend.http.anthropic_api import create_message
+from frontend.http.batches_api import add_batch_routes
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import HTTPError, from_exception, not_found
 from frontend.http.lora_admin import add_lora_admin_routes
 from frontend.http.openai_api import create_chat_completion, create_completion
 from frontend.http.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
+from frontend.http.responses.routes import add_responses_routes
 
 log = logging.getLogger("pagedserve.http")
 VERSION = "0.1.0"
@@ -71,6 +75,8 @@ def build_app(ctx: HttpContext) -> FastAPI:
     app.add_middleware(AuthAndLog, api_key=ctx.api_key)
     _add_openai_routes(app, ctx)
     add_lora_admin_routes(app, ctx)
+    add_batch_routes(app, ctx)
+    add_responses_routes(app, ctx)
     _add_server_routes(app, ctx)
     return app
 
