@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import grpc
 import httpx
@@ -103,12 +104,12 @@ def examples(normal: int):
 
 
 @pytest.fixture(scope="module")
-def fe(procs):
+def fe(procs, tmp_path_factory):
     address = f"tcp://127.0.0.1:{procs.free_port()}"
     engine = procs.pagedserve("engine", "--address", address, "--dtype", "float32", "--num-kv-blocks", "256",
                               "--max-model-len", str(MAX_MODEL_LEN), "--num-threads", "1")
     procs.drain(engine)
-    frontend = procs.start_frontend(address)
+    frontend = procs.start_frontend(address, "--data-dir", str(tmp_path_factory.mktemp("data")))
     frontend.wait_serving()
     yield frontend
     frontend.close()
@@ -406,3 +407,68 @@ def check_response(r) -> None:
         assert item["type"] in ("message", "function_call", "reasoning"), item
         if item["type"] == "function_call" and item["status"] == "completed":
             assert item["call_id"].startswith("call_") and isinstance(json.loads(item["arguments"]), dict)
+
+
+# Batch jobs: an uploaded file of lines (good, malformed, or not JSON at all) and a batch over
+# it, each field fuzzed. Every upload and create gets a 4xx with an error body or its object;
+# every batch created ends (completed, or failed when its file is no batch), and its result
+# files hold one JSON line per input line that was a request, named by its custom_id.
+BATCH_URLS = ["/v1/chat/completions", "/v1/completions", "/v1/responses"]
+BATCH_BODY = mostly(st.fixed_dictionaries({"max_tokens": st.integers(-1, 3)}, optional={
+    "messages": mostly(st.just([{"role": "user", "content": "Hi"}])), "prompt": mostly(st.just("Hi")),
+    "input": mostly(st.just("Hi")), "stream": st.booleans()}))
+BATCH_LINE = mostly(st.fixed_dictionaries({"custom_id": st.text(max_size=4), "body": BATCH_BODY}, optional={
+    "method": mostly(st.just("POST")), "url": mostly(st.sampled_from(BATCH_URLS))}))
+BATCH_FILE = (st.lists(BATCH_LINE.map(lambda line: json.dumps(line)), max_size=4).map("\n".join)
+              | st.text(max_size=40))
+BATCH_FIELDS = {"endpoint": mostly(st.sampled_from(BATCH_URLS)), "completion_window": mostly(st.just("24h")),
+                "metadata": mostly(st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2))}
+
+
+def test_batch_fuzz(fe):
+    created: list[str] = []
+
+    @given(content=BATCH_FILE, purpose=mostly(st.just("batch")),
+           fields=st.fixed_dictionaries({}, optional=BATCH_FIELDS))
+    @examples(25)
+    def fuzz(content, purpose, fields):
+        files = {"file": ("in.jsonl", content.encode())}
+        upload = httpx.post(f"{fe.http_url}/v1/files", data={"purpose": json.dumps(purpose)
+                                                             if not isinstance(purpose, str) else purpose},
+                            files=files, timeout=30)
+        assert upload.status_code < 500, upload.text
+        event(f"upload {upload.status_code}")
+        if upload.status_code != 200:
+            assert_error_body(upload.json())
+            return
+        body = {"input_file_id": upload.json()["id"], **fields}
+        batch = httpx.post(f"{fe.http_url}/v1/batches", json=body, timeout=30)
+        assert batch.status_code < 500, (batch.text, body)
+        event(f"batch {batch.status_code}")
+        if batch.status_code != 200:
+            assert_error_body(batch.json())
+        else:
+            created.append(batch.json()["id"])
+    with no_new_server_errors(fe):
+        fuzz()
+        assert created, "no batch was created"
+        for batch_id in created:
+            check_batch_ends(fe, batch_id)
+    fe.wait_kv_free(timeout_s=10)
+    still_healthy(fe)
+
+
+def check_batch_ends(fe, batch_id: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (batch := httpx.get(f"{fe.http_url}/v1/batches/{batch_id}").json())["status"] not in (
+            "completed", "failed"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.1)
+    counts = batch["request_counts"]
+    assert counts["completed"] + counts["failed"] == counts["total"], batch
+    for key in ("output_file_id", "error_file_id"):
+        if batch[key]:
+            content = httpx.get(f"{fe.http_url}/v1/files/{batch[key]}/content").text
+            for line in content.splitlines():
+                result = json.loads(line)
+                assert "custom_id" in result and (result["response"] is None) != (result["error"] is None), result
