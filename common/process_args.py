@@ -1,5 +1,5 @@
 """Command-line pieces every pagedserve process shares: the engine's default endpoint, the
-log level, the drain timeout, the default CPU thread count."""
+log level, the drain timeout, the default CPU thread count, the number types of flags."""
 
 from __future__ import annotations
 
@@ -32,3 +32,24 @@ def add_drain_arg(parser: argparse.ArgumentParser, what: str) -> None:
 def configure_logging(level: str) -> None:
     import logging
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    return _checked(int(text), lambda v: v >= 1, ">= 1", text)
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0."""
+    return _checked(int(text), lambda v: v >= 0, ">= 0", text)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number > 0."""
+    return _checked(float(text), lambda v: v > 0, "> 0", text)
+
+
+def _checked(value, ok, what: str, text: str):
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value

@@ -7,7 +7,8 @@ import argparse
 import os
 
 from common.metrics_http import add_metrics_args
-from common.process_args import DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging
+from common.process_args import (DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging,
+                                  non_negative_int, positive_float)
 from frontend.router import POLICIES
 
 
@@ -20,7 +21,7 @@ def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) 
                        help="find engines by DNS: every A/AAAA record of HOST is an engine at tcp://IP:PORT "
                             "(a Kubernetes headless Service, docker compose --scale); re-resolved every "
                             "--engine-dns-interval-s, and engines whose record goes are drained, then dropped")
-        p.add_argument("--engine-dns-interval-s", type=_positive_float, default=5.0,
+        p.add_argument("--engine-dns-interval-s", type=positive_float, default=5.0,
                        help="how often --engine-dns is resolved again, in seconds (default: 5)")
     p.add_argument("--routing-policy", choices=POLICIES, default="cache_aware",
                    help="how a request picks its engine when there are several: cache_aware (the engine "
@@ -69,10 +70,10 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
                    help="how reasoning is split from the answer (reasoning_content, Anthropic thinking blocks, "
                         "Responses reasoning items); none keeps it in the content; auto chooses from the "
                         "model's chat template where that is unambiguous, else none (default: auto)")
-    p.add_argument("--response-store-size", type=_non_negative_int, default=1000, metavar="N",
+    p.add_argument("--response-store-size", type=non_negative_int, default=1000, metavar="N",
                    help="responses of /v1/responses (store=true) kept in this frontend's memory for "
                         "previous_response_id and GET, least recently used dropped first (default: 1000)")
-    p.add_argument("--response-ttl-s", type=_positive_float, default=3600.0,
+    p.add_argument("--response-ttl-s", type=positive_float, default=3600.0,
                    help="how long a stored response is kept, in seconds (default: 3600)")
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="where /v1/files and /v1/batches keep their files (default: a folder under "
@@ -105,20 +106,6 @@ def run(args: argparse.Namespace) -> int:
     from frontend.server import run as run_server
     addresses = args.engine_address or ([] if args.engine_dns else [DEFAULT_ADDRESS])
     return run_server(config_from_args(args, addresses, args.engine_dns, args.engine_dns_interval_s))
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
 
 
 def _dns_name(text: str) -> str:

@@ -14,16 +14,11 @@ import argparse
 import sys
 import time
 
+from common.process_args import positive_float
+
 DEFAULT_GRPC_ADDRESS = "127.0.0.1:50051"
 DEFAULT_TIMEOUT_S = 5.0
 PING_SEQ = 1
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
 
 
 def add_health_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +31,7 @@ def add_health_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http", default=None, metavar="URL",
                    help="check the HTTP API instead: GET URL (e.g. http://127.0.0.1:8000/health) must "
                         "answer 200, which it does while an engine is connected and the server is not draining")
-    p.add_argument("--timeout-s", type=_positive_float, default=DEFAULT_TIMEOUT_S,
+    p.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
                    help=f"deadline of the Check call, in seconds (default: {DEFAULT_TIMEOUT_S})")
 
 
@@ -44,7 +39,7 @@ def add_ping_arguments(p: argparse.ArgumentParser) -> None:
     from common.process_args import DEFAULT_ADDRESS
     p.add_argument("--address", default=DEFAULT_ADDRESS,
                    help=f"the engine's ZeroMQ endpoint, tcp://HOST:PORT or ipc://PATH (default: {DEFAULT_ADDRESS})")
-    p.add_argument("--timeout-s", type=_positive_float, default=DEFAULT_TIMEOUT_S,
+    p.add_argument("--timeout-s", type=positive_float, default=DEFAULT_TIMEOUT_S,
                    help=f"how long to wait for the Pong, in seconds (default: {DEFAULT_TIMEOUT_S})")
 
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 import uuid
 
-from common.process_args import add_log_level_arg, configure_logging
+from common.process_args import add_log_level_arg, configure_logging, positive_int
 from engine.arg_utils import add_engine_args
 from frontend.main import add_http_arguments, http_options_from_args
 
@@ -45,7 +45,7 @@ def _add_own_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output-file", required=True, metavar="PATH",
                    help="the results: JSONL, one {id, custom_id, response: {status_code, request_id, body}, "
                         "error} per input line, in the order they finish")
-    p.add_argument("--max-concurrency", type=_positive_int, default=256, metavar="N",
+    p.add_argument("--max-concurrency", type=positive_int, default=256, metavar="N",
                    help="requests in flight at once: enough to keep the engine's batch full (default: 256)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="model name(s) a body's model may give (default: the model's own name)")
@@ -194,10 +194,3 @@ def _stop(engine: subprocess.Popen) -> None:
         log.warning("engine did not stop in %ss; killing it", ENGINE_STOP_TIMEOUT_S)
         engine.kill()
         engine.wait()
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from common.metrics_http import add_metrics_args
 from common.process_args import (DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging,
-                                  default_num_threads)
+                                  default_num_threads, positive_int)
 from engine.arg_utils import add_engine_args
 from frontend.main import add_arguments as add_frontend_args, config_from_args
 
@@ -40,11 +40,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-address", default=DEFAULT_ADDRESS,
                    help="ZeroMQ endpoint between the two processes; with --data-parallel-size N, the "
                         f"first of N (tcp: the next N-1 ports; ipc: PATH-0 ... PATH-N-1) (default: {DEFAULT_ADDRESS})")
-    p.add_argument("--data-parallel-size", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
                    help="engine processes behind the one frontend, each with the same engine flags (without "
                         "--num-threads, each gets its share of the cores); with --engine-metrics-port PORT they "
                         "serve /metrics on PORT, PORT+1, ... (default: 1)")
-    p.add_argument("--api-server-count", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--api-server-count", type=positive_int, default=1, metavar="N",
                    help="frontend processes sharing the gRPC and HTTP ports: the kernel spreads new connections "
                         "over them (SO_REUSEPORT), so N cores parse, detokenize and stream (a gRPC channel is one "
                         "connection: spread load with several channels); needs fixed ports; with --metrics-port "
@@ -210,10 +210,3 @@ def _join_frontends(children, timeout_s: float) -> None:
             log.warning("frontend %s did not stop in %ss; killing it", child.name, timeout_s)
             child.kill()
             child.join()
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
