@@ -20,7 +20,7 @@ from helpers import LONG
 from http_client import assert_error_body, model_name, no_new_server_errors, sse_data
 from common.v1 import generation_pb2 as gen, tokenization_pb2 as tok
 
-pytestmark = pytest.mark.heavy(85)  # seconds on the 2-core CI machine: scheduled first
+pytestmark = pytest.mark.heavy(160)  # seconds on the 2-core CI machine: scheduled first
 
 MAX_MODEL_LEN = 256  # small, so that any valid request ends quickly
 INT32 = st.integers(-2**31, 2**31 - 1)

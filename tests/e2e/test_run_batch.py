@@ -11,6 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.heavy(40)  # seconds on the 2-core CI machine: scheduled first
+
 ROOT = Path(__file__).resolve().parents[2]
 # conftest's ENGINE_FLAGS (a test module cannot import it)
 ENGINE_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "512", "--max-model-len", "2048", "--num-threads", "1"]
