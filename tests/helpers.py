@@ -146,3 +146,22 @@ def assert_engine_idle(core) -> None:
     assert stats.num_free_kv_blocks == stats.num_kv_blocks, f"leaked KV blocks: {stats}"
     assert not core.has_unfinished_requests(), "a step still in flight (async scheduling)"
     core.block_manager.check_invariants()
+
+
+class Oracle:
+    """A speculative proposer that knows the answer: each prompt's reference continuation (or,
+    `wrong`, each token one off), so verification steps take many tokens. `calls` counts them."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], wrong: bool = False) -> None:
+        self.answers, self.wrong, self.calls = answers, wrong, 0
+
+    def propose(self, requests, max_drafts, block_tables, blocks_to_copy):
+        self.calls += 1
+        drafts = []
+        for r, k in zip(requests, max_drafts):
+            known = self.answers[tuple(r.prompt_token_ids)][r.num_output_tokens:r.num_output_tokens + k]
+            drafts.append([(t + 1) % 49152 for t in known] if self.wrong else known)
+        return drafts
+
+    def release(self, request_ids):
+        pass

@@ -13,7 +13,7 @@ import pytest
 
 from common.sampling_params import SamplingParams
 from pagedserve.llm import LLM
-from helpers import assert_no_leak
+from helpers import Oracle, assert_no_leak
 
 DIGITS = "[0-9]{3}"  # ends by itself: a gated run stops three digits after its marker
 PROMPTS = ["The capital of France is", "My favourite recipe for soup:", "Ten facts about the Moon:",
@@ -117,26 +117,12 @@ def test_batched_with_free_neighbours_and_preempted(llm, prompts, free, bundled_
     assert_no_leak(llm)
 
 
-class Oracle:
-    """A proposer whose drafts are the free output: they run on past the marker, where the
-    gated output differs."""
-
-    def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
-        self.answers = answers
-
-    def propose(self, requests, max_drafts, block_tables, blocks_to_copy):
-        return [self.answers[tuple(r.prompt_token_ids)][r.num_output_tokens:r.num_output_tokens + k]
-                for r, k in zip(requests, max_drafts)]
-
-    def release(self, request_ids):
-        pass
-
-
 def test_drafts_stop_before_the_marker(llm, prompts, free, bundled_tokenizer):
     k, marker = pick_marker(prompts[4], free[4], 1, k_min=5)
     expected = llm.generate([prompts[4]], gated(marker, disable_speculation=True))[0].outputs[0]
     speculator = llm.engine.speculator
     ngram = speculator.proposer
+    # Drafts of the free output run on past the marker, where the gated output differs.
     speculator.proposer = Oracle({tuple(prompts[4]): free[4]})
     speculator._backoff.clear()
     before = speculator_accepted(llm)

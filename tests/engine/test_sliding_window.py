@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from helpers import assert_matches_hf, assert_no_leak, build_tiny_model, check_outputs_match, hf_greedy
+from helpers import Oracle, assert_matches_hf, assert_no_leak, build_tiny_model, check_outputs_match, hf_greedy
 
 WINDOW, BLOCK = 24, 8
 MAX_NEW = 48
@@ -95,20 +95,6 @@ def test_mistral_releases_blocks_behind_the_window(windowed):
     assert_no_leak(llm)
 
 
-class _Oracle:
-    """A proposer that drafts the reference continuation: multi-token verification steps."""
-
-    def __init__(self, answers: dict[tuple[int, ...], list[int]]) -> None:
-        self.answers = answers
-
-    def propose(self, requests, max_drafts, block_tables, blocks_to_copy):
-        return [self.answers[tuple(r.prompt_token_ids)][r.num_output_tokens:r.num_output_tokens + k]
-                for r, k in zip(requests, max_drafts)]
-
-    def release(self, request_ids):
-        pass
-
-
 def test_mistral_speculation_and_forks_under_the_window(windowed):
     """Verification rows and copy-on-write siblings (n=2) over released blocks."""
     name, folder, prompts, reference = windowed
@@ -116,7 +102,7 @@ def test_mistral_speculation_and_forks_under_the_window(windowed):
         pytest.skip("the released-block paths are Mistral's")
     llm = LLM(str(folder), dtype="float32", block_size=BLOCK, num_kv_blocks=24, speculative_method="ngram",
               num_speculative_tokens=3)
-    llm.engine.speculator.proposer = _Oracle({tuple(p): r[0] for p, r in zip(prompts, reference)})
+    llm.engine.speculator.proposer = Oracle({tuple(p): r[0] for p, r in zip(prompts, reference)})
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, n=2)
     outs = llm.generate(prompts[-2:], params)
     for out, (tokens, _) in zip(outs, reference[-2:]):

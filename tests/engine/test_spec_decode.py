@@ -10,7 +10,7 @@ import pytest
 from common.sampling_params import SamplingParams
 from engine.spec_decode.speculator import Speculator
 from pagedserve.llm import LLM
-from helpers import assert_no_leak, build_tiny_model
+from helpers import Oracle, assert_no_leak, build_tiny_model
 
 pytestmark = pytest.mark.heavy(73)  # seconds on the 2-core CI machine: scheduled first
 
@@ -51,24 +51,6 @@ def greedy(**kw) -> SamplingParams:
 
 def tokens(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
-
-
-class Oracle:
-    """A proposer that knows the answer: the reference continuation (or, `wrong`, a token off)."""
-
-    def __init__(self, answers: dict[tuple[int, ...], list[int]], wrong: bool = False) -> None:
-        self.answers, self.wrong, self.calls = answers, wrong, 0
-
-    def propose(self, requests, max_drafts, block_tables, blocks_to_copy):
-        self.calls += 1
-        drafts = []
-        for r, k in zip(requests, max_drafts):
-            known = self.answers[tuple(r.prompt_token_ids)][r.num_output_tokens:r.num_output_tokens + k]
-            drafts.append([(t + 1) % 49152 for t in known] if self.wrong else known)
-        return drafts
-
-    def release(self, request_ids):
-        pass
 
 
 def with_proposer(llm: LLM, proposer) -> Speculator:

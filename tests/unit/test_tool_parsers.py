@@ -15,32 +15,17 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from frontend.output_events import CallArguments, CallStart, Content
+from frontend.output_events import CallStart
 from frontend.sample_parser import SampleParser, parse_sample
 from frontend.tool_calls import parsers
 from frontend.tool_calls.tools import Tool
+from test_tool_parser import collect  # the Hermes tests' event check, for every family
 
 WEATHER = Tool("get_weather", "Weather now", {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
     "hours": {"type": "array"}, "where": {"type": "object"}, "scale": {"type": ["number", "null"]},
     "note": {"anyOf": [{"type": "integer"}, {"type": "string"}]}}})
 TOOLS = (WEATHER, Tool("get_time", None, {"type": "object", "properties": {"zone": {"type": "string"}}}))
-
-
-def collect(events) -> tuple[str, list[list[str]]]:
-    """(all content, [[name, arguments text], ...]), checking the events' order on the way."""
-    content, calls = "", []
-    for e in events:
-        if isinstance(e, Content):
-            assert e.text
-            content += e.text
-        elif isinstance(e, CallStart):
-            assert e.index == len(calls)
-            calls.append([e.name, ""])
-        else:
-            assert isinstance(e, CallArguments) and e.index == len(calls) - 1 and e.text
-            calls[e.index][1] += e.text
-    return content, calls
 
 
 def streamed(family: str, text: str, cuts) -> list:
