@@ -1,10 +1,13 @@
 """Command-line pieces every pagedserve process shares: the engine's default endpoint, the
-log level, the drain timeout, the default CPU thread count, the number types of flags."""
+log level, the drain timeout, the default CPU thread count, the number types of flags, and
+stopping engine children."""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import subprocess
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5570"  # the engine's ZeroMQ endpoint, and a frontend's default
 
@@ -53,3 +56,20 @@ def _checked(value, ok, what: str, text: str):
     if not ok(value):
         raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
     return value
+
+
+ENGINE_STOP_TIMEOUT_S = 15  # seconds an engine child gets to drain and exit before it is killed
+
+
+def stop_engines(engines: list[subprocess.Popen], timeout_s: float = ENGINE_STOP_TIMEOUT_S) -> None:
+    """SIGTERM every engine child (each drains), then wait for each; kill one that outlasts
+    `timeout_s`."""
+    for engine in engines:
+        engine.terminate()
+    for engine in engines:
+        try:
+            engine.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            logging.getLogger("pagedserve").warning("engine did not stop in %ss; killing it", timeout_s)
+            engine.kill()
+            engine.wait()

@@ -23,12 +23,11 @@ import tempfile
 import time
 import uuid
 
-from common.process_args import add_log_level_arg, configure_logging, positive_int
+from common.process_args import add_log_level_arg, configure_logging, positive_int, stop_engines
 from engine.arg_utils import add_engine_args
 from frontend.main import add_http_arguments, http_options_from_args
 
 log = logging.getLogger("pagedserve")
-ENGINE_STOP_TIMEOUT_S = 15
 ENGINE_POLL_S = 0.2
 
 
@@ -89,7 +88,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"interrupted; the results so far are in {args.output_file}", file=sys.stderr)
             return 130
         finally:
-            _stop(engine)
+            stop_engines([engine])
 
 
 async def _run(args: argparse.Namespace, address: str, engine: subprocess.Popen, out) -> int:
@@ -184,13 +183,3 @@ def _frontend(address: str, max_streams: int):
 
     llm.pool = EnginePool(make_policy("round_robin"), uuid.uuid4().hex, on_change=on_change, on_welcome=on_welcome)
     return llm, ready
-
-
-def _stop(engine: subprocess.Popen) -> None:
-    engine.terminate()
-    try:
-        engine.wait(ENGINE_STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        log.warning("engine did not stop in %ss; killing it", ENGINE_STOP_TIMEOUT_S)
-        engine.kill()
-        engine.wait()

@@ -27,13 +27,12 @@ import threading
 from urllib.parse import urlsplit
 
 from common.metrics_http import add_metrics_args
-from common.process_args import (DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging,
-                                  default_num_threads, positive_int)
+from common.process_args import (DEFAULT_ADDRESS, ENGINE_STOP_TIMEOUT_S, add_drain_arg, add_log_level_arg,
+                                  configure_logging, default_num_threads, positive_int, stop_engines)
 from engine.arg_utils import add_engine_args
 from frontend.main import add_arguments as add_frontend_args, config_from_args
 
 log = logging.getLogger("pagedserve")
-ENGINE_STOP_TIMEOUT_S = 15
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,15 +118,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         uvloop.run(_frontend(config, engines, died, args.api_server_count, args.log_level))
         return (died[0] or 1) if died else 0
     finally:
-        for engine in engines:
-            engine.terminate()
-        for engine in engines:
-            try:
-                engine.wait(ENGINE_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                log.warning("engine did not stop in %ss; killing it", ENGINE_STOP_TIMEOUT_S)
-                engine.kill()
-                engine.wait()
+        stop_engines(engines)
 
 
 async def _frontend(config, engines: list[subprocess.Popen], died: list[int], api_server_count: int,
