@@ -6,8 +6,8 @@ Formats of the bundled SmolLM2 (or --model, a GGUF):
   int8, int4          that float checkpoint quantized at load (`--quantization int8|int4`);
                       its HF folder is exported once from the GGUF by transformers
   gguf                the GGUF's own blocks run as stored (Q4_1 layers, Q8_0 head)
-The quantized formats run in --dtype (default auto: bfloat16 where the CPU has bf16
-instructions, so the bf16 kernels, else float32).
+The quantized formats run in --dtype (default auto: what this machine's measured kernel
+plan prefers, cpu_kernels/dispatch.py; printed first with the reasons, and kept in the JSON).
 
 For each, in-process (`LLM`), with prefix caching off:
   - perplexity on bench/data/perplexity.txt (prompt logprobs), and its ratio to float32's;
@@ -65,9 +65,30 @@ def _format_list(text: str) -> list[str]:
     return names
 
 
+def kernel_plan(gguf: Path, num_threads: int | None) -> dict | None:
+    """What the engine will run this model's quantized layers with on this machine, and why
+    (cpu_kernels/dispatch.py: measured once per machine and shapes, then cached)."""
+    import dataclasses
+
+    from common.process_args import default_num_threads
+    from cpu_kernels import dispatch
+    from engine.cpu_tuning import linear_shapes
+    from engine.models.loader import read_arch_config
+    chosen = dispatch.plan(linear_shapes(read_arch_config(gguf)), num_threads or default_num_threads())
+    machine = dispatch.machine_plan()
+    if chosen is None:
+        print("CPU kernel plan: no quantized kernel runs here (plain torch)")
+        return None
+    print(f"CPU kernel plan for this model: {chosen.reason()}")
+    if machine is not None:
+        print(f"--dtype auto on this machine: {machine.dtype} ({machine.reason()})")
+    return {"model": dataclasses.asdict(chosen), "dtype_auto": machine.dtype if machine else None}
+
+
 def run(args: argparse.Namespace) -> int:
     from engine.models.loader import resolve_model_path
     gguf = resolve_model_path(args.model)
+    plan = kernel_plan(gguf, args.num_threads)
     results = {}
     for name in args.formats:
         spec = {"dtype": args.dtype} | FORMATS[name]
@@ -81,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         "workload": {k: getattr(args, k) for k in ("input_len", "output_len", "batch", "prefill_len",
                                                    "repeats", "num_threads", "dtype")},
         "text": {"file": TEXT.name, "words": len(TEXT.read_text().split())},
-        "results": results, "ratios_to_float32": ratios}, args.output_dir)
+        "kernel_plan": plan, "results": results, "ratios_to_float32": ratios}, args.output_dir)
     chart = _plot(results, path.with_suffix(".png"))
     print(f"\nwrote {path} and {chart.name}")
     return 0

@@ -1,6 +1,8 @@
 """Build every CPU kernel family now, so that the first engine start does not wait for the
-compiler (about 20 s per family on two cores). `make setup` runs it. A family that cannot
-build is reported and skipped: the engine then runs the plain-torch paths.
+compiler (about 20 s per family on two cores), then measure this machine's kernel plan for
+the bundled model's shapes (cpu_kernels/dispatch.py: what `--dtype auto` means here; a few
+seconds). `make setup` runs it. A family that cannot build is reported and skipped: the
+engine then runs the plain-torch paths.
 
     python -m cpu_kernels.warm
 """
@@ -27,6 +29,11 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             print(f"cpu_kernels: {family} unavailable, the engine will use plain torch: {reason}",
                   file=sys.stderr)
+    from cpu_kernels.dispatch import machine_plan
+    start = time.perf_counter()
+    plan = machine_plan()
+    if plan is not None:
+        print(f"cpu_kernels: plan measured in {time.perf_counter() - start:.1f} s: {plan.reason()}")
     return 1 if failed and args.strict else 0
 
 

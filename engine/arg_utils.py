@@ -10,8 +10,9 @@ from engine.config import EngineConfig
 HELP = {
     "model": "HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
     "tokenizer": "tokenizer folder (default: the model's own)",
-    "dtype": "weight and KV-cache dtype; auto picks bfloat16 on CUDA and on CPUs with bf16 "
-             "instructions (AVX512-BF16, AMX), float32 elsewhere",
+    "dtype": "weight and KV-cache dtype; auto picks bfloat16 on CUDA, and on a CPU the faster of the "
+             "bf16 and float32 quantized kernels, measured per machine (docs/cpu.md; without the kernels: "
+             "bfloat16 where the CPU has AVX512-BF16 or AMX, float32 elsewhere)",
     "device": "cpu or cuda[:N]",
     "block_size": "tokens per KV-cache block",
     "num_kv_blocks": "KV-cache blocks (default: from --kv-cache-memory-gb)",

@@ -191,11 +191,18 @@ class SchedulerConfig:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """`dtype`, with "auto" made bfloat16 where bf16 is fast (CUDA, or a CPU with bf16
-    instructions) and float32 elsewhere."""
+    """`dtype`, with "auto" made bfloat16 on CUDA; on a CPU, what the measured kernel plan
+    of this machine prefers (cpu_kernels.dispatch: bfloat16 where its bf16 kernels beat the
+    float32 ones), else bfloat16 where the CPU has bf16 instructions, else float32."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.startswith("cuda") or cpu_has_bf16() else "float32"
+    if device.startswith("cuda"):
+        return "bfloat16"
+    from cpu_kernels.dispatch import machine_plan
+    plan = machine_plan()
+    if plan is not None:
+        return plan.dtype
+    return "bfloat16" if cpu_has_bf16() else "float32"
 
 
 def cpu_has_bf16() -> bool:

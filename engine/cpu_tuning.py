@@ -40,6 +40,14 @@ def bucket(n: int) -> int:
     return (n + step - 1) // step * step
 
 
+def linear_shapes(arch) -> list[tuple[int, int]]:
+    """A decoder's linear layers as (N, K), fused as our models fuse them: qkv, o, gate_up, down."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    inter = arch.intermediate_size or arch.moe_intermediate_size
+    return [(q + 2 * kv, arch.hidden_size), (arch.hidden_size, q), (2 * inter, arch.hidden_size),
+            (arch.hidden_size, inter)]
+
+
 def tune_cpu(num_threads: int | None) -> None:
     torch.set_flush_denormal(True)  # denormals make some models 5x slower on CPU
     torch.set_num_threads(num_threads or default_num_threads())

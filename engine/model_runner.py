@@ -25,12 +25,12 @@ from engine.async_step import InflightStep
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.block_tables import BlockTables
 from engine.config import EngineConfig
-from engine.cpu_tuning import bucket, tune_cpu
+from engine.cpu_tuning import bucket, linear_shapes, tune_cpu
 from engine.cuda_graphs import DecodeGraphs, GraphOutputs
 from engine.distributed.state import SINGLE, TPShard, all_reduce_min, broadcast_object
 from engine.layers.parallel import check_shardable, local_sizes
 from engine.models.llama import ForwardContext
-from engine.models.loader import DTYPES, load_model, read_arch_config
+from engine.models.loader import DTYPES, linear_formats, load_model, read_arch_config
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request
 from engine.sampler import NOT_EMITTED, Sampler, prompt_logprobs
@@ -74,8 +74,11 @@ class ModelRunner:
         self.arch = read_arch_config(model_path)
         check_shardable(self.arch, config.tensor_parallel_size)
         self.pad_shapes = self.device.type == "cpu"  # few shapes for oneDNN: see cpu_tuning
+        self.kernel_plan = None  # CPU, quantized layers: cpu_kernels.dispatch's measured choice
         if self.pad_shapes:  # ranks share the cores
-            tune_cpu(max(1, (config.num_threads or default_num_threads()) // config.tensor_parallel_size))
+            threads = max(1, (config.num_threads or default_num_threads()) // config.tensor_parallel_size)
+            tune_cpu(threads)
+            self.kernel_plan = self._kernel_plan(model_path, threads)
         self.max_model_len = self._max_model_len()
         self.workers = None
         if shard is None and config.tensor_parallel_size > 1:
@@ -84,7 +87,8 @@ class ModelRunner:
             shard = self.workers.shard
         self.shard = shard or SINGLE
         self.model = load_model(model_path, self.arch, config.dtype, config.device, self.max_model_len,
-                                config.quantization, self.shard, config.layer_kernels)
+                                config.quantization, self.shard, config.layer_kernels,
+                                amx=self.kernel_plan is not None and self.kernel_plan.amx)
         local = local_sizes(self.arch, self.shard)
         self.num_kv_heads = local["num_kv_heads"]
         windows = [self.arch.layer_window(i) for i in range(self.arch.num_layers)]
@@ -124,6 +128,21 @@ class ModelRunner:
                               self.block_size, self.config.max_num_seqs, self.max_model_len, self.device)
         graphs.capture()
         return graphs
+
+    def _kernel_plan(self, model_path: Path, threads: int):
+        """cpu_kernels.dispatch's measured plan for this model's quantized layers in bfloat16:
+        whether they run in AMX arithmetic, and (without --num-threads) how many threads.
+        None where the model has none or runs in float32."""
+        if self.config.dtype != "bfloat16" or not linear_formats(model_path, self.arch, self.config.quantization):
+            return None
+        from cpu_kernels.dispatch import plan
+        chosen = plan(linear_shapes(self.arch), threads)
+        if chosen is None:
+            return None
+        if self.config.num_threads is None and chosen.threads != threads:
+            torch.set_num_threads(chosen.threads)
+        log.info("CPU kernels: %s", chosen.reason())
+        return chosen
 
     def _max_model_len(self) -> int:
         limit = min(self.arch.max_position_embeddings, MAX_DEFAULT_MODEL_LEN)

@@ -27,6 +27,22 @@
 // int4: acc = fma(zero, xsum[m, b], acc). The in-register path (few rows: decoding) and the
 // panel path (many rows: prefill, big batches) run that same sequence, whatever M, the
 // tiling or the threads.
+//
+// AMX arithmetic (CPUs with AMX-BF16; chosen per machine by cpu_kernels/dispatch.py, never
+// per call). The factored form above needs each block's dot product apart, which on the tiles
+// means a store and reload of every 16 x 16 block product: the vector units, not the tiles,
+// then set the pace (about 600 GFLOPS on two Sapphire Rapids cores, a third of oneDNN's dense
+// bf16). So in AMX arithmetic the weights are first dequantized, w = q * scale + zero in fp32
+// as QuantizedTensor.dequantize() computes it, then rounded to bf16 (what a dense bf16 model
+// of the dequantized weights holds), and the tiles accumulate x . w over all of K:
+//
+//   y[m, n] = acc after the blocks b = 0, 1, ...:  acc = acc + (t_even + t_odd)
+//
+// where t_even and t_odd are block b's even-k and odd-k products, each summed in k order:
+// how TDPBF16PS forms one block (measured on Sapphire Rapids-class Xeons; the SDM's
+// pseudocode says the same). Many rows: tiles over dequantized panels; one row: VDPBF16PS
+// over x pairs with one element zeroed, so that each sum takes one product at a time, bitwise
+// the same. A row's result depends only on the machine's choice, never on M.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -35,11 +51,17 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define PAGEDSERVE_BF16_DOT 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define PAGEDSERVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 namespace {
@@ -48,6 +70,10 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kPanelRows = 16;   // from this many rows on, unpack weights once into a panel
+// AMX arithmetic: from this many rows on, tiles (a partial tile pads its rows); one row runs
+// the split register path (at 2 rows the tiles were already faster: 57 against 70-100 us
+// for 960 x 576 on two Sapphire Rapids cores).
+constexpr int64_t kAmxTileFromRows = 2;
 constexpr int64_t kMChunk = 128;     // rows of x kept in L2 while a thread sweeps its columns
 constexpr int kPanelGroups = 2;      // column groups per panel strip (32 columns)
 constexpr int kPanelTileRows = 5;    // a panel tile: 5 rows x 2 groups, 20 registers accumulating (6 rows spill)
@@ -77,6 +103,7 @@ struct Problem {
   uint16_t* out;       // [M, N] bf16 bits
   int64_t M, N, K, G, blocks;
   bool int4;
+  bool amx = false;  // AMX arithmetic (see the top of the file)
 
   int64_t group_block_bytes() const { return bytes_per_group_block(int4); }
 
@@ -120,6 +147,20 @@ inline bh unpack_int8_pair(const uint8_t* src) {
   const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
   const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
   return _mm512_cvtne2ps_pbh(b, a);  // a -> elements 0..15, b -> 16..31
+}
+
+// AMX arithmetic: quantized values q (16 columns x 2 k) -> w = q * scale + zero (int4) or
+// q * scale (int8) in fp32, per column, rounded to bf16 (RNE, as torch's .bfloat16()).
+inline bh dequantize(bh q, __m512 scale, __m512 zero, bool int4) {
+  const __m512i v = (__m512i)q;
+  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+  const __m512 we = int4 ? _mm512_fmadd_ps(even, scale, zero) : _mm512_mul_ps(even, scale);
+  const __m512 wo = int4 ? _mm512_fmadd_ps(odd, scale, zero) : _mm512_mul_ps(odd, scale);
+  // cvtne2ps puts we in elements 0..15 and wo in 16..31; interleave them back into pairs.
+  alignas(64) static const uint16_t interleave[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return (bh)_mm512_permutexvar_epi16(_mm512_load_si512(interleave), (__m512i)_mm512_cvtne2ps_pbh(wo, we));
 }
 
 // Keeps a loaded vector in its register: left alone, GCC reloads the weights for every row
@@ -216,20 +257,63 @@ void tile_registers(const Problem& p, int64_t m0, int64_t g0) {
     for (int j = 0; j < G; ++j) store_row(p, m0 + i, g0 + j, acc[i][j]);
 }
 
-// A group's weights as bf16 vectors, pair after pair: [K/2][32] words.
+// AMX arithmetic, one row x G groups: the weights dequantized in registers, each block's
+// even-k and odd-k products in separate sums (VDPBF16PS with one element of each x pair
+// zeroed adds one product: xe[pair] holds x[2 pair] alone, xo[pair] x[2 pair + 1] alone),
+// then acc = acc + (t_even + t_odd), as the tiles form it.
+template <int G>
+void row_amx_arithmetic(const Problem& p, int64_t m, int64_t g0, const int32_t* xe, const int32_t* xo) {
+  __m512 acc[G];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const __m512i table = nibble_table();
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    prefetch_block<G>(p, g0, b + kPrefetchBlocks);
+    const int32_t* e = xe + 16 * b;
+    const int32_t* o = xo + 16 * b;
+    for (int j = 0; j < G; ++j) {
+      const Slice r = p.slice(g0 + j, b);
+      const __m512 s = scales_of(r, p.int4), z = p.int4 ? zeros_of(r) : _mm512_setzero_ps();
+      __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+      auto dot = [&](int pair, bh q) {
+        const bh w = dequantize(q, s, z, p.int4);
+        even = _mm512_dpbf16_ps(even, (bh)_mm512_set1_epi32(e[pair]), w);
+        odd = _mm512_dpbf16_ps(odd, (bh)_mm512_set1_epi32(o[pair]), w);
+      };
+      if (p.int4) {
+        for (int quad = 0; quad < 8; ++quad) {
+          bh lo, hi;
+          unpack_int4_quad(r.values + quad * r.stride, table, lo, hi);
+          dot(2 * quad, lo);
+          dot(2 * quad + 1, hi);
+        }
+      } else {
+        for (int pair = 0; pair < 16; ++pair) dot(pair, unpack_int8_pair(r.values + pair * r.stride));
+      }
+      acc[j] = _mm512_add_ps(acc[j], _mm512_add_ps(even, odd));
+    }
+  }
+  for (int j = 0; j < G; ++j) store_row(p, m, g0 + j, acc[j]);
+}
+
+// A group's weights as bf16 vectors, pair after pair: [K/2][32] words: the quantized values,
+// or in AMX arithmetic (p.amx) the dequantized weights rounded to bf16.
 void unpack_group(const Problem& p, int64_t g, uint16_t* dst) {
   const __m512i table = nibble_table();
   for (int64_t b = 0; b < p.blocks; ++b) {
     const Slice r = p.slice(g, b);
+    const __m512 s = scales_of(r, p.int4), z = p.int4 ? zeros_of(r) : _mm512_setzero_ps();
+    auto put = [&](uint16_t* out, bh q) {
+      _mm512_storeu_si512(out, (__m512i)(p.amx ? dequantize(q, s, z, p.int4) : q));
+    };
     for (int i = 0; i < (p.int4 ? 8 : 16); ++i) {
       uint16_t* out = dst + (b * 16 + (p.int4 ? 2 * i : i)) * 32;
       if (p.int4) {
         bh lo, hi;
         unpack_int4_quad(r.values + i * r.stride, table, lo, hi);
-        _mm512_storeu_si512(out, (__m512i)lo);
-        _mm512_storeu_si512(out + 32, (__m512i)hi);
+        put(out, lo);
+        put(out + 32, hi);
       } else {
-        _mm512_storeu_si512(out, (__m512i)unpack_int8_pair(r.values + i * r.stride));
+        put(out, unpack_int8_pair(r.values + i * r.stride));
       }
     }
   }
@@ -287,6 +371,100 @@ void many_rows(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
   }
 }
 
+#ifdef PAGEDSERVE_AMX
+// --- AMX tiles: dequantized bf16 panels, products accumulated over all of K ------------------
+// Tiles 0 and 3: 16 rows of x each, one block (16 x 64 bytes). Tiles 1, 2: one block of the
+// strip's two groups (16 pairs x 16 columns x 2: the panel's layout as it is). Tiles 4-7: the
+// 16 x 16 fp32 sums of (row tile, group), kept in the tiles until the last block.
+
+constexpr int64_t kTileRows = 16;
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Per thread: the tile registers' shapes (LDTILECFG is per-thread state). The config is a
+// static: GCC does not see LDTILECFG read its operand, and dropped the stores that filled a
+// local one (the tiles then stayed unconfigured and the first TILELOADD trapped).
+void configure_tiles() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.rows[t] = kTileRows, c.colsb[t] = 64;
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
+
+// One or two 16-row tiles of x (a0, a1: x itself, or a zero-padded copy of its last rows;
+// stride K) x a strip of Count groups at g0 ([Count][K/2][32] words of dequantized weights).
+// Stores rows0 rows from m, then rows1 from m + 16 (rows1 = 0: one row tile).
+template <int Count>
+void amx_tile(const Problem& p, int64_t m, const uint16_t* a0, int64_t rows0, const uint16_t* a1, int64_t rows1,
+              const uint16_t* strip, int64_t g0) {
+  const int64_t stride = p.K * 2, pairs = p.K / 2;
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const uint16_t* w = strip + 16 * b * 32;
+    _tile_loadd(0, a0 + b * kBlock, stride);
+    _tile_loadd(1, w, 64);
+    if constexpr (Count == 2) _tile_loadd(2, w + pairs * 32, 64);
+    _tile_dpbf16ps(4, 0, 1);
+    if constexpr (Count == 2) _tile_dpbf16ps(5, 0, 2);
+    if (rows1 > 0) {
+      _tile_loadd(3, a1 + b * kBlock, stride);
+      _tile_dpbf16ps(6, 3, 1);
+      if constexpr (Count == 2) _tile_dpbf16ps(7, 3, 2);
+    }
+  }
+  alignas(64) float c[4][256];
+  _tile_stored(4, c[0], 64);
+  _tile_stored(5, c[1], 64);
+  _tile_stored(6, c[2], 64);
+  _tile_stored(7, c[3], 64);
+  for (int j = 0; j < Count; ++j) {
+    for (int64_t i = 0; i < rows0; ++i) store_row(p, m + i, g0 + j, _mm512_load_ps(c[j] + i * 16));
+    for (int64_t i = 0; i < rows1; ++i) store_row(p, m + 16 + i, g0 + j, _mm512_load_ps(c[2 + j] + i * 16));
+  }
+}
+
+// Rows [m0, m1) x groups [g0, g1) on the tiles: strips of kPanelGroups groups dequantized once
+// per chunk of rows (or read from an int8 layer's dequantized copy, `unpacked`), row tiles in
+// pairs. `tail`: x's rows from the last multiple of 16 on, zero-padded to 16 rows (each row's
+// sums depend on that row alone).
+void amx_strips(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1, const uint16_t* unpacked,
+                uint16_t* panel, const uint16_t* tail) {
+  const int64_t group_words = p.K / 2 * 32, full = p.M / kTileRows * kTileRows;
+  auto rows_at = [&](int64_t m) { return m < full ? p.x + m * p.K : tail; };
+  for (int64_t g = g0; g < g1; g += kPanelGroups) {
+    const int64_t count = std::min<int64_t>(kPanelGroups, g1 - g);
+    const uint16_t* strip = unpacked ? unpacked + g * group_words : panel;
+    if (!unpacked)
+      for (int64_t j = 0; j < count; ++j) unpack_group(p, g + j, panel + j * group_words);
+    for (int64_t m = m0; m < m1; m += 2 * kTileRows) {
+      const int64_t rows0 = std::min(kTileRows, m1 - m), rows1 = std::clamp<int64_t>(m1 - m - kTileRows, 0, kTileRows);
+      const uint16_t* a1 = rows1 > 0 ? rows_at(m + kTileRows) : nullptr;
+      if (count == 2) amx_tile<2>(p, m, rows_at(m), rows0, a1, rows1, strip, g);
+      else amx_tile<1>(p, m, rows_at(m), rows0, a1, rows1, strip, g);
+    }
+  }
+}
+
+// x's rows from the last multiple of 16 on, zero-padded to 16 rows (empty if M is a multiple).
+std::vector<uint16_t> padded_tail(const Problem& p) {
+  const int64_t full = p.M / kTileRows * kTileRows;
+  if (full == p.M) return {};
+  std::vector<uint16_t> tail(kTileRows * p.K, 0);
+  std::memcpy(tail.data(), p.x + full * p.K, (p.M - full) * p.K * 2);
+  return tail;
+}
+#endif
+
 // Each row count gets as many groups as keep R*G chains in flight within 32 registers.
 // Leftover groups go in tiles of G/2, G/4, ...: a lone group is one dependent chain.
 template <int R, int G>
@@ -296,8 +474,52 @@ void groups_by(const Problem& p, int64_t m, int64_t g0, int64_t g1) {
   if constexpr (G > 1) groups_by<R, G / 2>(p, m, g, g1);
 }
 
+// The same for one row from a layer's dequantized copy ([G][K/2][32] words): no dequantizing
+// per call, so a decoding row costs about what the VDPBF16PS arithmetic costs.
+template <int G>
+void row_amx_from_panel(const Problem& p, int64_t m, int64_t g0, const uint16_t* unpacked, const int32_t* xe,
+                        const int32_t* xo) {
+  __m512 acc[G];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const int64_t group_words = p.K / 2 * 32;
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    __m512 even[G], odd[G];
+    for (int j = 0; j < G; ++j) even[j] = odd[j] = _mm512_setzero_ps();
+    for (int pair = 0; pair < 16; ++pair) {
+      const __m512i e = _mm512_set1_epi32(xe[16 * b + pair]), o = _mm512_set1_epi32(xo[16 * b + pair]);
+      for (int j = 0; j < G; ++j) {
+        const bh w = (bh)_mm512_loadu_si512(unpacked + (g0 + j) * group_words + (16 * b + pair) * 32);
+        even[j] = _mm512_dpbf16_ps(even[j], (bh)e, w);
+        odd[j] = _mm512_dpbf16_ps(odd[j], (bh)o, w);
+      }
+    }
+    for (int j = 0; j < G; ++j) acc[j] = _mm512_add_ps(acc[j], _mm512_add_ps(even[j], odd[j]));
+  }
+  for (int j = 0; j < G; ++j) store_row(p, m, g0 + j, acc[j]);
+}
+
+// x's row m as its even and odd elements alone, one per 32-bit word (the other half zero).
+void split_row(const Problem& p, int64_t m, int32_t* xe, int32_t* xo) {
+  for (int64_t pair = 0; pair < p.K / 2; ++pair) {
+    xe[pair] = p.x[m * p.K + 2 * pair];
+    xo[pair] = static_cast<int32_t>(static_cast<uint32_t>(p.x[m * p.K + 2 * pair + 1]) << 16);
+  }
+}
+
+// AMX arithmetic below the tiles' row count: each row on its own, 4 groups of sums at once.
+void rows_amx_arithmetic(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1) {
+  std::vector<int32_t> xe(p.K / 2), xo(p.K / 2);
+  for (int64_t m = m0; m < m1; ++m) {
+    split_row(p, m, xe.data(), xo.data());
+    int64_t g = g0;
+    for (; g + 4 <= g1; g += 4) row_amx_arithmetic<4>(p, m, g, xe.data(), xo.data());
+    for (; g < g1; ++g) row_amx_arithmetic<1>(p, m, g, xe.data(), xo.data());
+  }
+}
+
 // Few rows: a chunk of groups at a time (while its weights stay in L2), every row over it.
 void few_rows(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1) {
+  if (p.amx) return rows_amx_arithmetic(p, m0, m1, g0, g1);
   for (int64_t c0 = g0; c0 < g1; c0 += kSuperGroup) {
     const int64_t c1 = std::min(g1, c0 + kSuperGroup);
     int64_t m = m0;
@@ -333,9 +555,11 @@ void block_sums(const Problem& p, float* xsum) {
   });
 }
 
+bool amx_ready();
+
 // Checks x and the packed weights, allocates `out` [M, N] and, for int4, fills `xsum`: what
 // both entry points need before their tiles run.
-Problem linear_problem(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4, at::Tensor& out,
+Problem linear_problem(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4, bool amx, at::Tensor& out,
                        std::vector<float>& xsum) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous 2-D bfloat16 tensor");
@@ -345,27 +569,41 @@ Problem linear_problem(const at::Tensor& x, const at::Tensor& w, int64_t N, bool
   TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == G * blocks * rec,
               "packed weights: want ", G * blocks * rec, " bytes for N=", N, ", K=", K, ", got ", w.numel());
   out = at::empty({M, N}, x.options());
-  xsum.assign(int4 ? M * blocks : 0, 0.f);
+  TORCH_CHECK(!amx || amx_ready(), "AMX arithmetic asked for, but this CPU or build cannot run AMX tiles");
+  const bool sums = int4 && !amx;  // AMX arithmetic folds the zero point into the weights
+  xsum.assign(sums ? M * blocks : 0, 0.f);
   const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), w.data_ptr<uint8_t>(), xsum.data(),
-                  reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, G, blocks, int4};
-  if (int4 && M > 0) block_sums(p, xsum.data());
+                  reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, G, blocks, int4, amx};
+  if (sums && M > 0) block_sums(p, xsum.data());
   return p;
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4) {
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4, bool amx) {
   at::Tensor out;
   std::vector<float> xsum;
-  const Problem p = linear_problem(x, w, N, int4, out, xsum);
+  const Problem p = linear_problem(x, w, N, int4, amx, out, xsum);
   const int64_t M = p.M, K = p.K, G = p.G;
   if (M == 0) return out;
+#ifdef PAGEDSERVE_AMX
+  const std::vector<uint16_t> tail = amx ? padded_tail(p) : std::vector<uint16_t>{};
+#endif
   // Threads split the column groups: each streams its share of the weights once per chunk of rows.
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    if (M < kPanelRows) {
+    if (M < (amx ? kAmxTileFromRows : kPanelRows)) {
       few_rows(p, 0, M, g0, g1);
       return;
     }
-    std::vector<uint16_t> panel(kPanelGroups * K / 2 * 32);
-    for (int64_t m0 = 0; m0 < M; m0 += kMChunk) many_rows(p, m0, std::min(M, m0 + kMChunk), g0, g1, panel.data());
+    std::unique_ptr<uint16_t[]> panel(new uint16_t[kPanelGroups * K / 2 * 32]);  // filled before read
+#ifdef PAGEDSERVE_AMX
+    if (amx) {
+      configure_tiles();
+      for (int64_t m0 = 0; m0 < M; m0 += kMChunk)
+        amx_strips(p, m0, std::min(M, m0 + kMChunk), g0, g1, nullptr, panel.get(), tail.data());
+      _tile_release();
+      return;
+    }
+#endif
+    for (int64_t m0 = 0; m0 < M; m0 += kMChunk) many_rows(p, m0, std::min(M, m0 + kMChunk), g0, g1, panel.get());
   });
   return out;
 }
@@ -374,12 +612,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool
 // them, [G][K/2][32] words. Unpacking int8 costs more than the dot products it feeds, so for
 // a few rows (speculative decoding's verification, 2-15 rows) a layer that keeps this copy
 // (twice its int8 bytes) runs the panel tiles straight from it. Same op sequence per element.
-at::Tensor bf16_unpack(const at::Tensor& w, int64_t N, int64_t K, bool int4) {
+at::Tensor bf16_unpack(const at::Tensor& w, int64_t N, int64_t K, bool int4, bool amx) {
   const int64_t G = (N + 15) / 16, blocks = K / kBlock;
   TORCH_CHECK(K % kBlock == 0 && K > 0 && w.scalar_type() == at::kByte && w.is_contiguous() &&
               w.numel() == G * blocks * bytes_per_group_block(int4), "packed weights: wrong size for N, K");
   at::Tensor out = at::empty({G * K / 2 * 32}, at::TensorOptions().dtype(at::kBFloat16));
-  const Problem p{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, 0, N, K, G, blocks, int4};
+  const Problem p{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, 0, N, K, G, blocks, int4, amx};
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) unpack_group(p, g, dst + g * (K / 2 * 32));
@@ -388,19 +626,43 @@ at::Tensor bf16_unpack(const at::Tensor& w, int64_t N, int64_t K, bool int4) {
 }
 
 at::Tensor bf16_linear_unpacked(const at::Tensor& x, const at::Tensor& w, const at::Tensor& unpacked,
-                                int64_t N, bool int4) {
+                                int64_t N, bool int4, bool amx) {
   at::Tensor out;
   std::vector<float> xsum;
-  const Problem p = linear_problem(x, w, N, int4, out, xsum);
+  const Problem p = linear_problem(x, w, N, int4, amx, out, xsum);
   const int64_t M = p.M, K = p.K, G = p.G;
   TORCH_CHECK(unpacked.scalar_type() == at::kBFloat16 && unpacked.is_contiguous() &&
               unpacked.numel() == G * K / 2 * 32, "unpacked weights: wrong size for N, K");
   if (M == 0) return out;
   const auto* panel = reinterpret_cast<const uint16_t*>(unpacked.data_ptr());
+#ifdef PAGEDSERVE_AMX
+  const std::vector<uint16_t> tail = amx ? padded_tail(p) : std::vector<uint16_t>{};
+#endif
   const int64_t group_words = K / 2 * 32;
   // Strips of kPanelGroups groups, as many_rows takes them; threads split the strips.
   const int64_t strips = (G + kPanelGroups - 1) / kPanelGroups;
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+#ifdef PAGEDSERVE_AMX
+    if (amx && M < kAmxTileFromRows) {
+      std::vector<int32_t> xe(K / 2), xo(K / 2);
+      const int64_t g0 = s0 * kPanelGroups, g1 = std::min(G, s1 * kPanelGroups);
+      for (int64_t m = 0; m < M; ++m) {
+        split_row(p, m, xe.data(), xo.data());
+        int64_t g = g0;
+        for (; g + 4 <= g1; g += 4) row_amx_from_panel<4>(p, m, g, panel, xe.data(), xo.data());
+        for (; g < g1; ++g) row_amx_from_panel<1>(p, m, g, panel, xe.data(), xo.data());
+      }
+      return;
+    }
+    if (amx) {  // a partial tile pads its rows
+      configure_tiles();
+      for (int64_t m0 = 0; m0 < M; m0 += kMChunk)
+        amx_strips(p, m0, std::min(M, m0 + kMChunk), s0 * kPanelGroups, std::min(G, s1 * kPanelGroups), panel,
+                   nullptr, tail.data());
+      _tile_release();
+      return;
+    }
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += kMChunk) {
       const int64_t m1 = std::min(M, m0 + kMChunk);
       for (int64_t s = s0; s < s1; ++s) {
@@ -457,15 +719,15 @@ at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int6
 
 #else  // no AVX512-BF16: the Python side checks `bf16_supported` and never calls these
 
-at::Tensor bf16_unpack(const at::Tensor&, int64_t, int64_t, bool) {
+at::Tensor bf16_unpack(const at::Tensor&, int64_t, int64_t, bool, bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
 
-at::Tensor bf16_linear_unpacked(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool) {
+at::Tensor bf16_linear_unpacked(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool, bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
 
-at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, bool) {
+at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, bool, bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
 
@@ -483,18 +745,40 @@ bool bf16_supported() {
 #endif
 }
 
-at::Tensor bf16_int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) { return bf16_linear(x, w, n, true); }
+// Whether AMX tiles run here: built for them (-march=native on a CPU with AMX-BF16) and the
+// kernel granted this process the tile data state. Linux keeps that state off until a
+// process asks (ARCH_REQ_XCOMP_PERM); a tile instruction before then traps with SIGILL,
+// which is how llama.cpp's AMX path crashes on some of our VMs. Asked once per process; a
+// refusal (an old kernel, a seccomp filter) means no AMX, never a crash.
+bool amx_ready() {
+#ifdef PAGEDSERVE_AMX
+  static const bool granted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
 
-at::Tensor bf16_int8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n) { return bf16_linear(x, w, n, false); }
+at::Tensor bf16_int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool amx) {
+  return bf16_linear(x, w, n, true, amx);
+}
+
+at::Tensor bf16_int8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool amx) {
+  return bf16_linear(x, w, n, false, amx);
+}
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("bf16_supported() -> bool", &bf16_supported);
-  m.def("bf16_int4_linear(Tensor x, Tensor w, int n) -> Tensor", &bf16_int4_linear);
-  m.def("bf16_int8_linear(Tensor x, Tensor w, int n) -> Tensor", &bf16_int8_linear);
+  m.def("bf16_amx_ready() -> bool", &amx_ready);
+  m.def("bf16_int4_linear(Tensor x, Tensor w, int n, bool amx=False) -> Tensor", &bf16_int4_linear);
+  m.def("bf16_int8_linear(Tensor x, Tensor w, int n, bool amx=False) -> Tensor", &bf16_int8_linear);
   m.def("bf16_rows(Tensor w, Tensor ids, int n, int k, bool int4) -> Tensor", &bf16_rows);
-  m.def("bf16_unpack(Tensor w, int n, int k, bool int4) -> Tensor", &bf16_unpack);
-  m.def("bf16_linear_unpacked(Tensor x, Tensor w, Tensor unpacked, int n, bool int4) -> Tensor",
+  m.def("bf16_unpack(Tensor w, int n, int k, bool int4, bool amx=False) -> Tensor", &bf16_unpack);
+  m.def("bf16_linear_unpacked(Tensor x, Tensor w, Tensor unpacked, int n, bool int4, bool amx=False) -> Tensor",
         &bf16_linear_unpacked);
 }

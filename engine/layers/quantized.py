@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 
+import psutil
 import torch
 from torch import nn
 
@@ -30,6 +31,7 @@ from engine.layers import Layer
 
 log = logging.getLogger("pagedserve.engine")
 UNPACKED_FROM_ROWS = 3  # see QuantLinear.pack
+DEQUANTIZED_COPY_RAM_SHARE = 0.25  # see pack_modules
 
 
 class QuantLinear(Layer):
@@ -51,6 +53,8 @@ class QuantLinear(Layer):
                              if fmt == "int4" else None)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed = False  # True after pack(): qweight holds the bf16 kernels' records
+        self.amx = False  # packed: AMX arithmetic (cpu_kernels.dispatch chooses it per machine)
+        self.unpacked_from_rows = UNPACKED_FROM_ROWS  # calls of this many rows on read `unpacked`
         self.unpacked: torch.Tensor | None = None  # int8 once packed: its bf16 values (see pack)
 
     @property
@@ -69,19 +73,27 @@ class QuantLinear(Layer):
         return self.weight.map_rows(lambda t: t.index_select(0, ids.flatten()))
 
     @torch.no_grad()
-    def pack(self) -> None:
-        """Switch to the bf16 kernels' layout; from then on inputs must be bfloat16."""
+    def pack(self, amx: bool = False, dequantized_copy: bool = False) -> None:
+        """Switch to the bf16 kernels' layout; from then on inputs must be bfloat16. `amx`:
+        their AMX arithmetic, for every call (where `ops.bf16_amx_ready()`). `dequantized_copy`
+        (AMX): also keep the weights dequantized to bf16 (2 bytes a weight) and run every
+        call from them: no dequantizing per call, which at one row (decoding) doubles the time."""
         from cpu_kernels.packing import pack
         self.qweight = pack(self.weight).data
         self.scales = self.zeros = None
         self.packed = True
-        if self.format == "int8":
+        self.amx = amx
+        self.unpacked_from_rows = UNPACKED_FROM_ROWS
+        if amx and dequantized_copy:
+            self.unpacked = ops.bf16_unpack(self.format, self.qweight, self.out_features, self.in_features, True)
+            self.unpacked_from_rows = 1
+        elif self.format == "int8":
             # Unpacking int8 to bf16 costs more than the dot products it feeds: from
             # UNPACKED_FROM_ROWS rows on (a verification of drafts, a batch's LM head) the
             # kernel reads this copy instead, twice the int8 bytes. SmolLM2's tied
             # 49,152 x 576 LM head at 5 rows: 3.7 ms -> 2.4 ms; 1-2 rows stay on the packed
             # weights, which stream half the bytes.
-            self.unpacked = ops.bf16_unpack(self.format, self.qweight, self.out_features, self.in_features)
+            self.unpacked = ops.bf16_unpack(self.format, self.qweight, self.out_features, self.in_features, amx)
 
     def _packed(self):
         from cpu_kernels.packing import PackedWeight
@@ -90,11 +102,11 @@ class QuantLinear(Layer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             flat = x.reshape(-1, self.in_features).contiguous()
-            if self.unpacked is not None and flat.shape[0] >= UNPACKED_FROM_ROWS:
+            if self.unpacked is not None and flat.shape[0] >= self.unpacked_from_rows:
                 y = ops.bf16_quant_linear_unpacked(flat, self.format, self.qweight, self.unpacked,
-                                                   self.out_features)
+                                                   self.out_features, self.amx)
             else:
-                y = ops.bf16_quant_linear(flat, self.format, self.qweight, self.out_features)
+                y = ops.bf16_quant_linear(flat, self.format, self.qweight, self.out_features, self.amx)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         flat = x.reshape(-1, self.in_features).float().contiguous()
@@ -159,12 +171,16 @@ def quantize_modules(model: nn.Module, formats: dict[str, str], tie_embeddings: 
         model.model.embed_tokens = QuantEmbedding(model.lm_head, embed.weight.dtype)
 
 
-def pack_modules(model: nn.Module) -> int:
+def pack_modules(model: nn.Module, amx: bool = False) -> int:
     """Repack every QuantLinear for the bf16 kernels (a bfloat16 model on a CPU that runs
-    them); returns how many."""
+    them), in AMX arithmetic if `amx`; returns how many. AMX: the layers also keep their
+    weights dequantized to bf16 where those copies take at most DEQUANTIZED_COPY_RAM_SHARE
+    of the machine's memory (SmolLM2-135M: 270 MB)."""
     layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    copy_bytes = sum(2 * layer.in_features * layer.out_features for layer in layers)
+    copies = amx and copy_bytes <= psutil.virtual_memory().total * DEQUANTIZED_COPY_RAM_SHARE
     for layer in layers:
-        layer.pack()
+        layer.pack(amx, copies)
     return len(layers)
 
 

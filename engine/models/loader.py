@@ -96,12 +96,14 @@ def iter_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = False
 
 
 def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_positions: int,
-               quantization: str | None = None, shard: TPShard = SINGLE, layer_kernels: bool = True) -> nn.Module:
+               quantization: str | None = None, shard: TPShard = SINGLE, layer_kernels: bool = True,
+               amx: bool = False) -> nn.Module:
     """Build the model directly on `device` in `dtype`, then copy the weights in. Layers
     whose weights are quantized (GGUF blocks, or `quantization` int4/int8 of float weights)
     stay quantized where the CPU kernels run; elsewhere they are dequantized. `shard`: the
     tensor-parallel rank to build and keep weights for. `layer_kernels`: the fused layer ops
-    where they run (`use_layer_kernels`), else eager torch."""
+    where they run (`use_layer_kernels`), else eager torch. `amx`: quantized layers in the bf16
+    kernels' AMX arithmetic (cpu_kernels.dispatch's choice)."""
     formats = linear_formats(path, cfg, quantization)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[dtype])
@@ -117,7 +119,7 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
                    unit="tensor", leave=False, disable=None)
     model.load_weights(weights)
     if formats:
-        _prepare_quantized(model, dtype, device)
+        _prepare_quantized(model, dtype, device, amx)
     if layer_kernels:
         use_layer_kernels(model, device, dtype)
     return model.eval()
@@ -139,15 +141,16 @@ def use_layer_kernels(model: nn.Module, device: str, dtype: str) -> bool:
     return True
 
 
-def _prepare_quantized(model: nn.Module, dtype: str, device: str) -> None:
-    """bfloat16 on a CPU with AVX512-BF16: the blocks are repacked for the bf16 kernels.
-    Without the kernels, layers loaded as blocks become dense layers of the same weights."""
+def _prepare_quantized(model: nn.Module, dtype: str, device: str, amx: bool = False) -> None:
+    """bfloat16 on a CPU with AVX512-BF16: the blocks are repacked for the bf16 kernels (in
+    AMX arithmetic if `amx`). Without the kernels, layers loaded as blocks become dense
+    layers of the same weights."""
     from cpu_kernels import ops
     if device != "cpu" or not cpu_kernels.available("quant_linear"):
         dequantize_modules(model, DTYPES[dtype])
     elif dtype == "bfloat16" and ops.bf16_dot_supported():
         _fp16_int4_scales(model)
-        pack_modules(model)
+        pack_modules(model, amx and ops.bf16_amx_ready())
 
 
 @torch.no_grad()

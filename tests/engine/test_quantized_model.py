@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import cpu_kernels
-from cpu_kernels import ops
+from cpu_kernels import dispatch, ops
 from engine.layers.quantized import QuantEmbedding, QuantLinear, dequantize_modules
 from pagedserve import LLM, SamplingParams
 from helpers import assert_no_leak, build_tiny_model, check_outputs_match
@@ -36,8 +36,9 @@ def use_reference(llm: LLM) -> int:
 
 
 class ExactLinear(nn.Module):
-    """The bf16 kernels' reference: bf16 activations times the exact effective weights, in
-    float32, rounded to bf16 as the kernel's output is."""
+    """The bf16 kernels' reference: bf16 activations times the exact effective weights (in
+    AMX arithmetic, those rounded to bf16), in float32, rounded to bf16 as the kernel's
+    output is."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -55,7 +56,9 @@ def use_bf16_reference(llm: LLM) -> int:
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, ExactLinear(getattr(parent, attr).weight.dequantize()))
+        layer = getattr(parent, attr)
+        weight = layer.weight.dequantize()
+        setattr(parent, attr, ExactLinear(weight.bfloat16().float() if layer.amx else weight))
     return len(names)
 
 
@@ -93,7 +96,9 @@ def test_bundled_gguf_runs_as_stored_and_matches_its_reference(bundled_path, bun
 
 @pytest.mark.skipif(not (cpu_kernels.available("quant_linear") and ops.bf16_dot_supported()),
                     reason="the bf16 quantized kernels need AVX512-BF16")
-def test_bundled_gguf_in_bfloat16_matches_its_reference(bundled_path, bundled_tokenizer):
+@pytest.mark.parametrize("arithmetic", ["avx512_bf16", pytest.param("amx", marks=pytest.mark.skipif(
+    not ops.bf16_amx_ready(), reason="no AMX tiles on this CPU, or no permission"))])
+def test_bundled_gguf_in_bfloat16_matches_its_reference(bundled_path, bundled_tokenizer, arithmetic, monkeypatch):
     """bf16 activations, exact weights: the only difference from the reference is the order of
     the fp32 sums, seen through bf16 roundings. bf16 logits (about 16, so 1/16 apart) tie
     often, so each prompt may diverge once at a near-tie (check_outputs_match checks that
@@ -101,9 +106,11 @@ def test_bundled_gguf_in_bfloat16_matches_its_reference(bundled_path, bundled_to
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a village at "
              "the edge of a great forest, there lived an old clockmaker who"]
     prompts = [bundled_tokenizer.encode(t) for t in texts] + [bundled_tokenizer.encode(texts[2])[:20]]
+    monkeypatch.setenv(dispatch.ENV, arithmetic)
     llm = LLM(str(bundled_path), dtype="bfloat16", **STRESS)
     model = llm.engine.model_runner.model
     assert model.model.layers[0].mlp.down_proj.packed and model.lm_head.packed
+    assert model.lm_head.amx == (arithmetic == "amx")
     ours = greedy(llm, prompts)
     assert_no_leak(llm)
     assert use_bf16_reference(llm) == 4 * len(model.model.layers) + 1

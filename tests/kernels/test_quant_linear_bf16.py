@@ -2,10 +2,14 @@
 float64 product of the bf16 activations with the exact effective weights, their packed
 layout (cpu_kernels/packing.py) against the row layout, and batch invariance across the
 register path (few rows) and the panel path (16 rows and more). They need AVX512-BF16:
-elsewhere the module skips."""
+elsewhere the module skips. Each test runs in both arithmetics: VDPBF16PS (exact effective
+weights, factored per block), and AMX's (the weights dequantized to bf16; tiles from 2 rows
+on, the split register path for one row), which skips where the CPU has no AMX or the
+kernel refuses this process the tile state."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,49 +20,94 @@ from test_quant_linear import random_weight
 if not ops.bf16_dot_supported():
     pytest.skip("bf16 quantized kernels need AVX512-BF16 (or the kernels are unavailable)", allow_module_level=True)
 
+AMX = pytest.param(True, id="amx", marks=pytest.mark.skipif(not ops.bf16_amx_ready(),
+                                                            reason="no AMX tiles on this CPU, or no permission"))
+ARITHMETICS = [pytest.param(False, id="vdpbf16"), AMX]
+
 # N: one group, not a multiple of 16, a narrow last super-group, many super-groups.
 SHAPES = [(1, 16, 32), (1, 600, 576), (2, 130, 96), (3, 96, 576), (5, 576, 1536), (15, 200, 64),
           (16, 200, 64), (17, 130, 96), (40, 328, 576), (130, 512, 576)]
 
 
-def run(x: torch.Tensor, packed: packing.PackedWeight) -> torch.Tensor:
-    return ops.bf16_quant_linear(x.contiguous(), packed.format, packed.data, packed.n)
+def run(x: torch.Tensor, packed: packing.PackedWeight, amx: bool = False) -> torch.Tensor:
+    return ops.bf16_quant_linear(x.contiguous(), packed.format, packed.data, packed.n, amx)
 
 
 def bf16_input(m: int, k: int, seed: int = 1) -> torch.Tensor:
     return (torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3).bfloat16()
 
 
+@pytest.mark.parametrize("amx", ARITHMETICS)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("m,n,k", SHAPES)
-def test_kernel_matches_reference(fmt, m, n, k):
-    """Within one bf16 rounding of the exact result: fp32 accumulation of exact products."""
+def test_kernel_matches_reference(fmt, m, n, k, amx):
+    """Within one bf16 rounding of the exact result: fp32 accumulation of exact products (of
+    the effective weights; in AMX arithmetic, of those rounded to bf16)."""
     w = random_weight(fmt, n, k)
     x = bf16_input(m, k)
     x[0, :32] = 0
-    out = run(x, packing.pack(w)).float()
-    ref = reference_linear(x.float(), w)
+    out = run(x, packing.pack(w), amx).float()
+    ref = (x.double() @ w.dequantize().bfloat16().double().t()).float() if amx else reference_linear(x.float(), w)
     assert out.shape == (m, n) and torch.isfinite(out).all()
     one_ulp = ref.abs() * 2.0 ** -8 + 1e-6 * ref.abs().max()
     assert ((out - ref).abs() <= one_ulp).all()
     assert (out == ref.bfloat16().float()).float().mean() > 0.99  # mostly the rounded exact value
 
 
+@pytest.mark.parametrize("amx", ARITHMETICS)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_rows_do_not_depend_on_the_batch(fmt):
-    """Bitwise: a row alone (register path), in small tiles, and among 16+ rows (panel path)."""
+def test_rows_do_not_depend_on_the_batch(fmt, amx):
+    """Bitwise: a row alone (register path), in small tiles, and among 16+ rows (panel path;
+    in AMX arithmetic: alone, the split register path; 2 rows on, tiles with padded rows)."""
     w = packing.pack(random_weight(fmt, 328, 576))
     x = bf16_input(70, 576, seed=2)
-    full = run(x, w)
-    for start, stop in [(0, 1), (5, 6), (3, 5), (3, 9), (0, 5), (4, 13), (64, 70), (1, 17), (1, 66)]:
-        assert torch.equal(run(x[start:stop], w), full[start:stop]), (start, stop)
+    full = run(x, w, amx)
+    for start, stop in [(0, 1), (5, 6), (3, 5), (3, 9), (0, 5), (4, 13), (64, 70), (1, 17), (1, 66), (0, 16),
+                        (2, 34)]:
+        assert torch.equal(run(x[start:stop], w, amx), full[start:stop]), (start, stop)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert torch.equal(run(x, w), full)
-        assert torch.equal(run(x[:3], w), full[:3])
+        assert torch.equal(run(x, w, amx), full)
+        assert torch.equal(run(x[:3], w, amx), full[:3])
     finally:
         torch.set_num_threads(threads)
+
+
+def amx_arithmetic(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
+    """csrc/quant_linear_bf16.cpp's AMX arithmetic, one float32 operation at a time (numpy
+    rounds each): weights dequantized and rounded to bf16; per block, the even-k and the
+    odd-k products each summed in k order, then acc = acc + (even + odd)."""
+    xs = x.float().numpy()
+    ws = w.dequantize().bfloat16().float().numpy()
+    out = np.zeros((xs.shape[0], ws.shape[0]), dtype=np.float32)
+    for m in range(xs.shape[0]):
+        for n in range(ws.shape[0]):
+            acc = np.float32(0)
+            for b in range(0, xs.shape[1], 32):
+                even = odd = np.float32(0)
+                for k in range(b, b + 32, 2):
+                    even = np.float32(even + xs[m, k] * ws[n, k])
+                    odd = np.float32(odd + xs[m, k + 1] * ws[n, k + 1])
+                acc = np.float32(acc + np.float32(even + odd))
+            out[m, n] = acc
+    return torch.from_numpy(out).bfloat16()
+
+
+@pytest.mark.skipif(not ops.bf16_amx_ready(), reason="no AMX tiles on this CPU, or no permission")
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_amx_arithmetic_is_the_documented_one(fmt):
+    """Bitwise, one row (the split register path) and 5 rows (tiles), against the arithmetic
+    written out; x's first block (2^12, 1, -2^12, 1, ...) makes one running sum (VDPBF16PS's
+    order) round differently from separate even and odd sums."""
+    w = random_weight(fmt, 20, 64)
+    x = bf16_input(5, 64, seed=4)
+    x[:, 0:32:4], x[:, 1:32:2], x[:, 2:32:4] = 2.0 ** 12, 1.0, -(2.0 ** 12)
+    packed = packing.pack(w)
+    expected = amx_arithmetic(x, w)
+    assert torch.equal(run(x, packed, True), expected)
+    assert torch.equal(run(x[:1], packed, True), expected[:1])
+    assert not torch.equal(run(x, packed, False), expected)  # the two arithmetics do differ here
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
@@ -109,11 +158,21 @@ def test_rows_dequantize_as_the_reference(fmt):
         ops.bf16_rows(fmt, packing.pack(w).data, 130, 96, torch.tensor([130]))
 
 
+@pytest.mark.parametrize("amx", ARITHMETICS)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("m", [1, 3, 5, 16, 40, 130])
-def test_unpacked_copy_gives_the_same_bits(fmt, m):
+def test_unpacked_copy_gives_the_same_bits(fmt, m, amx):
     """The once-unpacked weights (QuantLinear keeps them for int8) change the speed, never a bit."""
     w = packing.pack(random_weight(fmt, 328, 576))
-    unpacked = ops.bf16_unpack(fmt, w.data, w.n, 576)
+    unpacked = ops.bf16_unpack(fmt, w.data, w.n, 576, amx)  # AMX: the dequantized weights
     x = bf16_input(m, 576, seed=3)
-    assert torch.equal(ops.bf16_quant_linear_unpacked(x, fmt, w.data, unpacked, w.n), run(x, w))
+    assert torch.equal(ops.bf16_quant_linear_unpacked(x, fmt, w.data, unpacked, w.n, amx), run(x, w, amx))
+
+
+def test_amx_refused_where_it_cannot_run():
+    """Asking for AMX arithmetic where the tiles cannot run is an error, never a trap."""
+    if ops.bf16_amx_ready():
+        pytest.skip("this CPU runs AMX tiles")
+    packed = packing.pack(random_weight("int4", 32, 64))
+    with pytest.raises(RuntimeError, match="AMX"):
+        ops.bf16_quant_linear(torch.zeros(2, 64, dtype=torch.bfloat16), "int4", packed.data, 32, True)

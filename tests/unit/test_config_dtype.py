@@ -1,5 +1,6 @@
-"""`--dtype auto`, the default: bfloat16 where bf16 is fast, float32 elsewhere, and a real
-dtype for the rest of the engine."""
+"""`--dtype auto`, the default: on a CPU what the measured kernel plan prefers
+(tests/kernels/test_cpu_dispatch.py), else bfloat16 where the CPU has bf16 instructions,
+float32 elsewhere; a real dtype for the rest of the engine."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 
 import pytest
 
+from cpu_kernels import dispatch
 from engine import config
 from engine import main as engine_main
 from engine.arg_utils import add_engine_args, engine_config_from_args
@@ -14,14 +16,20 @@ from engine.config import EngineConfig, resolve_dtype
 from pagedserve import serve
 
 
+@pytest.fixture
+def no_plan(monkeypatch):
+    """No measured plan (the kernels cannot run here): the rule from the CPU's flags."""
+    monkeypatch.setattr(dispatch, "machine_plan", lambda: None)
+
+
 @pytest.mark.parametrize("has_bf16, expected", [(True, "bfloat16"), (False, "float32")])
-def test_auto_on_cpu_follows_bf16_instructions(monkeypatch, has_bf16, expected):
+def test_auto_on_cpu_follows_bf16_instructions(monkeypatch, no_plan, has_bf16, expected):
     monkeypatch.setattr(config, "cpu_has_bf16", lambda: has_bf16)
     assert EngineConfig(dtype="auto").dtype == expected
 
 
 @pytest.mark.parametrize("has_bf16, expected", [(True, "bfloat16"), (False, "float32")])
-def test_default_is_auto_for_llm_engine_and_serve(monkeypatch, has_bf16, expected):
+def test_default_is_auto_for_llm_engine_and_serve(monkeypatch, no_plan, has_bf16, expected):
     monkeypatch.setattr(config, "cpu_has_bf16", lambda: has_bf16)
     assert EngineConfig().dtype == expected
     assert EngineConfig.from_kwargs(model=None).dtype == expected  # what LLM() builds
@@ -39,7 +47,7 @@ def test_help_names_auto_as_the_default():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     text = " ".join(parser.format_help().split())
-    assert "float32 elsewhere (default: auto)" in text, text
+    assert "measured per machine" in text and "(default: auto)" in text, text
 
 
 def test_auto_on_cuda_is_bf16_and_explicit_dtypes_stay():

@@ -1,0 +1,107 @@
+"""cpu_kernels/dispatch.py: the measured choice of quantized-linear kernel, dtype and thread
+count on this machine, cached next to the compiled kernels; and the engine taking it."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import cpu_kernels
+from cpu_kernels import dispatch, ops
+from engine.cpu_tuning import linear_shapes
+from engine.models.loader import read_arch_config
+
+SHAPES = [(64, 64), (96, 128)]
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available("quant_linear"), reason="the quantized kernels did not build")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    return tmp_path
+
+
+def test_candidates_are_what_this_cpu_runs():
+    names = dispatch.candidates()
+    assert "float32" in names
+    assert ("avx512_bf16" in names) == ops.bf16_dot_supported()
+    assert ("amx" in names) == ops.bf16_amx_ready()
+
+
+def test_plan_measures_once_then_reads_its_cache(cache):
+    start = time.perf_counter()
+    plan = dispatch.plan(SHAPES, 2)
+    first = time.perf_counter() - start
+    assert plan.arithmetic in dispatch.candidates() and plan.threads in (1, 2)
+    assert set(dispatch.candidates()) <= set(plan.scores_us)
+    assert plan.scores_us[plan.arithmetic] == min(plan.scores_us[n] for n in dispatch.candidates())
+    assert plan.dtype == ("float32" if plan.arithmetic == "float32" else "bfloat16")
+    assert plan.arithmetic in plan.reason() and "us per row" in plan.reason()
+    files = list((cache / "cpu_kernels").glob("plan-*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["arithmetic"] == plan.arithmetic
+    start = time.perf_counter()
+    assert dispatch.plan(SHAPES, 2) == plan
+    assert time.perf_counter() - start < first / 5
+    assert dispatch.plan(SHAPES + [(32, 64)], 2) is not None  # other shapes: another entry
+    assert len(list((cache / "cpu_kernels").glob("plan-*.json"))) == 2
+
+
+def test_a_corrupt_cache_entry_is_measured_again(cache):
+    plan = dispatch.plan(SHAPES, 1)
+    (path,) = (cache / "cpu_kernels").glob("plan-*.json")
+    path.write_text("{not json")
+    assert dispatch.plan(SHAPES, 1).arithmetic in dispatch.candidates()
+    assert json.loads(path.read_text())["threads"] == plan.threads == 1
+
+
+def test_the_environment_pins_a_kernel(cache, monkeypatch):
+    monkeypatch.setenv(dispatch.ENV, "float32")
+    plan = dispatch.plan(SHAPES, 2)
+    assert (plan.arithmetic, plan.threads, plan.dtype) == ("float32", 2, "float32")
+    assert dispatch.ENV in plan.measured_at and not list(cache.glob("**/plan-*.json"))
+    monkeypatch.setenv(dispatch.ENV, "tensor-cores")
+    with pytest.raises(ValueError, match="this CPU runs"):
+        dispatch.plan(SHAPES, 2)
+
+
+def test_dtype_auto_follows_the_machine_plan(cache, monkeypatch):
+    from engine.config import resolve_dtype
+    monkeypatch.setenv(dispatch.ENV, "float32")
+    assert resolve_dtype("auto", "cpu") == "float32"
+    assert resolve_dtype("bfloat16", "cpu") == "bfloat16"
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
+    if ops.bf16_dot_supported():
+        monkeypatch.setenv(dispatch.ENV, "avx512_bf16")
+        assert resolve_dtype("auto", "cpu") == "bfloat16"
+
+
+def test_linear_shapes_of_the_bundled_model(bundled_path):
+    """SmolLM2-135M: fused qkv (9 + 2 x 3 heads of 64), o, gate_up, down: the shapes the
+    machine plan (`--dtype auto`) is measured on."""
+    shapes = linear_shapes(read_arch_config(bundled_path))
+    assert shapes == [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+    assert sorted(shapes) == sorted(dispatch.DEFAULT_SHAPES)
+
+
+@pytest.mark.skipif(not ops.bf16_dot_supported(), reason="the bf16 kernels need AVX512-BF16")
+def test_the_engine_runs_the_plan(bundled_path, cache, monkeypatch):
+    """The model runner asks for the plan of its model's shapes and packs the layers in its
+    arithmetic; the same prompt alone and in a batch gives the same tokens and logprobs."""
+    from pagedserve import LLM, SamplingParams
+    arithmetic = "amx" if ops.bf16_amx_ready() else "avx512_bf16"
+    monkeypatch.setenv(dispatch.ENV, arithmetic)
+    llm = LLM(str(bundled_path), dtype="auto", num_kv_blocks=64)
+    runner = llm.engine.model_runner
+    assert runner.kernel_plan.arithmetic == arithmetic and runner.config.dtype == "bfloat16"
+    assert runner.model.lm_head.amx == (arithmetic == "amx")
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    prompts = [[1, 504, 3458, 282, 4649, 314], [1, 9690, 28, 2113, 314, 253, 7473, 30, 378, 1489, 563, 2],
+               [1, 17, 18, 19, 20]]
+    alone = [llm.generate([p], params)[0].outputs[0] for p in prompts]
+    together = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for a, b in zip(alone, together):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
