@@ -29,6 +29,10 @@ def machine_info(device: str = "cpu") -> dict:
         # Switches such as PAGEDSERVE_CUPY_PREFILL (an A/B of the prefill kernels) change what ran.
         "pagedserve_env": {k: v for k, v in os.environ.items() if k.startswith("PAGEDSERVE_")},
     }
+    if device == "cpu":  # which quantized-linear kernel ran (cpu_kernels/dispatch.py), and why
+        from cpu_kernels.dispatch import machine_plan
+        plan = machine_plan()
+        info["cpu_kernel_plan"] = plan.reason() if plan else None
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
