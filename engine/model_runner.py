@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from common.process_args import default_num_threads
+from cpu_kernels.dispatch import KernelPlan
+from cpu_kernels.dispatch import plan as plan_kernels
 from engine.async_step import InflightStep
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
 from engine.block_tables import BlockTables
@@ -129,14 +131,13 @@ class ModelRunner:
         graphs.capture()
         return graphs
 
-    def _kernel_plan(self, model_path: Path, threads: int):
+    def _kernel_plan(self, model_path: Path, threads: int) -> KernelPlan | None:
         """cpu_kernels.dispatch's measured plan for this model's quantized layers in bfloat16:
         whether they run in AMX arithmetic, and (without --num-threads) how many threads.
         None where the model has none or runs in float32."""
         if self.config.dtype != "bfloat16" or not linear_formats(model_path, self.arch, self.config.quantization):
             return None
-        from cpu_kernels.dispatch import plan
-        chosen = plan(linear_shapes(self.arch), threads)
+        chosen = plan_kernels(linear_shapes(self.arch), threads)
         if chosen is None:
             return None
         if self.config.num_threads is None and chosen.threads != threads:

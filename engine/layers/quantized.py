@@ -55,7 +55,7 @@ class QuantLinear(Layer):
         self.packed = False  # True after pack(): qweight holds the bf16 kernels' records
         self.amx = False  # packed: AMX arithmetic (cpu_kernels.dispatch chooses it per machine)
         self.unpacked_from_rows = UNPACKED_FROM_ROWS  # calls of this many rows on read `unpacked`
-        self.unpacked: torch.Tensor | None = None  # int8 once packed: its bf16 values (see pack)
+        self.unpacked: torch.Tensor | None = None  # packed int8 (or AMX with copies): bf16 values (see pack)
 
     @property
     def weight(self) -> QuantizedTensor:
