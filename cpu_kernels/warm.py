@@ -4,7 +4,7 @@ the bundled model's shapes (cpu_kernels/dispatch.py: what `--dtype auto` means h
 seconds). `make setup` runs it. A family that cannot build is reported and skipped: the
 engine then runs the plain-torch paths.
 
-    python -m cpu_kernels.warm
+    python -m cpu_kernels.warm [--remeasure]
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import time
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strict", action="store_true", help="exit 1 if any family cannot build")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="forget every cached kernel plan first (one measured on a busy machine stays cached)")
     args = parser.parse_args(argv)
     from cpu_kernels.compile import FAMILIES, build_dir, unavailable_reason
     failed = 0
@@ -29,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
             failed += 1
             print(f"cpu_kernels: {family} unavailable, the engine will use plain torch: {reason}",
                   file=sys.stderr)
-    from cpu_kernels.dispatch import machine_plan
+    from cpu_kernels.dispatch import forget, machine_plan
+    if args.remeasure:
+        print(f"cpu_kernels: forgot {forget()} cached plan(s)")
     start = time.perf_counter()
     plan = machine_plan()
     if plan is not None:
