@@ -455,6 +455,15 @@ void amx_strips(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1
   }
 }
 
+// All rows x groups [g0, g1) on this thread's tiles, in chunks of kMChunk rows (amx_strips).
+void amx_rows(const Problem& p, int64_t g0, int64_t g1, const uint16_t* unpacked, uint16_t* panel,
+              const uint16_t* tail) {
+  configure_tiles();
+  for (int64_t m0 = 0; m0 < p.M; m0 += kMChunk)
+    amx_strips(p, m0, std::min(p.M, m0 + kMChunk), g0, g1, unpacked, panel, tail);
+  _tile_release();
+}
+
 // x's rows from the last multiple of 16 on, zero-padded to 16 rows (empty if M is a multiple).
 std::vector<uint16_t> padded_tail(const Problem& p) {
   const int64_t full = p.M / kTileRows * kTileRows;
@@ -506,14 +515,22 @@ void split_row(const Problem& p, int64_t m, int32_t* xe, int32_t* xo) {
   }
 }
 
-// AMX arithmetic below the tiles' row count: each row on its own, 4 groups of sums at once.
-void rows_amx_arithmetic(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1) {
+template <int G>
+void row_amx(const Problem& p, int64_t m, int64_t g0, const uint16_t* unpacked, const int32_t* xe, const int32_t* xo) {
+  if (unpacked) row_amx_from_panel<G>(p, m, g0, unpacked, xe, xo);
+  else row_amx_arithmetic<G>(p, m, g0, xe, xo);
+}
+
+// AMX arithmetic below the tiles' row count: each row on its own, 4 groups of sums at once,
+// the weights dequantized in registers or read from a layer's dequantized copy (`unpacked`).
+void rows_amx_arithmetic(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
+                         const uint16_t* unpacked = nullptr) {
   std::vector<int32_t> xe(p.K / 2), xo(p.K / 2);
   for (int64_t m = m0; m < m1; ++m) {
     split_row(p, m, xe.data(), xo.data());
     int64_t g = g0;
-    for (; g + 4 <= g1; g += 4) row_amx_arithmetic<4>(p, m, g, xe.data(), xo.data());
-    for (; g < g1; ++g) row_amx_arithmetic<1>(p, m, g, xe.data(), xo.data());
+    for (; g + 4 <= g1; g += 4) row_amx<4>(p, m, g, unpacked, xe.data(), xo.data());
+    for (; g < g1; ++g) row_amx<1>(p, m, g, unpacked, xe.data(), xo.data());
   }
 }
 
@@ -596,10 +613,7 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool
     std::unique_ptr<uint16_t[]> panel(new uint16_t[kPanelGroups * K / 2 * 32]);  // filled before read
 #ifdef PAGEDSERVE_AMX
     if (amx) {
-      configure_tiles();
-      for (int64_t m0 = 0; m0 < M; m0 += kMChunk)
-        amx_strips(p, m0, std::min(M, m0 + kMChunk), g0, g1, nullptr, panel.get(), tail.data());
-      _tile_release();
+      amx_rows(p, g0, g1, nullptr, panel.get(), tail.data());
       return;
     }
 #endif
@@ -643,23 +657,10 @@ at::Tensor bf16_linear_unpacked(const at::Tensor& x, const at::Tensor& w, const 
   const int64_t strips = (G + kPanelGroups - 1) / kPanelGroups;
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
 #ifdef PAGEDSERVE_AMX
-    if (amx && M < kAmxTileFromRows) {
-      std::vector<int32_t> xe(K / 2), xo(K / 2);
+    if (amx) {
       const int64_t g0 = s0 * kPanelGroups, g1 = std::min(G, s1 * kPanelGroups);
-      for (int64_t m = 0; m < M; ++m) {
-        split_row(p, m, xe.data(), xo.data());
-        int64_t g = g0;
-        for (; g + 4 <= g1; g += 4) row_amx_from_panel<4>(p, m, g, panel, xe.data(), xo.data());
-        for (; g < g1; ++g) row_amx_from_panel<1>(p, m, g, panel, xe.data(), xo.data());
-      }
-      return;
-    }
-    if (amx) {  // a partial tile pads its rows
-      configure_tiles();
-      for (int64_t m0 = 0; m0 < M; m0 += kMChunk)
-        amx_strips(p, m0, std::min(M, m0 + kMChunk), s0 * kPanelGroups, std::min(G, s1 * kPanelGroups), panel,
-                   nullptr, tail.data());
-      _tile_release();
+      if (M < kAmxTileFromRows) rows_amx_arithmetic(p, 0, M, g0, g1, panel);
+      else amx_rows(p, g0, g1, panel, nullptr, tail.data());  // a partial tile pads its rows
       return;
     }
 #endif

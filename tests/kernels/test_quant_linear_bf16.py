@@ -20,9 +20,8 @@ from test_quant_linear import random_weight
 if not ops.bf16_dot_supported():
     pytest.skip("bf16 quantized kernels need AVX512-BF16 (or the kernels are unavailable)", allow_module_level=True)
 
-AMX = pytest.param(True, id="amx", marks=pytest.mark.skipif(not ops.bf16_amx_ready(),
-                                                            reason="no AMX tiles on this CPU, or no permission"))
-ARITHMETICS = [pytest.param(False, id="vdpbf16"), AMX]
+needs_amx = pytest.mark.skipif(not ops.bf16_amx_ready(), reason="no AMX tiles on this CPU, or no permission")
+ARITHMETICS = [pytest.param(False, id="vdpbf16"), pytest.param(True, id="amx", marks=needs_amx)]
 
 # N: one group, not a multiple of 16, a narrow last super-group, many super-groups.
 SHAPES = [(1, 16, 32), (1, 600, 576), (2, 130, 96), (3, 96, 576), (5, 576, 1536), (15, 200, 64),
@@ -94,7 +93,7 @@ def amx_arithmetic(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     return torch.from_numpy(out).bfloat16()
 
 
-@pytest.mark.skipif(not ops.bf16_amx_ready(), reason="no AMX tiles on this CPU, or no permission")
+@needs_amx
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_amx_arithmetic_is_the_documented_one(fmt):
     """Bitwise, one row (the split register path) and 5 rows (tiles), against the arithmetic
