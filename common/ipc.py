@@ -104,6 +104,8 @@ def output_to_proto(out: EngineCoreOutput, request_id: str, batch: ipc.OutputBat
     if out.prompt_logprobs is not None:  # position 0 has none, so the message starts at 1
         msg.prompt_logprobs.extend(logprobs_to_proto(token_id, logprobs) for token_id, logprobs
                                    in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]))
+    if out.pooled is not None:
+        msg.pooled.extend(out.pooled)
     return msg
 
 
@@ -152,7 +154,13 @@ def output_from_proto(msg: ipc.RequestOutput) -> EngineCoreOutput:
         finish_reason=msg.finish_reason or None,
         stop_token_id=msg.stop_token_id if msg.HasField("stop_token_id") else None,
         num_prompt_tokens=msg.num_prompt_tokens, num_cached_tokens=msg.num_cached_tokens,
-        prompt_logprobs=prompt_logprobs, error=msg.error or None)
+        prompt_logprobs=prompt_logprobs, error=msg.error or None, pooled=list(msg.pooled) if msg.pooled else None)
+
+
+def pooler_to_proto(pooler, max_tokens: int) -> ipc.Pooler:
+    """engine.pooling.Pooler (duck-typed: common imports no engine code) as Welcome.pooler."""
+    return ipc.Pooler(task=pooler.task, mode=pooler.mode, normalize=pooler.normalize,
+                      dimensions=pooler.dimensions, matryoshka=pooler.matryoshka, max_tokens=max_tokens)
 
 
 def logprobs_from_proto(msg: gen.PositionLogprobs) -> dict[int, float]:

@@ -32,6 +32,7 @@ class EngineCoreOutput:
     # Alongside prompt_logprobs only: the prompt tokens they score, for output_to_proto.
     prompt_token_ids: list[int] | None = None
     error: str | None = None
+    pooled: list[float] | None = None  # a pooling request's vector (or a cross-encoder's logits), with its finish
 
     @property
     def finished(self) -> bool:

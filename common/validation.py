@@ -46,3 +46,16 @@ def check_prompt(prompt: list[int], params: SamplingParams, limits: PromptLimits
         raise InvalidRequest(
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
             f"{why}; shorten the prompt or lower max_tokens")
+
+
+def check_pooling_prompt(prompt: list[int], vocab_size: int, max_tokens: int, field: str = "input") -> None:
+    """A pooling request's prompt (embed, score): it runs whole in one step, so it must fit
+    both the model's length and the engine's step budget (`max_tokens`, the smaller)."""
+    if not prompt:
+        raise InvalidRequest(f"{field}: must contain at least one token")
+    bad = next((t for t in prompt if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(f"{field}: token id {bad!r} is outside the vocabulary [0, {vocab_size})")
+    if len(prompt) > max_tokens:
+        raise InvalidRequest(f"{field}: {len(prompt)} tokens is more than the {max_tokens} this model takes; "
+                             "shorten it or set truncate_prompt_tokens to truncate it")

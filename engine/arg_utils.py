@@ -69,10 +69,17 @@ HELP = {
                          "takes the model's (an HF folder's generation_config.json, a GGUF's "
                          "general.sampling.* keys), vllm ignores them, or a folder holding a "
                          "generation_config.json (default: auto)",
+    "task": "what the model serves: generate (text), embed (/v1/embeddings; a decoder embeds with its "
+            "last token), or score (a cross-encoder: /score, /v1/rerank); auto: score for a "
+            "*ForSequenceClassification model, embed for an encoder or a sentence-transformers folder, "
+            "else generate (default: auto); docs/embeddings.md",
+    "pooling": "embed: how a sequence's hidden states become one vector: mean, cls or last token "
+               "(unset: the model's sentence-transformers config, else cls for an encoder, last for a decoder)",
 }
 CHOICES = {"dtype": ["float32", "bfloat16", "float16", "auto"], "scheduling_policy": ["fcfs", "priority"],
            "attention_backend": ["auto", "torch", "cpu", "cupy"], "quantization": ["none", "int4", "int8"],
-           "speculative_method": ["ngram", "draft", "none"]}
+           "speculative_method": ["ngram", "draft", "none"], "task": ["auto", "generate", "embed", "score"],
+           "pooling": ["mean", "cls", "last"]}
 METAVARS = {"generation_config": "auto|vllm|PATH"}
 
 

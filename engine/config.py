@@ -68,6 +68,10 @@ class EngineConfig:
     # of an HF folder, a GGUF's general.sampling.*), vllm ignores them, else a folder holding a
     # generation_config.json (engine/models/generation_config.py).
     generation_config: str = "auto"
+    # What the model serves (engine/pooling.py): generate, embed (one vector per input) or
+    # score (a cross-encoder's relevance of a text pair); auto reads it from the model.
+    task: str = "auto"
+    pooling: str | None = None  # embed: mean | cls | last; None: the model's sentence-transformers config
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
@@ -103,6 +107,10 @@ class EngineConfig:
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config: must be auto, vllm or a folder, got {self.generation_config!r}")
+        if self.task not in ("auto", "generate", "embed", "score"):
+            raise ValueError(f"task: must be one of auto, generate, embed, score, got {self.task!r}")
+        if self.pooling not in (None, "mean", "cls", "last"):
+            raise ValueError(f"pooling: must be one of mean, cls, last (or unset), got {self.pooling!r}")
         if self.async_admission_steps < 0:
             raise ValueError(f"async_admission_steps: must be >= 0, got {self.async_admission_steps}")
         # "auto" on CUDA means cupy where it runs; the model runner turns graphs off if the

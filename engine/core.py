@@ -7,6 +7,7 @@ out as token ids. The process wrapper (sockets, busy loop) and the offline
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent import futures
@@ -15,16 +16,19 @@ from dataclasses import dataclass
 from common.errors import EngineOverloaded, InvalidRequest, LoraError
 from common.outputs import EngineCoreOutput, PlainTokens, sample_request_id
 from common.prefix_hash import block_extra_keys
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
-from common.validation import PromptLimits, check_prompt
+from common.validation import PromptLimits, check_pooling_prompt, check_prompt
 from engine.async_scheduler import AsyncScheduler
 from engine.async_step import InflightStep
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SchedulerConfig
 from engine.lora.adapter import LoraAdapter
+from engine.encoder_runner import EncoderRunner
 from engine.model_runner import ModelRunner
 from engine.models.generation_config import load_sampling_defaults
-from engine.models.loader import resolve_model_path
+from engine.models.loader import read_arch_config, resolve_model_path
+from engine.pooling import Pooler, resolve_pooler, sentence_transformers_max_len
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
 from engine.spec_decode.proposers import build_speculator
@@ -33,6 +37,21 @@ from engine.structured_output.manager import StructuredOutputManager
 
 log = logging.getLogger("pagedserve.engine")
 GRAMMAR_WAIT_S = 0.005
+POOLING_SAMPLING = SamplingParams(max_tokens=1)  # a pooling request samples nothing; its Request needs some
+
+
+def _pooling_config(config: EngineConfig, pooler: Pooler, encoder: bool, model_path) -> EngineConfig:
+    """The engine's config for a model that pools: the longest input its sentence-transformers
+    config takes (unless --max-model-len says), no prefix caching for an encoder (it keeps no
+    KV), no speculation, no steps ahead."""
+    if not pooler.pools:
+        return config
+    if config.speculative_method:
+        raise ValueError(f"speculative_method: the {pooler.task} task generates nothing to speculate on")
+    st_len = sentence_transformers_max_len(model_path)
+    return dataclasses.replace(
+        config, max_model_len=config.max_model_len or st_len, async_scheduling=False,
+        enable_prefix_caching=config.enable_prefix_caching and not encoder)
 
 
 @dataclass(frozen=True)
@@ -55,17 +74,23 @@ class EngineCore:
         """`log_stats`: collect `IterationStats` for metrics; whoever sets it must take them.
         `tokenizer`: the model's (Hugging Face) tokenizer; structured output needs it, and it
         bounds the tokens that can be sampled when the LM head has padding rows."""
-        self.config = config
         self.model_path = resolve_model_path(config.model)
+        arch = read_arch_config(self.model_path)
+        self.pooler = resolve_pooler(self.model_path, arch.encoder, arch.num_labels, arch.hidden_size,
+                                     config.task, config.pooling)
+        self.config = config = _pooling_config(config, self.pooler, arch.encoder, self.model_path)
         self.eos_token_ids = eos_token_ids
         # For the fields a request leaves unset; applied by the frontend (common/sampling_defaults.py).
         self.sampling_defaults = load_sampling_defaults(config.generation_config, self.model_path)
-        # Rows of the LM head past the tokenizer's tokens are padding: never sampled.
-        self.model_runner = ModelRunner(config, self.model_path, eos_token_ids,
-                                        num_tokens=None if tokenizer is None else len(tokenizer))
+        if arch.encoder:
+            self.model_runner = EncoderRunner(config, self.model_path, self.pooler)
+        else:  # rows of the LM head past the tokenizer's tokens are padding: never sampled
+            self.model_runner = ModelRunner(config, self.model_path, eos_token_ids,
+                                            num_tokens=None if tokenizer is None else len(tokenizer),
+                                            pooler=self.pooler)
         self.vocab_size = self.model_runner.arch.vocab_size
         self.structured_output = None
-        if tokenizer is not None:
+        if tokenizer is not None and not self.pooler.pools:
             self.structured_output = StructuredOutputManager(tokenizer, self.vocab_size, eos_token_ids)
         # A draft model shares the block tables and attends to whole contexts: keep every block.
         kv_window = self.model_runner.kv_window if config.speculative_method != "draft" else None
@@ -74,9 +99,11 @@ class EngineCore:
         self.max_model_len = self._fit_max_model_len(self.model_runner.max_model_len)
         self.limits = PromptLimits(self.vocab_size, self.max_model_len, self.block_manager.num_blocks,
                                    config.block_size)
+        # A pooling prompt runs whole, in one step (engine/pooling.py).
+        self.max_pooling_tokens = min(self.max_model_len, config.max_num_batched_tokens)
         self.iteration_stats = IterationStats() if log_stats else None
-        self.speculator = build_speculator(config, self.model_runner, self.max_model_len,
-                                           self.model_runner.sampler.num_tokens or self.vocab_size)
+        self.speculator = None if self.pooler.pools else build_speculator(
+            config, self.model_runner, self.max_model_len, self.model_runner.sampler.num_tokens or self.vocab_size)
         lookahead = config.num_speculative_tokens if config.speculative_method == "draft" else 0
         # A speculator proposes from each step's tokens, on the host: no step goes ahead.
         self.async_scheduling = bool(config.async_scheduling) and self.speculator is None
@@ -110,6 +137,9 @@ class EngineCore:
         """Queue a request; raises ValueError (naming the problem) if it can never run,
         LoraError("not_found") for an adapter not loaded, and EngineOverloaded if
         `max_waiting_requests` are already waiting. `lora_name`: None or "" is the base model."""
+        if self.pooler.pools:
+            raise InvalidRequest(f"this model serves the {self.pooler.task} task, not generate "
+                                 f"(--task {self.pooler.task}); send it to /v1/embeddings, /score or /v1/rerank")
         self._validate(request_id, prompt_token_ids, params)
         extra_keys = self.lora_block_keys(lora_name)
         limit = self.config.max_waiting_requests
@@ -124,6 +154,25 @@ class EngineCore:
         request.lora_name, request.block_extra_keys = lora_name or None, extra_keys
         if params.structured_outputs is not None:
             request.structured = self.structured_output.request(params.structured_outputs)
+        self.scheduler.add_request(request)
+
+    def add_pooling_request(self, request_id: str, prompt_token_ids: list[int],
+                            pooling: PoolingParams = PoolingParams(), priority: int = 0) -> None:
+        """Queue a request that pools its prompt (task embed or score): it ends in the step
+        that runs its prompt, with its vector in EngineCoreOutput.pooled. Raises like
+        `add_request`."""
+        if not self.pooler.pools:
+            raise InvalidRequest("this model serves the generate task; start the engine with --task embed "
+                                 "to embed with it")
+        check_pooling_prompt(prompt_token_ids, self.vocab_size, self.max_pooling_tokens)
+        if request_id in self.scheduler.requests:
+            raise InvalidRequest(f"request_id {request_id!r} is already in use")
+        limit = self.config.max_waiting_requests
+        if limit is not None and self.scheduler.num_waiting >= limit:
+            raise EngineOverloaded(f"server busy: {self.scheduler.num_waiting} requests are waiting "
+                                   f"(--max-waiting-requests {limit}); retry later")
+        request = Request(request_id, list(prompt_token_ids), POOLING_SAMPLING, (), priority)
+        request.pooling = pooling
         self.scheduler.add_request(request)
 
     # -- LoRA adapters (docs/lora.md) ---------------------------------------------

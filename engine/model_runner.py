@@ -34,6 +34,7 @@ from engine.layers.parallel import check_shardable, local_sizes
 from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, linear_formats, load_model, read_arch_config
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.pooling import Pooler, pool
 from engine.request import Request
 from engine.sampler import NOT_EMITTED, Sampler, prompt_logprobs
 from engine.sampling_batch import SamplingBatch, rng_keys
@@ -57,6 +58,7 @@ class StepPlan:
     logits_slices: list[tuple[int, int]] = field(default_factory=list)  # hidden rows [a, b) scored for prompt logprobs
     sample: bool = False  # then the LM head on the rows that sample
     steady: SteadyRows | None = None  # steady decodes, which run before `rows`
+    pool_slices: list[tuple[int, int]] = field(default_factory=list)  # hidden rows [a, b) of pooling requests
 
 
 @dataclass(slots=True)
@@ -67,11 +69,14 @@ class _PromptJob:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: Path, eos_token_ids: tuple[int, ...],
-                 shard: TPShard | None = None, num_tokens: int | None = None) -> None:
+                 shard: TPShard | None = None, num_tokens: int | None = None,
+                 pooler: Pooler = Pooler("generate")) -> None:
         """`shard`: a worker's rank (it has joined the group already); None on rank 0, which
         starts the workers itself when `config.tensor_parallel_size` > 1. `num_tokens`: the
-        tokenizer's size; rows of the LM head past it (padding) are never sampled."""
+        tokenizer's size; rows of the LM head past it (padding) are never sampled. `pooler`:
+        how requests that embed (task embed) pool their hidden states."""
         self.config = config
+        self.pooler = pooler
         self.device = torch.device(config.device)
         self.arch = read_arch_config(model_path)
         check_shardable(self.arch, config.tensor_parallel_size)
@@ -175,12 +180,14 @@ class ModelRunner:
         rows = [forward_row(s) for s in order]
         if self.lora is not None:
             self.lora.assign_slots([s.request.lora_name for s in order], rows)
+        pooling, pool_slices = self._pool_jobs(order, first_row=num_steady)
         plan = StepPlan(list(sched.blocks_to_copy), rows, slices, bool(sampling),
-                        self._steady_rows(steady, steady_requests))
-        prompt_logits, logits, greedy = self.run_plan(plan)
+                        self._steady_rows(steady, steady_requests), pool_slices)
+        prompt_logits, logits, greedy, pooled_hidden = self.run_plan(plan)
         prompt_lps = self._score_prompts(jobs, prompt_logits)
         if not sampling:
-            return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start)
+            return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start,
+                                     pooled=self._pool(pooling, pooled_hidden))
         if all_plain_greedy(steady_requests, sampling[num_steady:]):  # the hot path: no per-row sampling state
             model_end = time.perf_counter()
             if greedy is None:
@@ -189,7 +196,8 @@ class ModelRunner:
             rest = sampling[num_steady:]
             return ModelRunnerOutput([s.request.request_id for s in rest], [[t] for t in tokens[num_steady:]],
                                      [[None]] * len(rest), prompt_lps, model_end - start,
-                                     time.perf_counter() - model_end, steady_token_ids=tokens[:num_steady])
+                                     time.perf_counter() - model_end, steady_token_ids=tokens[:num_steady],
+                                     pooled=self._pool(pooling, pooled_hidden))
         rows, row_owner, logits_index = self._sampling_rows(sampling)
         logits = logits[:logits_index[-1] + 1]
         model_end = time.perf_counter()
@@ -198,6 +206,7 @@ class ModelRunner:
         sampled = self.sampler(logits, rows)
         out = self._group(sampling, row_owner, sampled, num_steady)
         out.prompt_logprobs = prompt_lps
+        out.pooled = self._pool(pooling, pooled_hidden)
         out.model_s, out.sample_s = model_end - start, time.perf_counter() - model_end
         out.grammar_s = sampled.grammar_s
         return out
@@ -285,22 +294,24 @@ class ModelRunner:
         return hidden, last_rows, None
 
     @torch.inference_mode()
-    def run_plan(self, plan: StepPlan) -> tuple[list[torch.Tensor | None], torch.Tensor | None, torch.Tensor | None]:
+    def run_plan(self, plan: StepPlan) -> tuple[list[torch.Tensor | None], torch.Tensor | None, torch.Tensor | None,
+                                                list[torch.Tensor]]:
         """Run one step on this rank (rank 0 first broadcasts it): (the prompt-logprob slices'
         logits, the sampling rows' logits, their argmax where a CUDA graph computed it, else
-        None). Logits are None except on rank 0."""
+        None, the pooling slices' hidden states). Logits are None except on rank 0."""
         if self.workers is not None:
             broadcast_object(plan, self.shard)
         self.copy_blocks(plan.blocks_to_copy)
         hidden, last_rows, graph = self._forward(plan.rows, plan.steady)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in plan.logits_slices]
+        pooled = [hidden[a:b] for a, b in plan.pool_slices]
         if not plan.sample:
-            return prompt_logits, None, None
+            return prompt_logits, None, None, pooled
         if graph is not None:  # the graph's LM head covered every row: keep the sampling ones
             if len(last_rows) == len(graph.greedy):
-                return prompt_logits, graph.logits, graph.greedy
-            return prompt_logits, graph.logits[last_rows], graph.greedy[last_rows]
-        return prompt_logits, self.model.compute_logits(hidden[last_rows]), None
+                return prompt_logits, graph.logits, graph.greedy, pooled
+            return prompt_logits, graph.logits[last_rows], graph.greedy[last_rows], pooled
+        return prompt_logits, self.model.compute_logits(hidden[last_rows]), None, pooled
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: copy whole KV blocks src -> dst before a forward. The copies replaced
@@ -317,6 +328,25 @@ class ModelRunner:
             targets = r.prompt_token_ids[first + 1:first + 1 + scores.shape[0]]
             out.setdefault(r.request_id, []).extend(prompt_logprobs(scores, targets, r.sampling_params.prompt_logprobs))
         return out
+
+    @staticmethod
+    def _pool_jobs(order: list[ScheduledRequest], first_row: int) -> tuple[list[Request], list[tuple[int, int]]]:
+        """Pooling requests (task embed) and the hidden rows each computes this step: its
+        whole prompt (after any cached prefix), in one step. Row offsets as in `_prompt_jobs`."""
+        requests, slices, row = [], [], first_row
+        for s in order:
+            if s.request.pooling is not None:
+                requests.append(s.request)
+                slices.append((row, row + s.num_new_tokens))
+            row += s.num_new_tokens
+        return requests, slices
+
+    def _pool(self, requests: list[Request], hidden: list[torch.Tensor]) -> dict[str, list[float]]:
+        """Each pooling request's vector (a decoder pools its last token: engine/pooling.py)."""
+        if not requests:
+            return {}
+        pooler = self.pooler
+        return {r.request_id: pool(h, pooler.mode, pooler.normalize).tolist() for r, h in zip(requests, hidden)}
 
     def _prompt_jobs(self, order: list[ScheduledRequest], first_row: int
                      ) -> tuple[list[_PromptJob], list[tuple[int, int]]]:

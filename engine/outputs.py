@@ -72,3 +72,5 @@ class ModelRunnerOutput:
     # each, or None when no row asked.
     steady_token_ids: list[int] = field(default_factory=list)
     steady_logprobs: list[dict[int, float] | None] | None = None
+    # Pooling requests (task embed / score) whose prompt ran this step: request id -> its vector.
+    pooled: dict[str, list[float]] = field(default_factory=dict)

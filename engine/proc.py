@@ -29,9 +29,10 @@ from dataclasses import dataclass, field
 import zmq
 
 from common.errors import EngineOverloaded, InvalidRequest, LoraError
-from common.ipc import (add_plain_tokens, bad_words_from_proto, is_plain_token, output_to_proto,
+from common.ipc import (add_plain_tokens, bad_words_from_proto, is_plain_token, output_to_proto, pooler_to_proto,
                         sampling_defaults_to_proto, sampling_params_from_proto, structured_from_proto)
 from common.outputs import EngineCoreOutput, PlainTokens
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 from common.v1 import engine_ipc_pb2 as ipc, info_pb2
 from engine.core import EngineCore, EngineStats
@@ -68,6 +69,7 @@ class _Add:
     params: SamplingParams
     priority: int
     lora_name: str = ""
+    pooling: PoolingParams | None = None  # a pooling request (embed, score)
 
 
 @dataclass(slots=True)
@@ -179,8 +181,11 @@ class EngineProc:
     def _apply(self, item) -> None:
         if isinstance(item, _Add):
             try:
-                self.core.add_request(item.core_id, item.prompt_token_ids, item.params, item.priority,
-                                      lora_name=item.lora_name)
+                if item.pooling is not None:
+                    self.core.add_pooling_request(item.core_id, item.prompt_token_ids, item.pooling, item.priority)
+                else:
+                    self.core.add_request(item.core_id, item.prompt_token_ids, item.params, item.priority,
+                                          lora_name=item.lora_name)
             except EngineOverloaded as e:
                 self._reject(item.core_id, str(e), ipc.RequestError.KIND_OVERLOADED)
             except LoraError as e:  # an adapter this engine lacks (a frontend's stale list)
@@ -249,7 +254,8 @@ class EngineProc:
             tokenizer_files={name: zlib.compress(data) for name, data in tokenizer_files.items()},
             lora_enabled=cfg.enable_lora, max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
             max_loras=cfg.max_loras if cfg.enable_lora else 0,
-            sampling_defaults=sampling_defaults_to_proto(core.sampling_defaults))
+            sampling_defaults=sampling_defaults_to_proto(core.sampling_defaults),
+            pooler=pooler_to_proto(core.pooler, core.max_pooling_tokens))
 
     # -- I/O thread ----------------------------------------------------------------
 
@@ -334,7 +340,8 @@ class EngineProc:
                 error=ipc.RequestError(request_id=add.request_id, message=str(e),
                                        kind=ipc.RequestError.KIND_INVALID)))
             return
-        self.inputs.put(_Add(core_id, list(add.prompt_token_ids), params, add.priority, add.lora_name))
+        pooling = PoolingParams(add.pooling.token_type_start) if add.HasField("pooling") else None
+        self.inputs.put(_Add(core_id, list(add.prompt_token_ids), params, add.priority, add.lora_name, pooling))
 
     def _expire_frontends(self) -> None:
         now = time.monotonic()

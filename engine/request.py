@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ class Request:
     # decode_entry (its ScheduledRequest).
     decode_lease_end: int = 0
     decode_entry: object = None
+    # A pooling request (task embed / score): its prompt runs in one step, which ends it.
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -189,6 +189,8 @@ class Scheduler(SteadyDecodes):
                 cached_blocks, num_cached = self.block_manager.get_computed_blocks(
                     request.all_token_ids, request.block_extra_keys)
             num_new = min(request.num_tokens - num_cached, budget)
+            if request.pooling is not None and num_new < request.num_tokens - num_cached:
+                break  # a pooling prompt runs whole (it fits the budget: EngineCore checks); next step
             if not self.block_manager.allocate(request.request_id, request.all_token_ids,
                                                self._slots(num_cached + num_new), cached_blocks,
                                                request.block_extra_keys):
@@ -257,6 +259,8 @@ class Scheduler(SteadyDecodes):
                 drafted[request.request_id] = s
         for request_id, entries in result.prompt_logprobs.items():
             self.requests[request_id].prompt_logprobs += entries
+        if result.pooled:
+            outputs += self._finish_pooled(result.pooled)
         for request_id, tokens, logprobs in zip(result.request_ids, result.token_ids, result.logprobs):
             request = self.requests[request_id]
             if drafted and request_id in drafted:
@@ -269,6 +273,17 @@ class Scheduler(SteadyDecodes):
                 outputs.append(self._append_run(request, tokens, logprobs, now))
         if any(o.finish_reason is not None for o in outputs):  # one pass, not a list.remove each
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def _finish_pooled(self, pooled: dict[str, list[float]]) -> list[EngineCoreOutput]:
+        """Pooling requests whose prompt ran: each ends with its vector, its blocks freed."""
+        outputs = []
+        for request_id, vector in pooled.items():
+            request = self.requests[request_id]
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            out = self._output(request, [], [], None)
+            out.pooled = vector
+            outputs.append(out)
         return outputs
 
     def _rollback(self, s: ScheduledRequest, num_accepted: int) -> None:
@@ -370,7 +385,7 @@ class Scheduler(SteadyDecodes):
     def _scheduled(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledRequest:
         reaches_end = request.num_computed_tokens + num_new - len(drafts) == len(request.all_token_ids)
         n = request.sampling_params.n
-        num_samples = 0 if not reaches_end else n if n > 1 and request.needs_fork else 1
+        num_samples = 0 if not reaches_end or request.pooling else n if n > 1 and request.needs_fork else 1
         return ScheduledRequest(request, num_new, self.block_manager.live_block_table(request.request_id),
                                 num_samples, list(drafts) if drafts else [])
 

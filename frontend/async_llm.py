@@ -35,6 +35,7 @@ from frontend.engine_client import EngineLost
 from frontend.engine_pool import EnginePool, PooledEngine
 from frontend.input_processor import InputProcessor, NotFound
 from frontend.output_processor import ABORT, TIME_LIMIT, RequestState, SampleDelta
+from frontend.pooling import PooledInput, PoolingState, require_task
 from frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("pagedserve.frontend")
@@ -50,7 +51,7 @@ class Generation:
     `engine_id`, so a late token of an aborted request never reaches a new one with the same id."""
 
     request_id: str
-    state: RequestState
+    state: RequestState | PoolingState
     priority: int = 0
     lora_name: str = ""  # its LoRA adapter; "" for the base model
     arrival: float = field(default_factory=time.monotonic)
@@ -120,13 +121,16 @@ class AsyncLLM:
             raise Unavailable("no engine connected; retry shortly")
         return self.input
 
-    def require_ready(self) -> InputProcessor:
-        """For a new generation: a ready engine, and not draining."""
+    def require_ready(self, generates: bool = True) -> InputProcessor:
+        """For a new request: a ready engine, and not draining; with `generates`, a model that
+        generates (a pooling model's 400 names the task it serves, before any prompt work)."""
         if self.draining:
             raise Unavailable("server is shutting down; retry on another replica")
         processor = self.require_engine()
         if not self.pool.num_ready:
             raise Unavailable("no engine ready (every engine is draining or refused); retry shortly")
+        if generates:
+            require_task(self.welcome.pooler, "generate")
         return processor
 
     def admit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
@@ -137,6 +141,15 @@ class AsyncLLM:
         processor.check(prompt, params, prompt_field)
         if not -2**31 <= priority < 2**31:  # the engine's wire type (gRPC's is int32 already; JSON's is not)
             raise InvalidRequest(f"priority: must be in [{-2**31}, {2**31 - 1}], got {priority}")
+        request_id = self._admit_id(request_id)
+        state = RequestState(uuid.uuid4().hex, prompt, params, processor.tokenizer,
+                             self.welcome.eos_token_ids)
+        gen = Generation(request_id, state, priority, lora_name)
+        self.admitted[gen.engine_id] = gen
+        return gen
+
+    def _admit_id(self, request_id: str | None) -> str:
+        """The request's id, once it is known to be free and a stream slot is left."""
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.active:
             raise InvalidRequest(f"request_id {request_id!r} is already in use by a running request")
@@ -144,11 +157,30 @@ class AsyncLLM:
         if num_running >= self.max_concurrent_streams:
             raise EngineOverloaded(f"server busy: {num_running} requests running "
                                    f"(--max-concurrent-streams {self.max_concurrent_streams}); retry later")
-        state = RequestState(uuid.uuid4().hex, prompt, params, processor.tokenizer,
-                             self.welcome.eos_token_ids)
-        gen = Generation(request_id, state, priority, lora_name)
-        self.admitted[gen.engine_id] = gen
-        return gen
+        return request_id
+
+    async def encode(self, inputs: list[PooledInput], request_id: str | None = None,
+                   priority: int = 0) -> list[list[float]]:
+        """Run pooling requests (embed, score; frontend/pooling.py), one per input, batched
+        by the engine's scheduler: their vectors, in input order. The caller checked the task
+        and the inputs; the whole call takes one stream slot, each input one engine request."""
+        request_id = self._admit_id(request_id)
+        gens = [Generation(f"{request_id}/{i}", PoolingState(uuid.uuid4().hex, item), priority)
+                for i, item in enumerate(inputs)]
+
+        async def run(gen: Generation) -> list[float]:
+            async for _ in self.generate(gen):
+                pass
+            if gen.state.vector is None:  # aborted on the way (the server is stopping)
+                raise Unavailable("the engine ended the request before it ran; retry")
+            return gen.state.vector
+
+        try:
+            async with asyncio.TaskGroup() as group:  # one failure cancels the rest (and aborts them)
+                tasks = [group.create_task(run(gen)) for gen in gens]
+        except ExceptionGroup as e:  # the first error is the caller's (its status code)
+            raise e.exceptions[0] from None
+        return [t.result() for t in tasks]
 
     async def generate(self, gen: Generation, time_limit_s: float | None = None
                        ) -> AsyncIterator[list[SampleDelta]]:
@@ -188,10 +220,15 @@ class AsyncLLM:
         gen.engine, gen.queue = engine, client.open_stream(engine_id)
         try:
             params = gen.state.params
-            await client.add(ipc.AddRequest(
-                request_id=engine_id, prompt_token_ids=gen.state.prompt, sampling=sampling_params_to_proto(params),
-                priority=gen.priority, structured_outputs=structured_to_proto(params.structured_outputs),
-                lora_name=gen.lora_name, bad_words_token_ids=bad_words_to_proto(params)))
+            if isinstance(gen.state, PoolingState):
+                add = gen.state.add_request()
+                add.priority = gen.priority
+            else:
+                add = ipc.AddRequest(
+                    request_id=engine_id, prompt_token_ids=gen.state.prompt, sampling=sampling_params_to_proto(params),
+                    priority=gen.priority, structured_outputs=structured_to_proto(params.structured_outputs),
+                    lora_name=gen.lora_name, bad_words_token_ids=bad_words_to_proto(params))
+            await client.add(add)
             while not gen.done:
                 items = [await _next(gen.queue, deadline)]
                 while not gen.queue.empty():

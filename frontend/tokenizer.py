@@ -31,6 +31,10 @@ class Tokenizer:
     encode, decode, convert_ids_to_tokens, apply_chat_template, eos_token_id."""
 
     def __init__(self, backend: RustTokenizer, config: dict, chat_template: str | None) -> None:
+        # A tokenizer.json may carry padding and truncation (all-MiniLM-L6-v2's pads every
+        # text to 128 tokens); transformers sets both per call, and so do we (`encode_truncated`).
+        backend.no_padding()
+        backend.no_truncation()
         self.backend = backend
         self.config = config
         self.chat_template = chat_template
@@ -69,6 +73,21 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_truncated(self, text: str, max_tokens: int | None, pair: str | None = None) -> tuple[list[int], int]:
+        """(ids, where `pair`'s tokens start or 0) of a text or a text pair with the special
+        tokens, the longest part cut first to `max_tokens` in all (None: no limit), as
+        transformers' `truncation=True` and sentence-transformers do."""
+        if max_tokens is not None:
+            self.backend.enable_truncation(max_tokens, strategy="longest_first")
+        try:
+            encoding = self.backend.encode(text, pair)
+        finally:
+            if max_tokens is not None:
+                self.backend.no_truncation()
+        types = encoding.type_ids
+        start = types.index(1) if pair is not None and 1 in types else 0
+        return encoding.ids, start
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -36,7 +36,7 @@ class Hello(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "structured_outputs", "lora_name", "bad_words_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "structured_outputs", "lora_name", "bad_words_token_ids", "pooling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class AddRequest(_message.Message):
     STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
@@ -51,7 +52,30 @@ class AddRequest(_message.Message):
     structured_outputs: StructuredOutputs
     lora_name: str
     bad_words_token_ids: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenIds]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., lora_name: _Optional[str] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[_generation_pb2.TokenIds, _Mapping]]] = ...) -> None: ...
+    pooling: Pooling
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., lora_name: _Optional[str] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[_generation_pb2.TokenIds, _Mapping]]] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ...) -> None: ...
+
+class Pooling(_message.Message):
+    __slots__ = ("token_type_start",)
+    TOKEN_TYPE_START_FIELD_NUMBER: _ClassVar[int]
+    token_type_start: int
+    def __init__(self, token_type_start: _Optional[int] = ...) -> None: ...
+
+class Pooler(_message.Message):
+    __slots__ = ("task", "mode", "normalize", "dimensions", "matryoshka", "max_tokens")
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    mode: str
+    normalize: bool
+    dimensions: int
+    matryoshka: bool
+    max_tokens: int
+    def __init__(self, task: _Optional[str] = ..., mode: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., matryoshka: _Optional[bool] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path", "rank")
@@ -152,7 +176,7 @@ class LoraResult(_message.Message):
     def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[LoraResult.Kind, str]] = ..., message: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("engine_id", "model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "kv_blocks_total", "dtype", "device", "model_path", "tokenizer_files", "lora_enabled", "max_lora_rank", "max_loras", "lora_adapters", "sampling_defaults")
+    __slots__ = ("engine_id", "model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "kv_blocks_total", "dtype", "device", "model_path", "tokenizer_files", "lora_enabled", "max_lora_rank", "max_loras", "lora_adapters", "sampling_defaults", "pooler")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +201,7 @@ class Welcome(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
+    POOLER_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model_name: str
     architecture: str
@@ -194,7 +219,8 @@ class Welcome(_message.Message):
     max_loras: int
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
     sampling_defaults: _generation_pb2.SamplingParams
-    def __init__(self, engine_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., sampling_defaults: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    pooler: Pooler
+    def __init__(self, engine_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., sampling_defaults: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., pooler: _Optional[_Union[Pooler, _Mapping]] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
@@ -229,7 +255,7 @@ class OutputBatch(_message.Message):
     def __init__(self, outputs: _Optional[_Iterable[_Union[RequestOutput, _Mapping]]] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., token_request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestOutput(_message.Message):
-    __slots__ = ("request_id", "sample_index", "new_token_ids", "logprobs", "finish_reason", "stop_token_id", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "error")
+    __slots__ = ("request_id", "sample_index", "new_token_ids", "logprobs", "finish_reason", "stop_token_id", "num_prompt_tokens", "num_cached_tokens", "prompt_logprobs", "error", "pooled")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +266,7 @@ class RequestOutput(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sample_index: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -250,7 +277,8 @@ class RequestOutput(_message.Message):
     num_cached_tokens: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.PositionLogprobs]
     error: str
-    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+    pooled: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., pooled: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Pong(_message.Message):
     __slots__ = ("seq", "stats", "frontends", "engine_id", "draining", "lora_names")

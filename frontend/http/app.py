@@ -6,6 +6,7 @@ served by uvicorn on the frontend's own event loop beside grpc.aio.
     /v1/files, /v1/batches: batch jobs                   (frontend/http/files_api.py, batches_api.py)
     GET  /v1/models  /health  /version  /metrics      POST /tokenize  /detokenize
     POST /v1/load_lora_adapter  /v1/unload_lora_adapter   (frontend/http/lora_admin.py)
+    POST /v1/embeddings  /score  /v1/rerank: pooling models   (frontend/http/pooling_api.py)
 
 `--api-key` guards /v1/* (Bearer, or Anthropic's x-api-key), as vLLM does. A body's `model`
 is a served name of the base model or a LoRA adapter's name; /v1/models lists both.
@@ -39,6 +40,7 @@ from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import HTTPError, from_exception, not_found
 from frontend.http.lora_admin import add_lora_admin_routes
 from frontend.http.openai_api import create_chat_completion, create_completion
+from frontend.http.pooling_api import add_pooling_routes
 from frontend.http.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
 from frontend.http.responses.routes import add_responses_routes
 
@@ -77,6 +79,7 @@ def build_app(ctx: HttpContext) -> FastAPI:
     add_lora_admin_routes(app, ctx)
     add_batch_routes(app, ctx)
     add_responses_routes(app, ctx)
+    add_pooling_routes(app, ctx)
     _add_server_routes(app, ctx)
     return app
 

@@ -225,3 +225,37 @@ class UnloadLoraAdapterRequest(_Request):
     """vLLM's POST /v1/unload_lora_adapter (its lora_int_id is accepted and ignored)."""
 
     lora_name: str
+
+
+class EmbeddingRequest(_Request):
+    """OpenAI's POST /v1/embeddings, with vLLM's truncate_prompt_tokens and priority."""
+
+    input: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: str | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt = 0
+
+
+class ScoreRequest(_Request):
+    """vLLM's POST /score: text_1 against each text_2, or pair by pair."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt = 0
+
+
+class RerankRequest(_Request):
+    """Cohere's and Jina's POST /v1/rerank (as vLLM serves it)."""
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: StrictInt | None = None
+    return_documents: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt = 0
