@@ -62,14 +62,17 @@ class EncoderRunner:
         lengths = [r.num_prompt_tokens for r in requests]
         token_ids = [t for r in requests for t in r.prompt_token_ids]
         positions = [p for n in lengths for p in range(n)]
-        types = [int(p >= r.pooling.token_type_start > 0) for r in requests for p in range(r.num_prompt_tokens)]
-        to_device = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
-        hidden = self.model(to_device(token_ids), to_device(positions), to_device(types), lengths)
+        # A text pair's second text (from token_type_start on, where it is set) is of type 1.
+        types = [int(0 < r.pooling.token_type_start <= p) for r in requests for p in range(r.num_prompt_tokens)]
+        hidden = self.model(self._tensor(token_ids), self._tensor(positions), self._tensor(types), lengths)
         pooler = self.pooler
         if pooler.task == "score":
-            firsts = to_device([0] + lengths[:-1]).cumsum(0)
+            firsts = self._tensor([0] + lengths[:-1]).cumsum(0)
             vectors = self.model.classify(hidden[firsts]).float().tolist()
         else:
             vectors = [pool(h, pooler.mode, pooler.normalize).tolist() for h in hidden.split(lengths)]
         pooled = {r.request_id: v for r, v in zip(requests, vectors)}
         return ModelRunnerOutput(pooled=pooled, model_s=time.perf_counter() - start)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)

@@ -1,7 +1,7 @@
 """Embeddings and scores: the input and output side of pooling requests, shared by HTTP
 (/v1/embeddings, /score, /v1/rerank), gRPC (Embedding) and the offline `LLM`.
 
-    inputs (texts, token ids, text pairs) ──► pooling_inputs / pair_inputs ──► PooledInput ×n
+    inputs (texts, token ids, text pairs) ──► pooling_inputs / score_plan ──► PooledInput ×n
         ──► the engine (one pooling request each, batched there) ──► vectors
         ──► embedding_vector (dimensions) / scores (cosine, or a cross-encoder's sigmoid)
 
@@ -47,6 +47,14 @@ def require_task(pooler: ipc.Pooler, *wanted: str) -> None:
                              f"not {' or '.join(wanted)}")
 
 
+def pooling_model(llm, *tasks: str) -> tuple:
+    """(input processor, the engine's pooler) for a pooling request to `llm` (an AsyncLLM): a
+    ready engine whose model serves one of `tasks` (InvalidRequest naming the task it serves)."""
+    processor = llm.require_ready(generates=False)
+    require_task(llm.welcome.pooler, *tasks)
+    return processor, llm.welcome.pooler
+
+
 def check_truncate(truncate_prompt_tokens: int | None, max_tokens: int) -> int | None:
     """vLLM's truncate_prompt_tokens: k keeps each input's first k tokens, -1 the model's
     limit; None keeps all (a longer input is refused)."""
@@ -82,25 +90,6 @@ def pooling_inputs(tokenizer, inputs: Sequence[str | Sequence[int]], pooler: ipc
     return out
 
 
-def pair_inputs(tokenizer, query: str, documents: Sequence[str], pooler: ipc.Pooler, vocab_size: int,
-                truncate_prompt_tokens: int | None = None) -> list[PooledInput]:
-    """A cross-encoder's inputs: ([CLS] query [SEP] document [SEP]) for each document, the
-    document's tokens of type 1, cut longest-first to the limit as CrossEncoder.predict does."""
-    _check_text(query, "query")
-    if not documents:
-        raise InvalidRequest("documents: must not be empty")
-    if len(documents) > MAX_INPUTS:
-        raise InvalidRequest(f"documents: at most {MAX_INPUTS} per request, got {len(documents)}")
-    limit = check_truncate(truncate_prompt_tokens, pooler.max_tokens)
-    out = []
-    for i, document in enumerate(documents):
-        _check_text(document, f"documents[{i}]")
-        ids, start = tokenizer.encode_truncated(query, limit, document)
-        check_pooled_ids(ids, pooler, vocab_size, f"documents[{i}]")
-        out.append(PooledInput(ids, PoolingParams(start)))
-    return out
-
-
 @dataclass
 class ScorePlan:
     """The pooling requests that score text pairs, and how their vectors become scores: a
@@ -132,14 +121,15 @@ def score_plan(tokenizer, pooler: ipc.Pooler, vocab_size: int, text_1: str | Seq
     if len(left) != 1 and len(left) != len(right):
         raise InvalidRequest(f"{names[0]}: give one text, or as many as {names[1]} ({len(right)}), got {len(left)}")
     left = left * len(right) if len(left) == 1 else left
+    if len(right) > MAX_INPUTS:
+        raise InvalidRequest(f"{names[1]}: at most {MAX_INPUTS} per request, got {len(right)}")
+    for i, (a, b) in enumerate(zip(left, right)):
+        _check_text(a, names[0] if isinstance(text_1, str) else f"{names[0]}[{i}]")
+        _check_text(b, names[1] if isinstance(text_2, str) else f"{names[1]}[{i}]")
     if served_task(pooler) == "score":
-        if len(right) > MAX_INPUTS:
-            raise InvalidRequest(f"{names[1]}: at most {MAX_INPUTS} per request, got {len(right)}")
         limit = check_truncate(truncate_prompt_tokens, pooler.max_tokens)
         inputs = []
         for i, (a, b) in enumerate(zip(left, right)):
-            _check_text(a, names[0])
-            _check_text(b, f"{names[1]}[{i}]")
             ids, start = tokenizer.encode_truncated(a, limit, b)
             check_pooled_ids(ids, pooler, vocab_size, f"{names[1]}[{i}]")
             inputs.append(PooledInput(ids, PoolingParams(start)))
