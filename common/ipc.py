@@ -160,7 +160,8 @@ def output_from_proto(msg: ipc.RequestOutput) -> EngineCoreOutput:
 def pooler_to_proto(pooler, max_tokens: int) -> ipc.Pooler:
     """engine.pooling.Pooler (duck-typed: common imports no engine code) as Welcome.pooler."""
     return ipc.Pooler(task=pooler.task, mode=pooler.mode, normalize=pooler.normalize,
-                      dimensions=pooler.dimensions, matryoshka=pooler.matryoshka, max_tokens=max_tokens)
+                      dimensions=pooler.dimensions, matryoshka=pooler.matryoshka, max_tokens=max_tokens,
+                      sigmoid=pooler.sigmoid)
 
 
 def logprobs_from_proto(msg: gen.PositionLogprobs) -> dict[int, float]:

@@ -25,9 +25,15 @@ import torch
 
 TASKS = ("auto", "generate", "embed", "score")
 POOLING_MODES = ("mean", "cls", "last")
-# sentence-transformers' Pooling config keys -> our modes (the first one set wins, as there)
-_ST_MODES = (("pooling_mode_cls_token", "cls"), ("pooling_mode_mean_tokens", "mean"),
-             ("pooling_mode_lasttoken", "last"))
+# sentence-transformers' pooling modes -> ours. Its Pooling config says `"pooling_mode": "mean"`
+# (as 6.x saves it) or, in folders saved before, one `pooling_mode_*_token(s)` flag per mode.
+_ST_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
+_ST_LEGACY_MODES = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                    "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                    "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+# Modules that leave the vector as the transformer, pooling and normalization make it; any
+# other (Dense, LayerNorm...) changes it, and we do not run it.
+_ST_MODULES = ("Transformer", "Pooling", "Normalize")
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,7 @@ class Pooler:
     normalize: bool = False  # embed: L2-normalize the pooled vector
     dimensions: int = 0  # the pooled vector's size (embed), or the labels (score)
     matryoshka: bool = False  # embed: a prefix of the vector is itself an embedding (`dimensions`)
+    sigmoid: bool = False  # score: the relevance is the sigmoid of the logit (else the logit itself)
 
     @property
     def pools(self) -> bool:
@@ -67,7 +74,7 @@ def resolve_pooler(path: Path, encoder: bool, classifier_labels: int, hidden_siz
         if classifier_labels != 1:
             raise ValueError(f"task: score needs a cross-encoder with one label (a *ForSequenceClassification "
                              f"model); {path.name} has {classifier_labels or 'no'} classification head")
-        return Pooler("score", "cls", False, 1)
+        return Pooler("score", "cls", False, 1, sigmoid=_cross_encoder_sigmoid(path))
     if classifier_labels:
         raise ValueError(f"task: {path.name} is a cross-encoder; it serves score, not embed")
     mode = pooling or st_mode or ("cls" if encoder else "last")
@@ -86,16 +93,37 @@ def _sentence_transformers_pooling(path: Path) -> tuple[str | None, bool]:
     modules = json.loads(modules_file.read_text())
     mode, normalize = None, False
     for module in modules:
-        kind = module.get("type", "")
-        if kind.endswith(".Pooling"):
+        kind = module.get("type", "").rpartition(".")[2]
+        if kind not in _ST_MODULES:
+            raise ValueError(f"{path}: sentence-transformers module {module.get('type')!r} is not supported "
+                             f"(only {', '.join(_ST_MODULES)})")
+        if kind == "Pooling":
             config = json.loads((path / module.get("path", "") / "config.json").read_text())
-            mode = next((ours for key, ours in _ST_MODES if config.get(key)), None)
+            st_mode = config.get("pooling_mode") or _st_legacy_mode(config)
+            mode = _ST_MODES.get(st_mode) if isinstance(st_mode, str) else None
             if mode is None:
-                raise ValueError(f"{path}: sentence-transformers pooling {config} is not one of "
-                                 f"{', '.join(POOLING_MODES)}")
-        elif kind.endswith(".Normalize"):
+                raise ValueError(f"{path}: sentence-transformers pooling {st_mode!r} is not supported "
+                                 f"(only {', '.join(_ST_MODES)})")
+        elif kind == "Normalize":
             normalize = True
     return mode, normalize
+
+
+def _st_legacy_mode(config: dict) -> str | list[str]:
+    """The mode of a Pooling config with `pooling_mode_*` flags, as sentence-transformers reads
+    it: mean when none is set, a list (the vectors concatenated) when several are."""
+    modes = [mode for key, mode in _ST_LEGACY_MODES.items() if config.get(key)]
+    return modes[0] if len(modes) == 1 else modes or "mean"
+
+
+def _cross_encoder_sigmoid(path: Path) -> bool:
+    """CrossEncoder.predict's activation for one label: a sigmoid, unless the model's config
+    names another (`sentence_transformers.activation_fn`; Identity: the raw logit)."""
+    config = _read_json(path / "config.json") if path.is_dir() else {}
+    activation = (config.get("sentence_transformers") or {}).get("activation_fn") or "Sigmoid"
+    if activation.rpartition(".")[2] not in ("Sigmoid", "Identity"):
+        raise ValueError(f"{path}: cross-encoder activation {activation!r} is not supported (Sigmoid or Identity)")
+    return activation.endswith("Sigmoid")
 
 
 def _matryoshka(path: Path) -> bool:
@@ -109,11 +137,25 @@ def _matryoshka(path: Path) -> bool:
 
 def sentence_transformers_max_len(path: Path) -> int | None:
     """`max_seq_length` of a sentence-transformers folder: what it truncates inputs to, and so
-    the longest input served by default (as vLLM reads it)."""
+    the longest input served by default (as vLLM reads it). Folders saved by sentence-transformers
+    6 keep it as the tokenizer's `model_max_length` instead (capped, as there, by the model's
+    positions)."""
     config_file = path / "sentence_bert_config.json" if path.is_dir() else None
     if config_file is None or not config_file.is_file():
         return None
-    return json.loads(config_file.read_text()).get("max_seq_length")
+    max_len = json.loads(config_file.read_text()).get("max_seq_length")
+    if max_len is not None:
+        return max_len
+    tokenizer_config, model_config = (_read_json(path / name) for name in ("tokenizer_config.json", "config.json"))
+    max_len = tokenizer_config.get("model_max_length")
+    if not isinstance(max_len, int):
+        return None
+    positions = model_config.get("max_position_embeddings")
+    return min(max_len, positions) if isinstance(positions, int) and positions > 0 else max_len
+
+
+def _read_json(file: Path) -> dict:
+    return json.loads(file.read_text()) if file.is_file() else {}
 
 
 def pool(hidden: torch.Tensor, mode: str, normalize: bool) -> torch.Tensor:

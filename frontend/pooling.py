@@ -173,11 +173,11 @@ def embedding_vector(vector: list[float], dimensions: int | None, pooler: ipc.Po
 
 
 def scores(pooler: ipc.Pooler, query: list[float] | None, outputs: list[list[float]]) -> list[float]:
-    """Relevance per document: a cross-encoder's logit through a sigmoid (CrossEncoder.predict's
-    default for one label); for an embedding model, the cosine of the query's and the
-    document's embeddings (`query` is the query's vector then)."""
+    """Relevance per document: a cross-encoder's logit, through a sigmoid where the model says
+    so (CrossEncoder.predict's activation: the default for one label); for an embedding model,
+    the cosine of the query's and the document's embeddings (`query` is the query's vector then)."""
     if served_task(pooler) == "score":
-        return [1.0 / (1.0 + math.exp(-v[0])) for v in outputs]
+        return [1.0 / (1.0 + math.exp(-v[0])) if pooler.sigmoid else v[0] for v in outputs]
     q = _normalized(query)
     return [sum(a * b for a, b in zip(q, _normalized(v))) for v in outputs]
 

@@ -11,7 +11,8 @@ process, a health check or `--help` never loads them (docs/architecture.md).
 
 from __future__ import annotations
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "EmbeddingOutput",
+           "ScoringOutput"]
 
 
 def __getattr__(name: str):
@@ -24,4 +25,7 @@ def __getattr__(name: str):
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
         from pagedserve import llm
         return getattr(llm, name)
+    if name in ("EmbeddingOutput", "ScoringOutput"):
+        from pagedserve import pooling
+        return getattr(pooling, name)
     raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")

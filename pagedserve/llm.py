@@ -1,4 +1,6 @@
-"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, as in vLLM.
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, as in vLLM; for a
+pooling model (task embed or score), `LLM(model).embed(texts)` and `.score(query, documents)`
+(pagedserve/pooling.py).
 
 It plays the frontend's part in-process with the frontend's own input and output
 processors (tokenization and the prompt check; detokenization, stop strings, finish
@@ -21,6 +23,8 @@ from engine.lora.adapter import LoraAdapter
 from engine.models.loader import eos_token_ids, load_tokenizer, resolve_model_path
 from frontend.input_processor import InputProcessor
 from frontend.output_processor import STOPPED, OutputProcessor, SampleDelta
+from frontend.pooling import require_task
+from pagedserve.pooling import EmbeddingOutput, OfflinePooling, ScoringOutput
 
 Prompt = str | list[int]
 
@@ -70,7 +74,8 @@ class LLM:
         self.engine = EngineCore(self.config, eos_token_ids(self.tokenizer), tokenizer=self.tokenizer)
         self.input = InputProcessor(self.tokenizer, self.engine.limits,
                                     sampling_defaults=self.engine.sampling_defaults)
-        self._ids = itertools.count()
+        self.pooling = OfflinePooling(self.engine, self.tokenizer)
+        self._ids = map(str, itertools.count())
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -81,6 +86,7 @@ class LLM:
         `lora_name`: the LoRA adapter for every prompt, or one per prompt (None: the base
         model); one not loaded raises LoraError (a ValueError). No `sampling_params`: the
         model's defaults (`get_default_sampling_params`)."""
+        require_task(self.pooling.pooler, "generate")
         prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
         params = sampling_params or self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
@@ -97,7 +103,7 @@ class LLM:
         processor = OutputProcessor(self.tokenizer, self.engine.eos_token_ids)
         results = {}
         for prompt, ids, p, lora in zip(prompts, token_ids, params, loras):
-            request_id = str(next(self._ids))
+            request_id = next(self._ids)
             self.engine.add_request(request_id, ids, p, lora_name=lora)
             processor.add_request(request_id, ids, p)
             results[request_id] = RequestOutput(
@@ -105,6 +111,20 @@ class LLM:
                 [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
         self._run(processor, results, use_tqdm)
         return list(results.values())
+
+    def embed(self, inputs: Prompt | Sequence[Prompt], *, truncate_prompt_tokens: int | None = None,
+              dimensions: int | None = None, use_tqdm: bool = False) -> list[EmbeddingOutput]:
+        """One embedding per input (a text, or token ids taken as they are), in order, for a
+        model that serves the embed task. `truncate_prompt_tokens`: keep each input's first k
+        tokens (-1: as many as the model takes); unset, a longer input raises InvalidRequest.
+        `dimensions`: a Matryoshka model's vectors cut to their first n values."""
+        return self.pooling.embed(inputs, self._ids, truncate_prompt_tokens, dimensions, use_tqdm)
+
+    def score(self, query: str, documents: str | Sequence[str], *, truncate_prompt_tokens: int | None = None,
+              use_tqdm: bool = False) -> list[ScoringOutput]:
+        """Each document's relevance to `query`, in order: a cross-encoder's (task score)
+        sigmoid of its logit, or an embedding model's cosine of the two embeddings."""
+        return self.pooling.score(query, documents, self._ids, truncate_prompt_tokens, use_tqdm)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation config (engine option generation_config)

@@ -62,20 +62,22 @@ class Pooling(_message.Message):
     def __init__(self, token_type_start: _Optional[int] = ...) -> None: ...
 
 class Pooler(_message.Message):
-    __slots__ = ("task", "mode", "normalize", "dimensions", "matryoshka", "max_tokens")
+    __slots__ = ("task", "mode", "normalize", "dimensions", "matryoshka", "max_tokens", "sigmoid")
     TASK_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SIGMOID_FIELD_NUMBER: _ClassVar[int]
     task: str
     mode: str
     normalize: bool
     dimensions: int
     matryoshka: bool
     max_tokens: int
-    def __init__(self, task: _Optional[str] = ..., mode: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., matryoshka: _Optional[bool] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    sigmoid: bool
+    def __init__(self, task: _Optional[str] = ..., mode: _Optional[str] = ..., normalize: _Optional[bool] = ..., dimensions: _Optional[int] = ..., matryoshka: _Optional[bool] = ..., max_tokens: _Optional[int] = ..., sigmoid: _Optional[bool] = ...) -> None: ...
 
 class LoraAdapter(_message.Message):
     __slots__ = ("name", "path", "rank")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from common.pooling_params import PoolingParams
 from engine.outputs import ModelRunnerOutput
 from engine.request import Request, RequestStatus
-from tests.unit.test_scheduler import build, make_request
+from unit.test_scheduler import build, make_request
 
 
 def pooling_request(rid: str, prompt_len: int) -> Request:
