@@ -83,8 +83,10 @@ def pooling_inputs(tokenizer, inputs: Sequence[str | Sequence[int]], pooler: ipc
         if isinstance(item, str):
             _check_text(item, name)
             ids, _ = tokenizer.encode_truncated(item, limit)
-        else:
+        elif isinstance(item, (list, tuple)):
             ids = list(item)[:limit] if limit is not None else list(item)
+        else:
+            raise InvalidRequest(f"{name}: must be a string or a list of token ids, got {type(item).__name__}")
         check_pooled_ids(ids, pooler, vocab_size, name)
         out.append(PooledInput(ids))
     return out

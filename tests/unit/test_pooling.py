@@ -197,6 +197,8 @@ def test_pooling_inputs():
         pooling_inputs(tok, [[300]], proto(), 200)
     with pytest.raises(InvalidRequest, match="input: must contain at least one token"):
         pooling_inputs(tok, [[]], proto(), 200)
+    with pytest.raises(InvalidRequest, match=r"input\[0\]: must be a string or a list of token ids, got int"):
+        pooling_inputs(tok, [1, "a"], proto(), 200)  # a mixed list
 
 
 def test_score_plan():
