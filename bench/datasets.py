@@ -16,6 +16,9 @@
 - structured: chat prompts asking for JSON (data/structured_tasks.json: extraction, listings,
   calendar entries, reviews, orders, recipes), each with the JSON Schema its reply must
   validate against; a share of them carry that schema as their constraint.
+- embeddings: texts for /v1/embeddings, each a run of words from our own prose
+  (data/perplexity.txt and the ShareGPT sample) starting at a random word, as long in tokens
+  (special ones included) as a length drawn uniformly from a range; several per request.
 
 Everything is seeded: the same seed gives the same prompts and lengths.
 """
@@ -31,6 +34,7 @@ from pathlib import Path
 
 SHAREGPT_SAMPLE = Path(__file__).resolve().parent / "data" / "sharegpt_sample.json"
 STRUCTURED_TASKS = Path(__file__).resolve().parent / "data" / "structured_tasks.json"
+PROSE = Path(__file__).resolve().parent / "data" / "perplexity.txt"
 MIN_TOKEN_ID = 100  # as bench offline's random_prompts: skip the special tokens
 MIN_SHAREGPT_PROMPT_TOKENS = 4  # vLLM's filter: shorter prompts say little about serving
 
@@ -52,6 +56,14 @@ class JsonRequest(BenchRequest):
     task: str  # which of STRUCTURED_TASKS
     schema: dict  # what the reply must validate against, constrained or not
     constrained: bool  # sent with `schema` as its json_schema constraint
+
+
+@dataclass(slots=True)
+class EmbedRequest(BenchRequest):
+    """One /v1/embeddings call of several texts: `prompt` is unused (""), `prompt_len` their
+    tokens in all (special tokens included), `output_len` 0."""
+
+    texts: list[str]
 
 
 def length_range(length: int, range_ratio: float) -> tuple[int, int]:
@@ -160,6 +172,51 @@ def structured_requests(prompts: list[tuple[str, dict, str]], num: int, ratio: f
             counts[prompt] = count_tokens(prompt)
         requests.append(JsonRequest(prompt, counts[prompt], output_len, task, schema, i in constrained))
     return requests
+
+
+def sized_texts(count_tokens: Callable[[str, bool], int], num: int, min_len: int, max_len: int,
+                seed: int | str) -> list[tuple[str, int]]:
+    """`num` (text, token count) pairs, each count drawn uniformly from [min_len, max_len] and
+    met as closely as whole words allow, never above max_len. `count_tokens(text,
+    add_special_tokens)` is the model's tokenizer: words are counted one by one (a BERT
+    tokenizer splits on spaces first, so their sum is the text's) and every text once whole."""
+    if not 1 <= min_len <= max_len:
+        raise ValueError(f"text lengths: need 1 <= min <= max, got {min_len}, {max_len}")
+    words = _prose_words()
+    rng = random.Random(f"embeddings:{seed}")
+    specials, counts, out = count_tokens("", True), {}, []
+    for _ in range(num):
+        target, start = rng.randint(min_len, max_len), rng.randrange(len(words))
+        taken, size = [], specials
+        for i in range(start, start + len(words)):
+            word = words[i % len(words)]
+            if word not in counts:
+                counts[word] = count_tokens(word, False)
+            if size + counts[word] <= target:
+                taken.append(word)
+                size += counts[word]
+            elif size >= min_len:
+                break  # (a word too long for a short text is skipped)
+        text = " ".join(taken)
+        size = count_tokens(text, True)
+        while size > max_len and taken:  # a tokenizer that counts a joined text otherwise
+            taken.pop()
+            text = " ".join(taken)
+            size = count_tokens(text, True)
+        out.append((text, size))
+    return out
+
+
+def embedding_requests(texts: list[tuple[str, int]], per_request: int) -> list[EmbedRequest]:
+    """`texts` in order, `per_request` to a request (the last one may hold fewer)."""
+    chunks = [texts[i:i + per_request] for i in range(0, len(texts), per_request)]
+    return [EmbedRequest("", sum(n for _, n in chunk), 0, [t for t, _ in chunk]) for chunk in chunks]
+
+
+def _prose_words() -> list[str]:
+    """Our own prose, word by word: perplexity.txt, then every turn of the ShareGPT sample."""
+    turns = [turn for pair in load_sharegpt(SHAREGPT_SAMPLE) for turn in pair]
+    return " ".join([PROSE.read_text(), *turns]).split()
 
 
 def _random_ids(rng: random.Random, length: int, vocab_size: int) -> list[int]:

@@ -134,15 +134,17 @@ def spread_token_times(chunk_times_s: list[float], num_tokens: int) -> list[floa
     return [t for i, t in enumerate(chunk_times_s) for _ in range(bounds[i + 1] - bounds[i])]
 
 
-def open_client(target: str, api_key: str | None) -> httpx.AsyncClient:
+def open_client(target: str, api_key: str | None, keep_alive: bool = False) -> httpx.AsyncClient:
     """A client for `{target}/...`: no connection cap (the benchmark's --max-concurrency is
-    the one that binds), no proxy from the environment (the target is what is measured), and a
-    fresh connection per request: llama-server closes a kept-alive connection after a few
-    requests, and a request sent on it just then failed with RemoteProtocolError (2 of 16)."""
+    the one that binds), no proxy from the environment (the target is what is measured), and
+    unless `keep_alive`, a fresh connection per request: llama-server closes a kept-alive
+    connection after a few requests, and a request sent on it just then failed with
+    RemoteProtocolError (2 of 16)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     return httpx.AsyncClient(base_url=target.rstrip("/") + "/", headers=headers, trust_env=False,
                              timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, pool=None),
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+                             limits=httpx.Limits(max_connections=None,
+                                                 max_keepalive_connections=None if keep_alive else 0))
 
 
 async def generate(client: httpx.AsyncClient, model: str, request: BenchRequest,
@@ -155,7 +157,7 @@ async def generate(client: httpx.AsyncClient, model: str, request: BenchRequest,
     try:
         async with client.stream("POST", "completions", json=completion_body(request, model)) as response:
             if response.status_code != 200:
-                stream.error = error_code(response.status_code, _error_body(await response.aread()))
+                stream.error = error_code(response.status_code, error_body(await response.aread()))
             else:
                 async for line in response.aiter_lines():
                     stream.feed(line, time.perf_counter() - start)
@@ -164,7 +166,7 @@ async def generate(client: httpx.AsyncClient, model: str, request: BenchRequest,
     return stream.fill(record, time.perf_counter() - start)
 
 
-def _error_body(body: bytes) -> object:
+def error_body(body: bytes) -> object:
     """The `error` of an OpenAI error response, or the body's text."""
     text = body.decode(errors="replace")
     try:
@@ -193,12 +195,12 @@ def served_model(target: str, name: str | None, api_key: str | None) -> tuple[st
     return entries[0]["id"], entries[0]
 
 
-def describe_target(args) -> tuple[dict, Callable[[str, bool], int]]:
+def describe_target(args, target: str) -> tuple[dict, Callable[[str, bool], int]]:
     """The run's model facts (the keys GetModelInfo gives over gRPC) and a token counter for
-    ShareGPT text, from the target's /models and the model's local files."""
+    text, from `target`'s /models (the OpenAI base URL) and the model's local files."""
     from engine.model_runner import MAX_DEFAULT_MODEL_LEN
     from engine.models.loader import read_arch_config, resolve_model_path
-    name, entry = served_model(args.target, args.served_model_name, args.api_key)
+    name, entry = served_model(target, args.served_model_name, args.api_key)
     path = resolve_model_path(args.model)
     arch = read_arch_config(path)
     # vLLM lists its limit as max_model_len, llama-server its context per slot (-c / -np) as meta.n_ctx.

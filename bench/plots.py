@@ -192,3 +192,36 @@ def plot_host_step(payload: dict, path: Path) -> Path:
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, fontsize=8)
     ax.margins(x=0.3)
     return save_figure(fig, path)
+
+
+def plot_embeddings(results: dict, title: str, path: Path) -> Path:
+    """Two panels: texts/s of every run (pagedserve blue, sentence-transformers gray), and the
+    server's E2E latency with one text a request (p50, p90, p99); `results` are bench.embeddings'."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(f"sentence-transformers {r['dtype']}, batch {r['batch_size']}" if name.startswith("st_")
+             else f"pagedserve {name} ({r['dtype']})", r["texts_per_s"]) for name, r in results.items()
+            if name != "server_latency"]
+    latency = results.get("server_latency")
+    fig, (bars_ax, lat_ax) = plt.subplots(1, 2, figsize=(12, 0.45 * len(rows) + 2),
+                                          gridspec_kw={"width_ratios": [3, 1]})
+    colors = ["tab:gray" if name.startswith("sentence") else "tab:blue" for name, _ in rows]
+    bars = bars_ax.barh([n for n, _ in rows], [v for _, v in rows], color=colors)
+    bars_ax.bar_label(bars, fmt="%.0f", padding=3)
+    bars_ax.invert_yaxis()
+    bars_ax.set_xlabel("texts / s (higher is better)")
+    bars_ax.margins(x=0.15)
+    if latency:
+        stats = [("p50", "median_e2e_ms"), ("p90", "p90_e2e_ms"), ("p99", "p99_e2e_ms")]
+        lat_bars = lat_ax.bar([s for s, _ in stats], [latency[k] for _, k in stats], color="tab:blue")
+        lat_ax.bar_label(lat_bars, fmt="%.0f", padding=2)
+        lat_ax.set_title(f"server, one text a request,\n{latency['clients']} clients ({latency['dtype']})",
+                         fontsize=9)
+        lat_ax.set_ylabel("E2E ms (lower is better)")
+        lat_ax.margins(y=0.15)
+    else:
+        lat_ax.set_axis_off()
+    fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import statistics
+import time
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -66,6 +67,43 @@ def _memory_gb() -> float | None:
         return round(kb / 2**20, 1)
     except (OSError, ValueError, IndexError):
         return None
+
+
+class OtherLoad:
+    """The CPU that processes other than this one and its children used from now on, in cores
+    on average: what a shared machine took from a run (/proc/stat's busy time less ours)."""
+
+    def __init__(self) -> None:
+        self.start = (time.perf_counter(), _machine_busy_s(), _own_cpu_s())
+
+    def cores(self) -> float | None:
+        busy, own = _machine_busy_s(), _own_cpu_s()
+        if None in (busy, own, self.start[1], self.start[2]):
+            return None
+        return max(0.0, (busy - self.start[1] - own + self.start[2]) / (time.perf_counter() - self.start[0]))
+
+
+def _machine_busy_s() -> float | None:
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:8]]  # user nice system idle iowait irq softirq
+    except (OSError, ValueError):
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float | None:
+    """This process's CPU seconds and its children's: those alive, and those it has waited for."""
+    import resource
+
+    import psutil
+    try:
+        me = psutil.Process()
+        alive = sum(sum(p.cpu_times()[:2]) for p in (me, *me.children(recursive=True)))
+    except psutil.Error:
+        return None
+    waited = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return alive + waited.ru_utime + waited.ru_stime
 
 
 def write_result(name: str, payload: dict, out_dir: Path | None = None, suffix: str = "") -> Path:

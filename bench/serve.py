@@ -21,6 +21,9 @@ ShareGPT sweep a server started here is restarted between rates for the same rea
 their own, the report splits by constrained and unconstrained requests, and --structured-ratio
 0,0.5,1 runs the same prompts at each constrained share, on a fresh server each (no prefix or
 grammar cache carried over), then prints and writes one summary of them all.
+
+`--dataset-name embeddings` posts texts to /v1/embeddings of an embedding model instead (see
+bench.serve_embeddings): the report gives texts/s, prompt tok/s and E2E latency.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench import serve_embeddings
 from bench.random_model import use_random_weights
 from bench.reporting import machine_info, write_result
 from bench.serve_args import ServePlan, add_arguments, check_args
@@ -113,7 +117,10 @@ def _serving(backend: str, bench: _Bench) -> Iterator[tuple[str, list[str] | Non
                         engine_metrics=bench.plan.dataset == "structured")
     print(f"starting {backend} ...", flush=True)
     try:
-        yield server.start(), server.cmd[1:], server.metrics_url, server.proc.pid
+        address = server.start()
+        if bench.plan.dataset == "embeddings":  # over its OpenAI API
+            address = f"{server.http_url}/v1"
+        yield address, server.cmd[1:], server.metrics_url, server.proc.pid
     finally:
         server.stop()
 
@@ -131,13 +138,15 @@ def _one_run(address: str, command: list[str] | None, metrics_url: str | None, b
     cpu_before = server_cpu_s(pid)
     records, duration_s = asyncio.run(drive(address, workload, rate, args, index, label, backend, before))
     summary = summarize(records, duration_s, bench.plan.slos)
+    if bench.plan.dataset == "embeddings":
+        summary.update(serve_embeddings.summary_extras(records, workload.requests, duration_s))
     summary.update(cpu_ms_per_token(cpu_before, server_cpu_s(pid), summary["output_tokens"]))
     ratios = _offline_ratios(summary, bench.offline)
     print_run(label, summary, bench.offline, ratios)
     structured = (None if ratio is None else
                   _structured(ratio, records, duration_s, summary, scrapes, metrics_url, bench))
     offline = {"offline": bench.offline} if bench.offline else {}
-    api = "openai" if backend == "openai" else "grpc"
+    api = "openai" if backend == "openai" or bench.plan.dataset == "embeddings" else "grpc"
     payload = {
         "machine": machine_info(bench.config.device), "backend": backend, "label": name, "api": api,
         "target": args.target,

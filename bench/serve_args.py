@@ -14,7 +14,7 @@ from bench.serve_metrics import parse_goodput
 from bench.servers import BACKENDS
 from engine.arg_utils import add_engine_args
 
-DATASETS = ("random", "sharegpt", "prefix-repetition", "structured")
+DATASETS = ("random", "sharegpt", "prefix-repetition", "structured", "embeddings")
 API_BACKENDS = ("openai",)  # an API, not a server: it needs a --target
 
 
@@ -58,8 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dataset-name", choices=DATASETS, default=None,
                    help="random token ids, ShareGPT conversations (text), prefix-repetition (many prompts "
                         "sharing long prefixes: shows prefix caching), or structured (chat prompts asking for "
-                        "JSON, each paired with a JSON Schema: see --structured-ratio) (default: random, or "
-                        "sharegpt with --dataset-path)")
+                        "JSON, each paired with a JSON Schema: see --structured-ratio), or embeddings (texts "
+                        "of our own prose to POST /v1/embeddings, --embed-batch-size a request, on an embedding "
+                        "model: --model defaults to all-MiniLM-L6-v2; the server started here, or --backend "
+                        "openai --target URL) (default: random, or sharegpt with --dataset-path)")
     p.add_argument("--dataset-path", type=Path, default=None,
                    help="ShareGPT-format JSON: a list of {\"conversations\": [{\"from\": \"human\", \"value\": "
                         "...}, {\"from\": \"gpt\", \"value\": ...}]}; the first turn is the prompt, its reply "
@@ -90,6 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="structured: max_tokens of every request; replies end on their own (eos, or the "
                         "constrained JSON completing), so this is a cap, and a reply cut by it counts as "
                         "invalid (default: 256)")
+    p.add_argument("--embed-batch-size", type=int, default=1,
+                   help="embeddings: texts per /v1/embeddings request (default: 1)")
+    p.add_argument("--embed-min-len", type=int, default=8,
+                   help="embeddings: shortest text in tokens, special tokens included (default: 8)")
+    p.add_argument("--embed-max-len", type=int, default=256,
+                   help="embeddings: longest text in tokens; lengths are uniform in between (default: 256, "
+                        "all-MiniLM-L6-v2's limit)")
     p.add_argument("--metrics-url", default=None, metavar="URL",
                    help="structured with a gRPC --target: the target engine's Prometheus /metrics, e.g. "
                         "http://HOST:PORT/metrics of `pagedserve serve --engine-metrics-port PORT`, for the "
@@ -151,6 +160,7 @@ def check_args(args: argparse.Namespace) -> ServePlan:
         slos = parse_goodput(args.goodput)
     except ValueError as e:
         _fail(str(e))
+    _check_embeddings(args, backends, rates, dataset, slos)
     return ServePlan(backends, rates, dataset, path, slos, ratios)
 
 
@@ -172,7 +182,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
                 "--random-output-len": args.random_output_len, "--num-prefixes": args.num_prefixes,
                 "--prefix-output-len": args.prefix_output_len, "--max-concurrency": args.max_concurrency,
                 "--sharegpt-output-len": args.sharegpt_output_len,
-                "--structured-output-len": args.structured_output_len}
+                "--structured-output-len": args.structured_output_len, "--embed-batch-size": args.embed_batch_size,
+                "--embed-min-len": args.embed_min_len}
     for flag, value in positive.items():
         if value is not None and value < 1:
             _fail(f"{flag}: must be at least 1, got {value}")
@@ -199,6 +210,24 @@ def _check_structured(args: argparse.Namespace, backends: list[str], rates: list
     if args.metrics_url and not args.target:
         _fail("--metrics-url is for a --target: a server started here has its metrics read anyway")
     return args.structured_ratio
+
+
+def _check_embeddings(args: argparse.Namespace, backends: list[str], rates: list[float], dataset: str,
+                      slos: dict[str, float]) -> None:
+    if dataset != "embeddings":
+        return
+    if backends not in (["pagedserve"], ["openai"]) or (backends == ["pagedserve"] and args.target):
+        _fail("--dataset-name embeddings posts to /v1/embeddings: --backend pagedserve (started here) or "
+              "--backend openai --target http://HOST:PORT/v1")
+    if len(rates) > 1:
+        _fail("--dataset-name embeddings runs one --request-rate at a time, not --sweep-rates")
+    if set(slos) - {"e2e"}:
+        _fail("--dataset-name embeddings: its requests have only an E2E latency (--goodput e2e:MS)")
+    if args.embed_max_len < args.embed_min_len:
+        _fail(f"--embed-max-len: must be at least --embed-min-len ({args.embed_min_len}), got {args.embed_max_len}")
+    if args.model is None and args.random_weights is None:
+        from bench.serve_embeddings import DEFAULT_MODEL
+        args.model = DEFAULT_MODEL
 
 
 def _check_offline(args: argparse.Namespace, backends: list[str], rates: list[float], dataset: str) -> None:

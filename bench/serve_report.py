@@ -21,9 +21,13 @@ GROUP_HEADER = ["group", "ok / failed", "JSON / valid", "mean out len", "out tok
 def print_run(label: str, summary: dict, offline: dict | None, ratios: dict) -> None:
     rows = [["completed / failed", f"{summary['completed']} / {summary['failed']}"],
             ["duration (s)", summary["duration_s"]],
-            ["request throughput (req/s)", summary["request_throughput"]],
-            ["output throughput (tok/s)", summary["output_tok_s"]],
-            ["total throughput (tok/s)", summary["total_tok_s"]]]
+            ["request throughput (req/s)", summary["request_throughput"]]]
+    if "texts_per_s" in summary:  # embeddings: no output tokens
+        rows += [["texts embedded (texts/s)", summary["texts_per_s"]],
+                 ["prompt throughput (tok/s)", summary["prompt_tok_s"]]]
+    else:
+        rows += [["output throughput (tok/s)", summary["output_tok_s"]],
+                 ["total throughput (tok/s)", summary["total_tok_s"]]]
     if "goodput_req_s" in summary:
         slos = " ".join(f"{k}:{v:g}" for k, v in summary["goodput_slos_ms"].items())
         rows.append([f"goodput (req/s, {slos} ms)", summary["goodput_req_s"]])
@@ -39,7 +43,8 @@ def print_run(label: str, summary: dict, offline: dict | None, ratios: dict) -> 
     print_table(["metric", "value"], rows)
     print()
     latency_rows = [[name.replace("_ms", "").upper() + " (ms)",
-                     *(_cell(summary[f"{stat}_{name}"]) for stat in STATS)] for name in LATENCIES]
+                     *(_cell(summary[f"{stat}_{name}"]) for stat in STATS)] for name in LATENCIES
+                    if "texts_per_s" not in summary or name == "e2e_ms"]
     print_table(["latency", *STATS], latency_rows)
     if summary["errors"]:
         print(f"\nfailed requests by code: {summary['errors']}")

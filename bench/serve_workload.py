@@ -3,6 +3,8 @@
 The dataset is built against the server it will run on: over gRPC, GetModelInfo gives the
 vocabulary and the length limit and ShareGPT text is counted with the server's own Tokenize;
 over the OpenAI API, bench.openai_client reads the same facts from the model's local files.
+The embeddings dataset always goes over the OpenAI API (bench.serve_embeddings): `address` is
+then the server's base URL, http://HOST:PORT/v1.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
-from bench import serve_structured
+from bench import serve_embeddings, serve_structured
 from bench.datasets import (BenchRequest, JsonRequest, load_sharegpt, load_structured_tasks,
                             prefix_repetition_requests, random_requests, sharegpt_requests, structured_requests)
 from bench.load import RequestRecord, Send, arrival_offsets_s, generate, run_load
@@ -45,9 +47,9 @@ def run_seed(seed: int, index: int) -> str:
 def build_workload(address: str, args: argparse.Namespace, plan, index: int, backend: str,
                    ratio: float | None = None) -> Workload:
     """`ratio`: the structured dataset's constrained share."""
-    if backend == "openai":
+    if backend == "openai" or plan.dataset == "embeddings":
         from bench.openai_client import describe_target
-        model, count_tokens = describe_target(args)
+        model, count_tokens = describe_target(args, address)
         return _workload(model, count_tokens, args, plan, index)
     import grpc
     with grpc.insecure_channel(address) as channel:
@@ -86,6 +88,8 @@ def _workload(model: dict, count_tokens: Callable, args: argparse.Namespace, pla
 def _requests(count_tokens: Callable[[str, bool], int], args: argparse.Namespace, plan, model: dict,
               index: int) -> tuple[list[BenchRequest], dict]:
     seed = run_seed(args.seed, index)
+    if plan.dataset == "embeddings":
+        return serve_embeddings.workload_requests(count_tokens, args, seed)
     if plan.dataset == "random":
         requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
                                    args.random_range_ratio, model["vocab_size"], seed)
@@ -174,6 +178,11 @@ async def drive(address: str, workload: Workload, rate: float, args: argparse.Na
 async def _sender(address: str, workload: Workload, args: argparse.Namespace, backend: str
                   ) -> AsyncIterator[Send]:
     """`send(request, run_start)` over one connection pool of the backend's API."""
+    if workload.dataset["name"] == "embeddings":  # kept-alive connections, as the openai SDK's
+        from bench import openai_client
+        async with openai_client.open_client(address, args.api_key, keep_alive=True) as client:
+            yield functools.partial(serve_embeddings.embed, client, workload.model["model_name"])
+        return
     if backend == "openai":
         from bench import openai_client
         async with openai_client.open_client(address, args.api_key) as client:

@@ -3,7 +3,7 @@
 Both print `grpc listening on HOST:PORT` once bound and report grpc.health.v1 SERVING for
 pagedserve.v1.Generation once they can generate, so one class starts, watches and stops either.
 `pagedserve serve` started with its engine's /metrics on prints `metrics listening on URL`,
-which the class keeps too.
+and with its HTTP API on `http listening on HOST:PORT`; the class keeps both too.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ class ServerProcess:
         self.tail: collections.deque[str] = collections.deque(maxlen=40)
         self.address: str | None = None
         self.metrics_url: str | None = None  # the first `metrics listening on` line's, if any
+        self.http_url: str | None = None  # http://HOST:PORT of the first `http listening on` line, if any
         self.listening = threading.Event()
         # `pagedserve serve` keeps its frontend up when the engine child dies: spot the traceback.
         self.crashed = False
@@ -70,6 +71,9 @@ class ServerProcess:
             metrics = self.metrics_url is None and re.search(r"metrics listening on (http://\S+)", line)
             if metrics:
                 self.metrics_url = metrics.group(1)
+            http = self.http_url is None and re.search(r"http listening on (\S+:\d+)", line)
+            if http:
+                self.http_url = f"http://{http.group(1)}"
             match = not self.listening.is_set() and re.search(r"grpc listening on (\S+:\d+)", line)
             if match:
                 self.address = match.group(1)

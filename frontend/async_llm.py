@@ -88,7 +88,15 @@ class AsyncLLM:
         # n-prompt request admits n at once): they hold a slot too. Weak, so that one never
         # run (its client left first) gives its slot back when it is dropped.
         self.admitted: weakref.WeakValueDictionary[str, Generation] = weakref.WeakValueDictionary()  # by engine_id
+        # encode() calls running, by the caller's request id: one slot each, however many
+        # inputs (engine requests) they run; those are not in `active`.
+        self.encoding: dict[str, list[Generation]] = {}
         self.http_address = ""  # for the ready line, once the HTTP API listens
+
+    @property
+    def num_running(self) -> int:
+        """Stream slots taken: running, admitted and encoding calls."""
+        return len(self.active) + len(self.admitted) + len(self.encoding)
 
     @property
     def tokenizer(self):
@@ -151,9 +159,9 @@ class AsyncLLM:
     def _admit_id(self, request_id: str | None) -> str:
         """The request's id, once it is known to be free and a stream slot is left."""
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.active:
+        if request_id in self.active or request_id in self.encoding:
             raise InvalidRequest(f"request_id {request_id!r} is already in use by a running request")
-        num_running = len(self.active) + len(self.admitted)
+        num_running = self.num_running
         if num_running >= self.max_concurrent_streams:
             raise EngineOverloaded(f"server busy: {num_running} requests running "
                                    f"(--max-concurrent-streams {self.max_concurrent_streams}); retry later")
@@ -167,6 +175,7 @@ class AsyncLLM:
         request_id = self._admit_id(request_id)
         gens = [Generation(f"{request_id}/{i}", PoolingState(uuid.uuid4().hex, item), priority)
                 for i, item in enumerate(inputs)]
+        self.encoding[request_id] = gens
 
         async def run(gen: Generation) -> list[float]:
             async for _ in self.generate(gen):
@@ -180,6 +189,8 @@ class AsyncLLM:
                 tasks = [group.create_task(run(gen)) for gen in gens]
         except ExceptionGroup as e:  # the first error is the caller's (its status code)
             raise e.exceptions[0] from None
+        finally:
+            del self.encoding[request_id]
         return [t.result() for t in tasks]
 
     async def generate(self, gen: Generation, time_limit_s: float | None = None
@@ -187,7 +198,9 @@ class AsyncLLM:
         """Run an admitted request; yields the deltas that arrived together (several tokens
         per sample under load). Leaving early (cancel, disconnect) stops it in the engine."""
         self.admitted.pop(gen.engine_id, None)
-        self.active[gen.request_id] = gen
+        tracked = not isinstance(gen.state, PoolingState)  # an encode() call holds the slot of its inputs
+        if tracked:
+            self.active[gen.request_id] = gen
         deadline = None if time_limit_s is None else time.monotonic() + time_limit_s
         tried: set[str] = set()
         failed: tuple[PooledEngine, Exception] | None = None  # the last attempt's engine and error
@@ -212,7 +225,8 @@ class AsyncLLM:
                     tried.add(engine.address)
                     failed = (engine, e)
         finally:
-            del self.active[gen.request_id]
+            if tracked:
+                del self.active[gen.request_id]
 
     async def _run_on(self, engine: PooledEngine, gen: Generation, deadline: float | None
                       ) -> AsyncIterator[list[SampleDelta]]:

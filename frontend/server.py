@@ -1,9 +1,9 @@
 """The frontend process: a grpc.aio server on uvloop, linked over ZeroMQ to one engine or
 several (data parallel: frontend/engine_pool.py).
 
-Health (grpc.health.v1): "" is SERVING while the process is up; the Generation service
-is SERVING only while at least one engine is ready (connected, answering heartbeats, not
-draining).
+Health (grpc.health.v1): "" is SERVING while the process is up; the Generation and Embedding
+services are SERVING only while at least one engine is ready (connected, answering heartbeats,
+not draining), whichever task its model serves (a call for another task gets INVALID_ARGUMENT).
 
 Shutdown (SIGTERM or SIGINT) drains: both health statuses turn NOT_SERVING, new streams get
 UNAVAILABLE, running ones may finish for up to `drain_timeout_s`; then the server stops.
@@ -23,9 +23,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common.v1 import generation_pb2, generation_pb2_grpc, info_pb2, info_pb2_grpc
+from common.v1 import embedding_pb2, embedding_pb2_grpc, generation_pb2, generation_pb2_grpc, info_pb2, info_pb2_grpc
 from common.v1 import tokenization_pb2, tokenization_pb2_grpc
 from frontend.async_llm import AsyncLLM
+from frontend.embedding_servicer import EmbeddingService
 from frontend.engine_pool import EnginePool
 from frontend.http.options import HttpOptions
 from frontend.interceptors import DecodeGuard, MetricsInterceptor
@@ -35,6 +36,8 @@ from frontend.servicers import GenerationService, GrpcContext, InfoService, Toke
 
 log = logging.getLogger("pagedserve.frontend")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+EMBEDDING_SERVICE = embedding_pb2.DESCRIPTOR.services_by_name["Embedding"].full_name
+ENGINE_SERVICES = (GENERATION_SERVICE, EMBEDDING_SERVICE)  # their health follows the engines'
 
 
 @dataclass
@@ -84,7 +87,8 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     _add_services(server, GrpcContext(llm, metrics, config.log_prompts), health_servicer)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(GENERATION_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+    for service in ENGINE_SERVICES:
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     print(f"grpc listening on {address}", flush=True)
     http = None
     if config.http_port is not None:
@@ -110,15 +114,15 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
 
 async def _drain(llm: AsyncLLM, health_servicer, timeout_s: float, force: asyncio.Event) -> None:
     llm.draining = True
-    for service in ("", GENERATION_SERVICE):
+    for service in ("", *ENGINE_SERVICES):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    log.info("draining: %d requests running, waiting up to %.0fs", len(llm.active), timeout_s)
+    log.info("draining: %d requests running, waiting up to %.0fs", llm.num_running, timeout_s)
     deadline = time.monotonic() + timeout_s
     # Admitted HTTP requests whose response has not started their generation yet count too.
-    while (llm.active or llm.admitted) and time.monotonic() < deadline and not force.is_set():
+    while llm.num_running and time.monotonic() < deadline and not force.is_set():
         await asyncio.sleep(0.05)
-    if llm.active:
-        log.warning("drain ended with %d requests still running; they are cancelled", len(llm.active))
+    if llm.num_running:
+        log.warning("drain ended with %d requests still running; they are cancelled", llm.num_running)
 
 
 def _async_llm(config: FrontendConfig, address: str, health_servicer, metrics: FrontendMetrics) -> AsyncLLM:
@@ -143,7 +147,8 @@ def _async_llm(config: FrontendConfig, address: str, health_servicer, metrics: F
             return  # draining stays NOT_SERVING
         serving = ready
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        asyncio.ensure_future(health_servicer.set(GENERATION_SERVICE, status))
+        for service in ENGINE_SERVICES:
+            asyncio.ensure_future(health_servicer.set(service, status))
 
     llm.pool = EnginePool(make_policy(config.routing_policy), uuid.uuid4().hex, address, config.heartbeat_s,
                           config.engine_timeout_s, on_change, on_welcome)
@@ -154,11 +159,13 @@ def _add_services(server, ctx: GrpcContext, health_servicer) -> None:
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(ctx), server)
     tokenization_pb2_grpc.add_TokenizationServicer_to_server(TokenizationService(ctx), server)
     info_pb2_grpc.add_InfoServicer_to_server(InfoService(ctx), server)
+    embedding_pb2_grpc.add_EmbeddingServicer_to_server(EmbeddingService(ctx), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [
         GENERATION_SERVICE,
         tokenization_pb2.DESCRIPTOR.services_by_name["Tokenization"].full_name,
         info_pb2.DESCRIPTOR.services_by_name["Info"].full_name,
+        EMBEDDING_SERVICE,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     ]

@@ -1,6 +1,6 @@
-"""The gRPC services: Generation, Tokenization, Info. They translate, and map errors to status
-codes here, once: NotFound (an unknown LoRA adapter) -> NOT_FOUND, InvalidRequest ->
-INVALID_ARGUMENT, EngineOverloaded -> RESOURCE_EXHAUSTED,
+"""The gRPC services: Generation, Tokenization, Info (Embedding: frontend/embedding_servicer.py).
+They translate, and map errors to status codes here, once: NotFound (an unknown LoRA adapter)
+-> NOT_FOUND, InvalidRequest -> INVALID_ARGUMENT, EngineOverloaded -> RESOURCE_EXHAUSTED,
 Unavailable (no engine, engine lost, draining) -> UNAVAILABLE, RequestFailed (the engine ended
 it part-way, saying why) -> INTERNAL with that message. Anything else is a bug: the call ends
 INTERNAL with a generic message, never a stack trace."""
@@ -72,6 +72,12 @@ async def status_codes(context):
         await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
 
 
+def check_request_id(request_id: str) -> None:
+    """A caller's request id ("": the server assigns one) is logged and aborted by: keep it plain."""
+    if request_id and not _REQUEST_ID.fullmatch(request_id):
+        raise InvalidRequest("request_id: 1-128 characters of letters, digits and ._:@=+-")
+
+
 def prompt_from_request(processor: InputProcessor, msg, add_special_tokens: bool = True) -> list[int]:
     """`msg` has a oneof `input` of text / token_ids / chat (GenerateRequest, TokenizeRequest)."""
     kind = msg.WhichOneof("input")
@@ -127,8 +133,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def _admit(self, request: gen.GenerateRequest) -> Generation:
         llm = self.ctx.llm
         processor = llm.require_ready()
-        if request.request_id and not _REQUEST_ID.fullmatch(request.request_id):
-            raise InvalidRequest("request_id: 1-128 characters of letters, digits and ._:@=+-")
+        check_request_id(request.request_id)
         if request.HasField("time_limit_ms") and not 0 < request.time_limit_ms <= MAX_TIME_LIMIT_MS:
             raise InvalidRequest(f"time_limit_ms: must be in [1, {MAX_TIME_LIMIT_MS}] (24 hours), "
                                  f"got {request.time_limit_ms}")

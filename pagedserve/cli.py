@@ -30,9 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_batch(commands.add_parser(
         "run-batch", help="run a file of requests in OpenAI's batch format offline, through one engine",
         description="Run a JSONL file of requests in OpenAI's batch format ({custom_id, method, url, body} per "
-                    "line; url /v1/chat/completions, /v1/completions or /v1/responses) through one engine "
-                    "process and an in-process frontend, with no listener: each line gets what the HTTP route "
-                    "would answer. Writes one result line per input line as it finishes ({id, custom_id, "
+                    "line; url /v1/chat/completions, /v1/completions or /v1/responses, or /v1/embeddings for an "
+                    "embedding model) through one engine process and an in-process frontend, with no listener: "
+                    "each line gets what the HTTP route would answer. Writes one result line per input line as it finishes ({id, custom_id, "
                     "response: {status_code, request_id, body}, error}); a bad line becomes an error line. "
                     "Exit code 0 once the file is processed. The engine flags are those of serve."))
     from pagedserve.health import add_health_arguments, add_ping_arguments
@@ -64,6 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "so outputs have exactly that many tokens. Reports throughput, goodput, and TTFT, "
                     "TPOT, ITL and E2E latency (mean, median, p90, p99); writes one JSON per run, and "
                     "with --sweep-rates a summary JSON and a throughput-latency PNG."))
+    from bench.embeddings import add_arguments as add_embeddings
+    add_embeddings(bench_kinds.add_parser(
+        "embeddings", help="/v1/embeddings throughput and latency against sentence-transformers encode",
+        description="Embeddings benchmark on all-MiniLM-L6-v2 (or --model): 2,000 texts of 8-256 tokens, "
+                    "sentence-transformers encode at each batch size (float32 and bfloat16) in this process, "
+                    "pagedserve's LLM.embed, then `pagedserve serve` over its HTTP API: texts/s with requests "
+                    "of 64 texts from 8 clients, and E2E latency p50/p99 of one text a request from 32. "
+                    "Prints each run's ratio to sentence-transformers' best float32 batch size and the cosine "
+                    "of every vector to its; writes JSON and a PNG."))
     from bench.spec_decode import add_arguments as add_spec
     add_spec(bench_kinds.add_parser(
         "spec", help="speculative decoding (ngram, draft) against none: TPOT, throughput, acceptance",
@@ -167,6 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "serve":
         from bench.serve import run
+        return run(args)
+    if args.command == "bench" and args.bench == "embeddings":
+        from bench.embeddings import run
         return run(args)
     if args.command == "bench" and args.bench == "spec":
         from bench.spec_decode import run

@@ -40,7 +40,8 @@ def _add_own_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of run-batch itself; the rest are the engine's, passed on to it."""
     p.add_argument("-i", "--input-file", required=True, metavar="PATH",
                    help="the requests: JSONL, one {custom_id, method, url, body} per line, url one of "
-                        "/v1/chat/completions, /v1/completions, /v1/responses")
+                        "/v1/chat/completions, /v1/completions, /v1/responses (a generating model), or "
+                        "/v1/embeddings (an embedding model)")
     p.add_argument("-o", "--output-file", required=True, metavar="PATH",
                    help="the results: JSONL, one {id, custom_id, response: {status_code, request_id, body}, "
                         "error} per input line, in the order they finish")
@@ -100,6 +101,7 @@ async def _run(args: argparse.Namespace, address: str, engine: subprocess.Popen,
     from frontend.http.app import build_app
     from frontend.http.context import HttpContext
     from frontend.metrics import FrontendMetrics
+    from frontend.pooling import served_task
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
     llm, ready = _frontend(address, args.max_concurrency)
@@ -114,7 +116,8 @@ async def _run(args: argparse.Namespace, address: str, engine: subprocess.Popen,
         # A registry of its own: nothing scrapes this process.
         ctx = HttpContext(llm, FrontendMetrics(CollectorRegistry()), args.served_model_name or [],
                           options=http_options_from_args(args))
-        runner = BatchRunner(build_app(ctx), asyncio.Semaphore(args.max_concurrency))
+        runner = BatchRunner(build_app(ctx), asyncio.Semaphore(args.max_concurrency),
+                             task=served_task(llm.welcome.pooler))
         with open(args.input_file, **ENCODING) as lines:
             total = count_requests(lines)
         done = {True: 0, False: 0}  # by result.ok

@@ -12,12 +12,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from common.v1 import generation_pb2 as gen, info_pb2, tokenization_pb2 as tok
+from common.v1 import embedding_pb2 as emb, generation_pb2 as gen, info_pb2, tokenization_pb2 as tok
 
 FR = gen.FinishReason
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 GENERATION = "pagedserve.v1.Generation"
+EMBEDDING = "pagedserve.v1.Embedding"
 VOCAB_SIZE = 49152
 MAX_MODEL_LEN = 2048  # conftest's ENGINE_FLAGS
 # ~20 s of decoding on this CPU: a request that is gone within a few seconds was aborted.
@@ -75,6 +76,20 @@ def greedy(max_tokens: int, **kwargs) -> gen.SamplingParams:
 
 def generate(fe, timeout: float = 120, **kwargs) -> Result:
     return collect(list(fe.generation.Generate(request(**kwargs), timeout=timeout)))
+
+
+def embed_request(*inputs: str | list[int], **kwargs) -> emb.EmbedRequest:
+    """An EmbedRequest of texts and token-id lists, in that order."""
+    items = [emb.EmbedInput(text=i) if isinstance(i, str) else emb.EmbedInput(token_ids=gen.TokenIds(ids=i))
+             for i in inputs]
+    return emb.EmbedRequest(inputs=items, **kwargs)
+
+
+def rpc_error(call, *args, **kwargs) -> grpc.RpcError:
+    """A unary call that must fail; returns its error."""
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)
+    return info.value
 
 
 def cancel(call) -> None:

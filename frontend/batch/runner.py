@@ -32,8 +32,10 @@ import httpx
 from frontend.batch.app_client import AppClient
 
 log = logging.getLogger("pagedserve.batch")
-# The routes a line may name; one this server lacks (/v1/embeddings for now) is an error line.
+# The routes a line may name, and those a model of each task serves (frontend/pooling.py's
+# served_task): a line naming another task's route is an error line, not a batch of 400s.
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings")
+TASK_URLS = {"generate": BATCH_URLS[:3], "embed": ("/v1/embeddings",), "score": ()}
 # Full (429) or without an engine for now (503): the line waits and tries again, for so long.
 BUSY = (429, 503)
 RETRY_FOR_S = 300.0
@@ -56,21 +58,23 @@ class LineError(Exception):
         self.code, self.custom_id = code, custom_id
 
 
-def served_urls(app) -> list[str]:
-    """The batch urls `app` has a POST route for."""
+def served_urls(app, task: str | None = None) -> list[str]:
+    """The batch urls `app` has a POST route for, of those a model of `task` serves (None:
+    whatever the task)."""
     posts = {route.path for route in app.routes if "POST" in getattr(route, "methods", ())}
-    return [url for url in BATCH_URLS if url in posts]
+    return [url for url in BATCH_URLS if url in posts and (task is None or url in TASK_URLS[task])]
 
 
 class BatchRunner:
     """Sends lines to `app`, at most `slots` at once (a semaphore: online, every batch of the
     process shares one, so batches together leave room for live traffic). `endpoint`: the one
-    url every line must name (a /v1/batches batch's); None: any the app serves."""
+    url every line must name (a /v1/batches batch's); None: any the app serves for the
+    model's `task` (None: any it has a route for)."""
 
     def __init__(self, app, slots: asyncio.Semaphore, endpoint: str | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, task: str | None = None) -> None:
         self.app, self.slots, self.endpoint = app, slots, endpoint
-        self.served = served_urls(app)
+        self.served = served_urls(app, task)
         # The app's own --api-key check runs on every line too: the batch carries the key.
         self.headers = {"content-type": "application/json"}
         if api_key is not None:
@@ -149,7 +153,8 @@ class BatchRunner:
         if url not in BATCH_URLS:
             raise LineError("invalid_url", f"url: {url!r} is not one of {', '.join(BATCH_URLS)}", custom_id)
         if url not in self.served:
-            raise LineError("invalid_url", f"url: {url} is not served by this server", custom_id)
+            raise LineError("invalid_url", f"url: {url} is not served by this server (its model's batch urls: "
+                                           f"{', '.join(self.served) or 'none'})", custom_id)
         if self.endpoint is not None and url != self.endpoint:
             raise LineError("invalid_url", f"url: {url} differs from the batch's endpoint {self.endpoint}", custom_id)
 

@@ -18,6 +18,7 @@ from frontend.batch.runner import BATCH_URLS, served_urls
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import bad_request, not_found
 from frontend.http.files_api import add_file_routes, cursor_page
+from frontend.pooling import served_task
 
 # OpenAI's limits on a batch's metadata
 MAX_METADATA_KEYS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
@@ -41,7 +42,8 @@ def add_batch_routes(app: FastAPI, ctx: HttpContext) -> None:
     @app.post("/v1/batches")
     async def create_batch(request: Request):
         body = await parse_body(request, CreateBatchRequest)
-        _check(body, served_urls(app))
+        welcome = ctx.llm.welcome  # the model's task decides the endpoints (none yet: any route)
+        _check(body, served_urls(app, served_task(welcome.pooler) if welcome is not None else None))
         input_file = files.get(body.input_file_id)
         if input_file is None:
             raise not_found(f"No such File object: {body.input_file_id}", "input_file_id")

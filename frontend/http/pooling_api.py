@@ -22,7 +22,7 @@ from common.errors import InvalidRequest
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from frontend.http.runner import unless_disconnected
-from frontend.pooling import check_dimensions, embedding_vector, pooling_inputs, require_task, score_plan
+from frontend.pooling import check_dimensions, embedding_vector, pooling_inputs, pooling_model, score_plan
 
 
 def add_pooling_routes(app: FastAPI, ctx: HttpContext) -> None:
@@ -45,7 +45,7 @@ def add_pooling_routes(app: FastAPI, ctx: HttpContext) -> None:
 async def create_embeddings(ctx: HttpContext, request: Request):
     body = await parse_body(request, EmbeddingRequest)
     ctx.resolve_model(body.model)
-    processor, pooler = _pooling_model(ctx, "embed")
+    processor, pooler = pooling_model(ctx.llm, "embed")
     dimensions = check_dimensions(body.dimensions, pooler)
     texts = [body.input] if isinstance(body.input, str) or _is_token_list(body.input) else body.input
     inputs = pooling_inputs(processor.tokenizer, texts, pooler, processor.limits.vocab_size,
@@ -62,7 +62,7 @@ async def create_embeddings(ctx: HttpContext, request: Request):
 async def create_score(ctx: HttpContext, request: Request):
     body = await parse_body(request, ScoreRequest)
     ctx.resolve_model(body.model)
-    processor, pooler = _pooling_model(ctx, "score", "embed")
+    processor, pooler = pooling_model(ctx.llm, "score", "embed")
     plan = score_plan(processor.tokenizer, pooler, processor.limits.vocab_size, body.text_1, body.text_2,
                       body.truncate_prompt_tokens)
     values = plan.scores(await _run(ctx, request, plan.inputs, body.priority))
@@ -76,7 +76,7 @@ async def create_score(ctx: HttpContext, request: Request):
 async def create_rerank(ctx: HttpContext, request: Request):
     body = await parse_body(request, RerankRequest)
     ctx.resolve_model(body.model)
-    processor, pooler = _pooling_model(ctx, "score", "embed")
+    processor, pooler = pooling_model(ctx.llm, "score", "embed")
     if body.top_n is not None and body.top_n < 1:
         raise InvalidRequest(f"top_n: must be at least 1, got {body.top_n}")
     plan = score_plan(processor.tokenizer, pooler, processor.limits.vocab_size, body.query, body.documents,
@@ -87,15 +87,6 @@ async def create_rerank(ctx: HttpContext, request: Request):
                 **({"document": {"text": body.documents[i]}} if body.return_documents else {})} for i in ranked]
     return {"id": f"rerank-{uuid.uuid4().hex}", "model": body.model or ctx.served_name,
             "usage": {"total_tokens": plan.num_prompt_tokens}, "results": results}
-
-
-def _pooling_model(ctx: HttpContext, *tasks: str):
-    """The input processor and the engine's pooler, for a model that serves one of `tasks`
-    (a 400 naming the task it serves otherwise)."""
-    processor = ctx.llm.require_ready(generates=False)
-    pooler = ctx.llm.welcome.pooler
-    require_task(pooler, *tasks)
-    return processor, pooler
 
 
 async def _run(ctx: HttpContext, request: Request, inputs, priority: int) -> list[list[float]]:

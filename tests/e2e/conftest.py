@@ -18,7 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from common.v1 import generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2_grpc
+from common.v1 import embedding_pb2_grpc, generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2_grpc
 from helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,6 +96,7 @@ class Frontend:
         self.generation = generation_pb2_grpc.GenerationStub(self.channel)
         self.tokenization = tokenization_pb2_grpc.TokenizationStub(self.channel)
         self.info = info_pb2_grpc.InfoStub(self.channel)
+        self.embedding = embedding_pb2_grpc.EmbeddingStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def health_status(self, service: str = "pagedserve.v1.Generation") -> int:

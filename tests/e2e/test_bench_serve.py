@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.heavy(124)  # seconds on the 2-core CI machine: scheduled first
+pytestmark = pytest.mark.heavy(137)  # seconds on the 2-core CI machine: scheduled first
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--num-prompts", "4", "--random-input-len", "8", "--random-output-len", "4"]
@@ -22,7 +22,8 @@ FLAGS = ["--backend", "--target", "--dataset-name", "--dataset-path", "--num-pro
          "--random-output-len", "--random-range-ratio", "--prefix-len", "--suffix-len", "--num-prefixes",
          "--prefix-output-len", "--sharegpt-output-len", "--request-rate", "--burstiness", "--max-concurrency",
          "--sweep-rates", "--goodput", "--seed", "--compare-offline", "--output-dir", "--dtype", "--model",
-         "--num-kv-blocks", "--num-threads", "--structured-ratio", "--structured-output-len", "--metrics-url"]
+         "--num-kv-blocks", "--num-threads", "--structured-ratio", "--structured-output-len", "--metrics-url",
+         "--embed-batch-size", "--embed-min-len", "--embed-max-len"]
 HF_SERVER_FLAGS = ["--model", "--tokenizer", "--dtype", "--device", "--num-threads", "--max-model-len", "--host",
                    "--grpc-port"]
 
@@ -81,6 +82,7 @@ def test_help_lists_every_flag():
     (["--dataset-name", "structured", "--structured-ratio", "0,1.5"], "shares from 0 to 1"),
     (["--dataset-name", "structured", "--structured-ratio", "0,1", "--sweep-rates", "1,2"], "not both"),
     (["--metrics-url", "http://127.0.0.1:1/metrics"], "--metrics-url is for --dataset-name structured"),
+    (["--dataset-name", "embeddings", "--backend", "hf"], "--dataset-name embeddings posts to /v1/embeddings"),
 ])
 def test_bad_flags_are_refused_before_anything_starts(flags, message):
     result = bench_serve(*flags, timeout_s=60)
@@ -196,3 +198,29 @@ def test_structured_dataset_splits_constrained_from_unconstrained(tmp_path):
     completed = [r for r in records if r["constrained"] and r["finish_reason"] != "FINISH_REASON_LENGTH"]
     assert completed and all(r["valid"] and r["num_output_tokens"] < 64 for r in completed), records
     assert "JSON / valid" in result.stdout and "grammar ms/step" in result.stdout
+
+
+def test_embeddings_dataset_posts_texts_to_an_embedding_model(tmp_path):
+    result = bench_serve("--dataset-name", "embeddings", "--num-prompts", "6", "--embed-batch-size", "3",
+                         "--embed-max-len", "64", "--max-concurrency", "2", "--goodput", "e2e:60000",
+                         "--dtype", "float32", "--num-threads", "1", "--output-dir", str(tmp_path))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    [path] = tmp_path.glob("serve-*-pagedserve-rateinf.json")
+    payload = json.loads(path.read_text())
+    summary = payload["results"]["openai"]
+    assert payload["api"] == "openai" and payload["engine_config"]["model"] == "all-MiniLM-L6-v2"
+    assert payload["model"]["model_name"] == "all-MiniLM-L6-v2" and payload["model"]["architecture"] == "bert"
+    dataset = payload["dataset"]
+    assert (dataset["name"], dataset["num_texts"], dataset["texts_per_request"]) == ("embeddings", 18, 3)
+    assert 8 <= dataset["mean_text_len"] <= 64
+    assert (summary["completed"], summary["failed"], summary["texts"], summary["good_requests"]) == (6, 0, 18, 6)
+    # the server's usage counts what the dataset sized with the same tokenizer
+    assert summary["prompt_tokens"] == round(dataset["mean_prompt_len"] * 6)
+    assert summary["prompt_tok_s"] == pytest.approx(summary["prompt_tokens"] / summary["duration_s"])
+    assert summary["texts_per_s"] == pytest.approx(3 * summary["request_throughput"])
+    assert 0 < summary["median_e2e_ms"] <= summary["p90_e2e_ms"] <= summary["p99_e2e_ms"]
+    assert summary["output_tokens"] == 0 and summary["median_ttft_ms"] is None
+    assert all(r["ok"] and r["num_output_tokens"] == 0 for r in payload["requests"])
+    assert "texts embedded (texts/s)" in result.stdout and "E2E (ms)" in result.stdout
+    assert "TTFT (ms)" not in result.stdout

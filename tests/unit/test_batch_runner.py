@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from frontend.batch.files import FileStore
-from frontend.batch.runner import BatchRunner, LineError
+from frontend.batch.runner import BatchRunner, LineError, served_urls
 from frontend.http.runner import unless_disconnected
 
 
@@ -85,6 +85,20 @@ def test_the_endpoint_and_custom_ids_are_checked():
     with pytest.raises(LineError, match="earlier line") as e:
         runner.parse(line("a", n=2))
     assert e.value.code == "duplicate_custom_id" and e.value.custom_id == "a"
+
+
+def test_the_models_task_decides_the_urls():
+    app = FakeApp().app
+    app.post("/v1/embeddings")(lambda: {})
+    assert served_urls(app) == ["/v1/completions", "/v1/embeddings"]  # no task: every route
+    assert served_urls(app, "generate") == ["/v1/completions"]
+    assert served_urls(app, "embed") == ["/v1/embeddings"]
+    assert served_urls(app, "score") == []
+    runner = BatchRunner(app, asyncio.Semaphore(1), task="embed")
+    with pytest.raises(LineError, match="not served by this server .*: /v1/embeddings") as e:
+        runner.parse(line("a", n=1))
+    assert e.value.code == "invalid_url"
+    runner.parse('{"custom_id": "b", "url": "/v1/embeddings", "body": {"input": "x"}}')
 
 
 def test_every_line_gets_one_result_within_the_concurrency():
