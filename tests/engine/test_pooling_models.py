@@ -19,6 +19,8 @@ from common.errors import InvalidRequest
 from pagedserve import LLM
 from helpers import assert_no_leak
 
+pytestmark = pytest.mark.heavy(45)  # seconds on the 2-core CI machine: scheduled first
+
 WORDS = ("the quick brown fox jumps over lazy dog while rain falls on green hills and people walk to market "
          "with bread cheese wine apples music plays in old town square children laugh at people near river "
          "boats drift slowly under bridge stone tower clock strikes noon birds sing loudly summer winter "
