@@ -35,6 +35,13 @@ class PooledInput:
     params: PoolingParams = field(default_factory=PoolingParams)
 
 
+def as_inputs(value) -> list:
+    """An API's `input`: one input (a text, or a list of token ids) or a list of them."""
+    one = isinstance(value, str) or (isinstance(value, list) and bool(value)
+                                     and all(isinstance(t, int) and not isinstance(t, bool) for t in value))
+    return [value] if one else list(value)
+
+
 def served_task(pooler: ipc.Pooler) -> str:
     return pooler.task or "generate"
 

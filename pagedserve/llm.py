@@ -23,7 +23,7 @@ from engine.lora.adapter import LoraAdapter
 from engine.models.loader import eos_token_ids, load_tokenizer, resolve_model_path
 from frontend.input_processor import InputProcessor
 from frontend.output_processor import STOPPED, OutputProcessor, SampleDelta
-from frontend.pooling import require_task
+from frontend.pooling import as_inputs, require_task
 from pagedserve.pooling import EmbeddingOutput, OfflinePooling, ScoringOutput
 
 Prompt = str | list[int]
@@ -87,7 +87,7 @@ class LLM:
         model); one not loaded raises LoraError (a ValueError). No `sampling_params`: the
         model's defaults (`get_default_sampling_params`)."""
         require_task(self.pooling.pooler, "generate")
-        prompts = [prompts] if isinstance(prompts, str) or _is_token_list(prompts) else list(prompts)
+        prompts = as_inputs(prompts)
         params = sampling_params or self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
@@ -164,7 +164,3 @@ class LLM:
                 result.prompt_logprobs = [None if p is None else {t.token_id: t.logprob for t in (*p.top, p.sampled)}
                                           for p in lps]
         bar.close()
-
-
-def _is_token_list(x: object) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)

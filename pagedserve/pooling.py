@@ -16,7 +16,7 @@ from tqdm import tqdm
 from common.ipc import pooler_to_proto
 from engine.core import EngineCore
 from engine.models.loader import tokenizer_files
-from frontend.pooling import (PooledInput, PoolingState, check_dimensions, embedding_vector, pooling_inputs,
+from frontend.pooling import (PooledInput, PoolingState, as_inputs, check_dimensions, embedding_vector, pooling_inputs,
                               require_task, score_plan)
 from frontend.tokenizer import Tokenizer
 
@@ -63,8 +63,7 @@ class OfflinePooling:
               truncate_prompt_tokens: int | None, dimensions: int | None, use_tqdm: bool) -> list[EmbeddingOutput]:
         require_task(self.pooler, "embed")
         dimensions = check_dimensions(dimensions, self.pooler)
-        items = [inputs] if isinstance(inputs, str) or _is_token_list(inputs) else list(inputs)
-        pooled = pooling_inputs(self.tokenizer, items, self.pooler, self.engine.vocab_size,
+        pooled = pooling_inputs(self.tokenizer, as_inputs(inputs), self.pooler, self.engine.vocab_size,
                                 truncate_prompt_tokens, field_name="inputs")
         ids = [next(request_ids) for _ in pooled]
         vectors = self.run(ids, pooled, use_tqdm, "embedding")
@@ -112,7 +111,3 @@ class OfflinePooling:
         if missing:
             raise RuntimeError(f"the engine ended {len(missing)} pooling requests without a vector, e.g. {missing[0]}")
         return [states[i].vector for i in request_ids]
-
-
-def _is_token_list(x: object) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(t, int) for t in x)

@@ -22,7 +22,7 @@ from common.errors import InvalidRequest
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from frontend.http.runner import unless_disconnected
-from frontend.pooling import check_dimensions, embedding_vector, pooling_inputs, pooling_model, score_plan
+from frontend.pooling import as_inputs, check_dimensions, embedding_vector, pooling_inputs, pooling_model, score_plan
 
 
 def add_pooling_routes(app: FastAPI, ctx: HttpContext) -> None:
@@ -47,8 +47,7 @@ async def create_embeddings(ctx: HttpContext, request: Request):
     ctx.resolve_model(body.model)
     processor, pooler = pooling_model(ctx.llm, "embed")
     dimensions = check_dimensions(body.dimensions, pooler)
-    texts = [body.input] if isinstance(body.input, str) or _is_token_list(body.input) else body.input
-    inputs = pooling_inputs(processor.tokenizer, texts, pooler, processor.limits.vocab_size,
+    inputs = pooling_inputs(processor.tokenizer, as_inputs(body.input), pooler, processor.limits.vocab_size,
                             body.truncate_prompt_tokens)
     vectors = await _run(ctx, request, inputs, body.priority)
     encode = _base64 if body.encoding_format == "base64" else (lambda v: v)
@@ -92,9 +91,6 @@ async def create_rerank(ctx: HttpContext, request: Request):
 async def _run(ctx: HttpContext, request: Request, inputs, priority: int) -> list[list[float]]:
     return await unless_disconnected(request, ctx.counted_call(ctx.llm.encode(inputs, priority=priority)))
 
-
-def _is_token_list(value) -> bool:
-    return bool(value) and isinstance(value[0], int)
 
 
 def _base64(vector: list[float]) -> str:

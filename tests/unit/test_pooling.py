@@ -12,7 +12,7 @@ import torch
 from common.errors import InvalidRequest
 from common.v1 import engine_ipc_pb2 as ipc
 from engine.pooling import Pooler, pool, resolve_pooler, sentence_transformers_max_len
-from frontend.pooling import (check_dimensions, check_truncate, embedding_vector, pooling_inputs, require_task,
+from frontend.pooling import (as_inputs, check_dimensions, check_truncate, embedding_vector, pooling_inputs, require_task,
                               score_plan, scores)
 
 LEGACY_MEAN = {"word_embedding_dimension": 8, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": True,
@@ -214,3 +214,13 @@ def test_score_plan():
     assert embed.scores([[1.0, 0.0], [0.0, 1.0]]) == pytest.approx([0.0, 1.0])
     with pytest.raises(InvalidRequest, match="text_2: must not be empty"):
         score_plan(tok, proto(), 200, "a", [])
+
+
+def test_as_inputs():
+    """An API's input: one text or one token list is one input; a list of them, several."""
+    assert as_inputs("a") == ["a"]
+    assert as_inputs([1, 2]) == [[1, 2]]
+    assert as_inputs(["a", "b"]) == ["a", "b"]
+    assert as_inputs([[1], [2, 3]]) == [[1], [2, 3]]
+    assert as_inputs([]) == []  # refused by pooling_inputs, naming the field
+    assert as_inputs([True, False]) == [True, False]  # not token ids: each refused by name
