@@ -23,6 +23,7 @@ from frontend.async_llm import AsyncLLM, Generation
 from frontend.input_processor import InputProcessor, NotFound
 from frontend.metrics import FrontendMetrics, outcome_code
 from frontend.output_processor import PositionLogprobs, SampleDelta
+from frontend.pooling import served_task
 from frontend.request_log import RequestLog
 
 log = logging.getLogger("pagedserve.frontend")
@@ -236,7 +237,9 @@ class InfoService(info_pb2_grpc.InfoServicer):
             return info_pb2.ModelInfo(model_name=w.model_name, architecture=w.architecture,
                                       max_model_len=w.max_model_len, vocab_size=w.vocab_size,
                                       eos_token_ids=w.eos_token_ids, dtype=w.dtype, lora_enabled=w.lora_enabled,
-                                      max_lora_rank=w.max_lora_rank, lora_adapters=adapters)
+                                      max_lora_rank=w.max_lora_rank, lora_adapters=adapters,
+                                      task=served_task(w.pooler),
+                                      embedding_dimensions=w.pooler.dimensions if w.pooler.task == "embed" else 0)
 
     async def GetServerInfo(self, request, context):  # noqa: N802
         """KV blocks and requests of every answering engine together; every engine of the pool,

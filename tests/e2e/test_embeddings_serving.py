@@ -329,6 +329,8 @@ def test_grpc_generate_names_the_embed_task(frontend):
     error = generate_error(frontend, request(text="Hello"))
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "embed task" in error.details(), error.details()
+    info = frontend.info.GetModelInfo(info_pb2.GetModelInfoRequest(), timeout=10)
+    assert (info.task, info.embedding_dimensions) == ("embed", 384)  # what a client can ask first
 
 
 def test_grpc_reflection_and_health(frontend):
@@ -365,4 +367,6 @@ def test_pooling_on_a_generating_model_names_the_generate_task(generator):
     for call, req in (("Embed", embed_request("a cat")), ("Score", emb.ScoreRequest(query="a", documents=["b"]))):
         error = rpc_error(getattr(generator.embedding, call), req, timeout=10)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "generate task" in error.details()
+    info = generator.info.GetModelInfo(info_pb2.GetModelInfoRequest(), timeout=10)
+    assert (info.task, info.embedding_dimensions) == ("generate", 0)
     generator.wait_kv_free()
