@@ -15,16 +15,16 @@ from dataclasses import dataclass
 
 from common.errors import EngineOverloaded, InvalidRequest, LoraError
 from common.outputs import EngineCoreOutput, PlainTokens, sample_request_id
-from common.prefix_hash import block_extra_keys
 from common.pooling_params import PoolingParams
+from common.prefix_hash import block_extra_keys
 from common.sampling_params import SamplingParams
 from common.validation import PromptLimits, check_pooling_prompt, check_prompt
 from engine.async_scheduler import AsyncScheduler
 from engine.async_step import InflightStep
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SchedulerConfig
-from engine.lora.adapter import LoraAdapter
 from engine.encoder_runner import EncoderRunner
+from engine.lora.adapter import LoraAdapter
 from engine.model_runner import ModelRunner
 from engine.models.generation_config import load_sampling_defaults
 from engine.models.loader import read_arch_config, resolve_model_path
