@@ -233,11 +233,11 @@ class AsyncLLM:
         client, engine_id = engine.client, gen.engine_id
         gen.engine, gen.queue = engine, client.open_stream(engine_id)
         try:
-            params = gen.state.params
             if isinstance(gen.state, PoolingState):
                 add = gen.state.add_request()
                 add.priority = gen.priority
             else:
+                params = gen.state.params
                 add = ipc.AddRequest(
                     request_id=engine_id, prompt_token_ids=gen.state.prompt, sampling=sampling_params_to_proto(params),
                     priority=gen.priority, structured_outputs=structured_to_proto(params.structured_outputs),

@@ -17,16 +17,14 @@ from dataclasses import dataclass, field
 
 from common.errors import InvalidRequest
 from common.pooling_params import PoolingParams
-from common.sampling_params import SamplingParams
 from common.v1 import engine_ipc_pb2 as ipc
+from common.validation import check_pooling_prompt
 from frontend.output_processor import SampleDelta
 
 MAX_INPUTS = 2048  # inputs per request (OpenAI's limit for /v1/embeddings)
 MAX_INPUT_CHARS = 1_000_000
 _ROUTES = {"embed": "/v1/embeddings (gRPC Embedding.Embed)", "score": "/score and /v1/rerank (gRPC Embedding.Score)",
            "generate": "/v1/chat/completions, /v1/completions (gRPC Generation.Generate)"}
-# A pooling request samples nothing; AddRequest's sampling field is ignored for it.
-_NO_SAMPLING = SamplingParams(max_tokens=1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +110,8 @@ class ScorePlan:
     def scores(self, vectors: list[list[float]]) -> list[float]:
         if self.pairs is None:
             return scores(self.pooler, None, vectors)
-        return [scores(self.pooler, vectors[a], [vectors[b]])[0] for a, b in self.pairs]
+        unit = [_normalized(v) for v in vectors]  # each once, however many pairs it is in
+        return [_dot(unit[a], unit[b]) for a, b in self.pairs]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -150,14 +149,8 @@ def score_plan(tokenizer, pooler: ipc.Pooler, vocab_size: int, text_1: str | Seq
 
 
 def check_pooled_ids(ids: list[int], pooler: ipc.Pooler, vocab_size: int, name: str) -> None:
-    if not ids:
-        raise InvalidRequest(f"{name}: must contain at least one token")
-    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise InvalidRequest(f"{name}: token id {bad!r} is outside the vocabulary [0, {vocab_size})")
-    if len(ids) > pooler.max_tokens:
-        raise InvalidRequest(f"{name}: {len(ids)} tokens is more than the {pooler.max_tokens} this model takes; "
-                             "shorten it or set truncate_prompt_tokens to truncate it")
+    """The engine's own check of a pooling prompt (common.validation), made before any is sent."""
+    check_pooling_prompt(ids, vocab_size, pooler.max_tokens, name)
 
 
 def check_dimensions(dimensions: int | None, pooler: ipc.Pooler) -> int | None:
@@ -188,7 +181,11 @@ def scores(pooler: ipc.Pooler, query: list[float] | None, outputs: list[list[flo
     if served_task(pooler) == "score":
         return [1.0 / (1.0 + math.exp(-v[0])) if pooler.sigmoid else v[0] for v in outputs]
     q = _normalized(query)
-    return [sum(a * b for a, b in zip(q, _normalized(v))) for v in outputs]
+    return [_dot(q, _normalized(v)) for v in outputs]
+
+
+def _dot(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b))
 
 
 def _normalized(vector: list[float]) -> list[float]:
@@ -206,8 +203,6 @@ def _check_text(text: object, name: str) -> None:
 class PoolingState:
     """One pooling request's outcome, fed with its engine outputs like a RequestState (the
     AsyncLLM runs both alike): the vector, with its one finish."""
-
-    params = _NO_SAMPLING
 
     def __init__(self, engine_id: str, pooled: PooledInput) -> None:
         self.engine_id = engine_id
