@@ -144,6 +144,14 @@ def start_frontend(engine_address: str, *flags: str) -> Frontend:
     return Frontend(proc, *read_addresses(proc, http=http_ports[-1] != "off"))  # the last one given wins
 
 
+def start_serve(*flags: str, timeout_s: float = 120) -> Frontend:
+    """`pagedserve serve` (engine and frontend) on free ports with these flags, once it has
+    printed its addresses (then `wait_serving` for its engine)."""
+    proc = pagedserve("serve", "--grpc-port", "0", "--http-port", "0", "--engine-address",
+                      f"tcp://127.0.0.1:{free_port()}", *flags)
+    return Frontend(proc, *read_addresses(proc, timeout_s=timeout_s))
+
+
 @pytest.fixture(scope="module")
 def engine_address():
     address = f"tcp://127.0.0.1:{free_port()}"
@@ -166,4 +174,5 @@ def procs():
     (a test module cannot import them: two conftest modules share that name)."""
     return SimpleNamespace(free_port=free_port, pagedserve=pagedserve, stop=stop, drain=drain,
                            log_tail=log_tail, read_grpc_address=read_grpc_address, read_addresses=read_addresses,
-                           Frontend=Frontend, start_engine=start_engine, start_frontend=start_frontend)
+                           Frontend=Frontend, start_engine=start_engine, start_frontend=start_frontend,
+                           start_serve=start_serve)

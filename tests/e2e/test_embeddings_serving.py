@@ -80,10 +80,7 @@ def reference() -> Reference:
 
 @pytest.fixture(scope="module")
 def frontend(procs, request):
-    proc = procs.pagedserve("serve", "--model", "all-MiniLM-L6-v2", "--grpc-port", "0", "--http-port", "0",
-                            "--engine-address", f"tcp://127.0.0.1:{procs.free_port()}", "--num-kv-blocks", "256",
-                            "--num-threads", "1")
-    fe = procs.Frontend(proc, *procs.read_addresses(proc, timeout_s=120))
+    fe = procs.start_serve("--model", "all-MiniLM-L6-v2", "--num-kv-blocks", "256", "--num-threads", "1")
     try:
         request.getfixturevalue("reference")  # computed while the engine loads
         fe.wait_serving(timeout_s=120)
@@ -348,10 +345,7 @@ def test_grpc_reflection_and_health(frontend):
 @pytest.fixture(scope="module")
 def generator(procs):
     """The bundled SmolLM2 (task generate), small: it only has to refuse pooling requests."""
-    proc = procs.pagedserve("serve", "--grpc-port", "0", "--http-port", "0", "--engine-address",
-                            f"tcp://127.0.0.1:{procs.free_port()}", "--num-kv-blocks", "16", "--max-model-len",
-                            "256", "--num-threads", "1")
-    fe = procs.Frontend(proc, *procs.read_addresses(proc, timeout_s=120))
+    fe = procs.start_serve("--num-kv-blocks", "16", "--max-model-len", "256", "--num-threads", "1")
     try:
         fe.wait_serving(timeout_s=120)
         yield fe

@@ -14,10 +14,8 @@ from http_client import openai_client
 def gemma(procs):
     from engine.models.loader import gemma3_model_path
     path = gemma3_model_path()
-    proc = procs.pagedserve("serve", "--model", str(path), "--grpc-port", "0", "--http-port", "0",
-                            "--engine-address", f"tcp://127.0.0.1:{procs.free_port()}", "--dtype", "float32",
-                            "--num-kv-blocks", "128", "--max-model-len", "1024", "--num-threads", "1")
-    fe = procs.Frontend(proc, *procs.read_addresses(proc, timeout_s=300))
+    fe = procs.start_serve("--model", str(path), "--dtype", "float32", "--num-kv-blocks", "128",
+                           "--max-model-len", "1024", "--num-threads", "1", timeout_s=300)
     try:
         fe.wait_serving(timeout_s=300)
         yield fe
