@@ -19,8 +19,9 @@ class EngineOverloaded(Exception):
 
 
 class RequestFailed(Exception):
-    """The engine ended the request part-way for a reason it can name (its grammar rejected a
-    sampled token). Not the caller's fault; the message says what happened."""
+    """The engine ended the request part-way for a reason it can name (it sampled a token its
+    grammar's mask forbade). Not the caller's fault; the message says what happened. (A grammar
+    the model's vocabulary cannot write is the caller's: InvalidRequest, even part-way.)"""
 
 
 class Unavailable(Exception):

@@ -20,8 +20,9 @@ class EngineCoreOutput:
     sample_index: int
     new_token_ids: list[int]
     new_logprobs: list[dict[int, float]] | None
-    # "stop" | "length" | "abort"; "invalid" (its grammar did not compile) or "error" (it
-    # failed on the way), with `error` saying why.
+    # "stop" | "length" | "abort"; "invalid" (the caller's to fix, maybe after some tokens: its
+    # grammar did not compile, or the vocabulary can't write it) or "error" (it failed on the
+    # way, the engine's fault), with `error` saying why.
     finish_reason: str | None = None
     stop_token_id: int | None = None
     num_prompt_tokens: int = 0

@@ -26,8 +26,8 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 4  # eos or a stop token
     FINISHED_LENGTH = 5  # max_tokens or max_model_len
     FINISHED_ABORTED = 6
-    FINISHED_INVALID = 7  # it could not start as given (its grammar did not compile)
-    FINISHED_ERROR = 8  # it failed on the way (its grammar rejected a sampled token)
+    FINISHED_INVALID = 7  # the caller's to fix: its grammar did not compile, or the vocabulary can't write it
+    FINISHED_ERROR = 8  # it failed on the way, the engine's fault (a sampled token its grammar's mask forbade)
 
     @property
     def finished(self) -> bool:

@@ -363,10 +363,10 @@ class Scheduler(SteadyDecodes):
             if matcher is None:  # still reasoning: the grammar begins after its end (starts_after)
                 request.structured.watch(request.all_token_ids)
             elif not matcher.accept(token):
-                request.error = (f"structured output: the grammar rejected sampled token {token} "
-                                 f"({matcher.error() or 'no reason given'})")
-                return RequestStatus.FINISHED_ERROR
+                return self._grammar_failed(request, token)
             elif matcher.is_terminated():  # the grammar is complete: that is the end, eos or not
+                if matcher.error():  # no: it found no token to go on with, and allowed only eos
+                    return self._grammar_failed(request, token)
                 if token in request.eos_token_ids or token in params.stop_token_ids:
                     request.stop_token_id = token
                 return RequestStatus.FINISHED_STOPPED
@@ -381,6 +381,18 @@ class Scheduler(SteadyDecodes):
         if len(request.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    @staticmethod
+    def _grammar_failed(request: Request, token: int) -> RequestStatus:
+        """Its matcher refused `token`, or ended with it in its error state (it found no token
+        to go on with, and allowed only eos). Where the vocabulary cannot write the grammar,
+        the caller's to fix (FINISHED_INVALID); else the engine's fault (FINISHED_ERROR)."""
+        request.error = request.structured.failure(request.all_token_ids)
+        if request.error is not None:
+            return RequestStatus.FINISHED_INVALID
+        reason = request.structured.matcher.error().strip().partition("\n")[0] or "no reason given"
+        request.error = f"structured output: the grammar rejected sampled token {token} ({reason})"
+        return RequestStatus.FINISHED_ERROR
 
     def _scheduled(self, request: Request, num_new: int, drafts: list[int] = ()) -> ScheduledRequest:
         reaches_end = request.num_computed_tokens + num_new - len(drafts) == len(request.all_token_ids)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from common.errors import InvalidRequest, RequestFailed
 from common.outputs import EngineCoreOutput, PlainTokens, plain_output, sample_request_id
 from common.sampling_params import SamplingParams
+from common.structured_output.params import named
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 # Why a sample ended. Each API maps these onto its own names (gRPC's FinishReason, OpenAI's
@@ -160,8 +161,10 @@ class RequestState:
     def _apply(self, s: SampleState, out: EngineCoreOutput, delta: SampleDelta) -> bool:
         """True if a stop string ended the sample before the engine did. Raises InvalidRequest
         or RequestFailed if the engine ended it with an error."""
-        if out.finish_reason == "invalid":  # its grammar did not compile: nothing ran
-            raise InvalidRequest(out.error or "the engine refused the request")
+        if out.finish_reason == "invalid":  # its grammar did not compile, or the vocabulary can't write it
+            constraint = self.params.structured_outputs
+            raise InvalidRequest(named(out.error or "the engine refused the request",
+                                       constraint.param if constraint is not None else ""))
         if out.finish_reason == "error":
             raise RequestFailed(out.error or "the engine could not finish the request")
         tokens = out.new_token_ids

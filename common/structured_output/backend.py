@@ -4,6 +4,7 @@
     backend.compile(params)   ──►  CompiledGrammar   (engine, in a worker thread; cached)
     compiled.matcher()        ──►  GrammarMatcher    (one per sample, all sharing the compile)
     matcher.fill_bitmask / accept / rollback / is_terminated   (engine, every step)
+    matcher.dead_end()               can the vocabulary write on from here? (checks, never per step)
 
 A bitmask is int32 [rows, ceil(vocab / 32)], bit t of a row set when token t is allowed: the
 layout llguidance and xgrammar share, so the sampler applies either without knowing which.
@@ -41,6 +42,22 @@ class GrammarMatcher(ABC):
     @abstractmethod
     def error(self) -> str:
         """Why the matcher failed, or ""."""
+
+    @abstractmethod
+    def allowed_tokens(self) -> list[int]:
+        """The tokens the mask allows next, ascending. Slow (a whole mask): for checks, not for
+        every step. A matcher whose grammar finds no token to go on with enters its error state."""
+
+    @abstractmethod
+    def accepts(self, token_id: int) -> bool:
+        """Whether `accept(token_id)` would succeed; the matcher stays where it is."""
+
+    def dead_end(self) -> bool:
+        """Whether no token can take the grammar on from here: its mask allows none, or only
+        tokens it refuses. That is a grammar needing bytes no token of the vocabulary holds
+        (llguidance masks such forced bytes by the nearest tokens it has, then refuses them)."""
+        allowed = self.allowed_tokens()  # first: finding no way on sets the error
+        return bool(self.error()) or not any(map(self.accepts, allowed))
 
 
 class CompiledGrammar(ABC):

@@ -2,7 +2,9 @@
 
 Its "compile" is an `LLMatcher` at the grammar's start; each sample gets a `deep_copy`. The
 library never raises for grammar errors: a matcher enters an error state instead, which we
-turn into InvalidRequest (compile) or a failed request (a rejected token).
+turn into InvalidRequest (compile) or a failed request (a rejected token). It compiles a
+grammar the vocabulary cannot write (a character whose bytes no token holds) without a word;
+the engine finds that out (GrammarMatcher.dead_end).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import json
 
 import llguidance
+import numpy as np
 
 from common.errors import InvalidRequest
 from common.structured_output.backend import CompiledGrammar, GrammarBackend, GrammarMatcher
@@ -56,6 +59,13 @@ class LLGuidanceMatcher(GrammarMatcher):
 
     def error(self) -> str:
         return self.matcher.get_error()
+
+    def allowed_tokens(self) -> list[int]:
+        mask = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        return np.flatnonzero(np.unpackbits(mask, bitorder="little")).tolist()
+
+    def accepts(self, token_id: int) -> bool:
+        return self.matcher.validate_tokens([token_id]) == 1
 
 
 class LLGuidanceGrammar(CompiledGrammar):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.errors import InvalidRequest
 
@@ -32,8 +32,14 @@ class StructuredOutputsParams:
 
     And, with any kind: starts_after, token ids that end the model's reasoning (`</think>`,
     as the frontend tokenized it). The grammar then applies only after them: the output is
-    free until the prompt and output so far end with these tokens, and the rest matches the
-    grammar. Empty: the whole output matches. Not part of `key` (the grammar is the same).
+    free until the prompt and output so far end with these tokens, or with their text written
+    in other tokens (the grammar starts after the token that completes it), and the rest
+    matches the grammar. Empty: the whole output matches. Not part of `key` (the grammar is
+    the same).
+
+    And param: the request's field that gave the constraint (an HTTP request's
+    `response_format.json_schema.schema`), for the errors the engine finds later, which name
+    `structured_outputs.KIND` (see `named`). The frontend's own: never sent to the engine.
     """
 
     json: str | dict | None = None
@@ -42,6 +48,7 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     starts_after: tuple[int, ...] = ()
+    param: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         set_kinds = [k for k in KINDS if getattr(self, k) not in (None, False)]
@@ -83,6 +90,17 @@ class StructuredOutputsParams:
         """Equal keys compile to the same grammar. A digest: caches keep thousands of keys, and
         a spec may be 256 KB."""
         return hashlib.sha256(f"{self.kind}\0{self.spec}".encode()).hexdigest()
+
+
+def named(message: str, param: str) -> str:
+    """An error about a constraint under the request's own field `param`: the
+    `structured_outputs.KIND: ` the engine and the grammar library begin with replaced by
+    `param: `, or `param: ` put before it. "": the message as it is."""
+    if not param:
+        return message
+    if message.startswith("structured_outputs.") and ": " in message:
+        message = message.split(": ", 1)[1]
+    return f"{param}: {message}"
 
 
 def _canonical_json(schema: str | dict) -> str:

@@ -6,7 +6,7 @@
     admin route not allowed         403  permission_error
     EngineOverloaded                429  rate_limit_error (+ Retry-After)
     Unavailable (no engine, drain)  503  service_unavailable_error
-    RequestFailed                   500  internal_error, with its message (e.g. a grammar failure)
+    RequestFailed                   500  internal_error, with its message (the engine's fault)
     the client left mid-body        499  (logged only: nginx's "client closed request")
     anything else (a bug)           500  internal_error, a generic message; the trace goes to the log
 

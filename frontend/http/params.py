@@ -8,7 +8,7 @@ import dataclasses
 
 from common.errors import InvalidRequest
 from common.sampling_params import SamplingParams
-from common.structured_output.params import StructuredOutputsParams
+from common.structured_output.params import StructuredOutputsParams, named
 from frontend.http.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest, _Sampling
 from frontend.reasoning import parsers as reasoning_parsers
 from frontend.tool_calls.parsers import markers_are_special
@@ -205,7 +205,7 @@ def one_constraint(processor, found: list[tuple[str, StructuredOutputsParams]]) 
         return None
     where, constraint = found[0]
     _check(processor, constraint, where)
-    return constraint
+    return dataclasses.replace(constraint, param=where)  # what the engine finds later names it too
 
 
 def _check(processor, constraint: StructuredOutputsParams, field: str) -> None:
@@ -218,10 +218,7 @@ def renamed(field: str, check):
     try:
         return check()
     except InvalidRequest as e:
-        message = str(e)
-        if message.startswith("structured_outputs.") and ": " in message:
-            message = message.split(": ", 1)[1]
-        raise InvalidRequest(f"{field}: {message}") from None
+        raise InvalidRequest(named(str(e), field)) from None
 
 
 def _params(req: _Sampling, processor, **kwargs) -> SamplingParams:

@@ -9,6 +9,7 @@ import json
 import re
 
 import jsonschema
+import openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -146,6 +147,48 @@ def test_structured_outputs_choice_regex_grammar(client, model):
     text = client.completions.create(model=model, prompt="Pick:", max_tokens=4, temperature=0,
                                      extra_body={"structured_outputs": {"choice": ["up", "down"]}}).choices[0].text
     assert text in ("up", "down")
+
+
+
+# -- a constraint the model's vocabulary cannot write ----------------------------------------
+# The bundled tokenizer has no token holding the byte 0xF1, which starts U+40000's UTF-8.
+UNWRITABLE = "\U00040000"
+UNWRITABLE_FORMAT = {"type": "json_schema", "json_schema": {"name": "k", "schema": {
+    "type": "object", "properties": {"k": {"const": UNWRITABLE}}, "required": ["k"]}}}
+
+
+def test_a_constraint_the_vocabulary_cannot_write_is_a_400_naming_its_field(client, model):
+    """At its start (refused when it compiles) or on the way (after `{"k":"` or `a`): a 400
+    whose `param` is the request's own field, no 500, no block left; the next request runs."""
+    chat, completions = client.chat.completions.create, client.completions.create
+    common = {"model": model, "max_tokens": 16, "temperature": 1.0, "seed": 2}
+    in_format = {"response_format": UNWRITABLE_FORMAT}
+    for create, kwargs, param in [
+        (chat, {"messages": QUESTION, **in_format}, "response_format.json_schema.schema"),
+        (completions, {"prompt": "Say:", "extra_body": in_format}, "response_format.json_schema.schema"),
+        (chat, {"messages": QUESTION, "extra_body": {"structured_outputs": {"regex": UNWRITABLE}}},
+         "structured_outputs.regex"),
+        (completions, {"prompt": "Say:", "extra_body": {"structured_outputs": {"regex": "a" + UNWRITABLE}}},
+         "structured_outputs.regex"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as info:
+            create(**common, **kwargs)
+        assert info.value.status_code == 400 and info.value.param == param, info.value
+        assert f" {param}: " in info.value.message and "vocabulary" in info.value.message, info.value
+    r = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.choices[0].message.content
+
+
+def test_a_stream_the_vocabulary_cannot_finish_ends_with_an_error_event(client, model):
+    """Its status is sent already: the stream ends with an error event naming the field."""
+    stream = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=8, stream=True,
+                                            extra_body={"structured_outputs": {"regex": "a" + UNWRITABLE}})
+    text = ""
+    with pytest.raises(openai.APIError) as info:
+        for chunk in stream:
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+    assert text in ("", "a")  # ("a" may share the last delta, which the error replaces)
+    assert info.value.param == "structured_outputs.regex" and "vocabulary" in info.value.message, info.value
 
 
 # -- tools: forced by the grammar ------------------------------------------------------------

@@ -12,6 +12,7 @@ import jsonschema
 import pytest
 
 from common.sampling_params import SamplingParams
+from common.structured_output.params import StructuredOutputsParams
 from engine.outputs import ModelRunnerOutput
 from engine.request import RequestStatus
 from pagedserve.llm import LLM
@@ -223,7 +224,9 @@ def test_a_grammar_that_fails_in_the_engine_ends_its_request_invalid(tiny):
     assert out.finish_reason == "invalid" and "unclosed group" in out.error and out.new_token_ids == []
 
 
-def test_a_token_the_grammar_rejects_ends_the_request_with_an_error(tiny):
+def test_a_token_its_mask_forbade_is_the_engines_fault_not_the_callers(tiny):
+    """A token outside the grammar's mask can only come from an engine fault: "error" (500),
+    never "invalid" (400), whatever the grammar."""
     core = tiny.engine
     core.add_request("r", [1, 2, 3], SamplingParams(max_tokens=8, structured_outputs={"choice": ["yes"]}))
     while core.scheduler.requests["r"].status != RequestStatus.RUNNING:
@@ -231,12 +234,73 @@ def test_a_token_the_grammar_rejects_ends_the_request_with_an_error(tiny):
     bad = tiny.tokenizer.encode("no", add_special_tokens=False)[0]
     [out] = core.scheduler.update_from_output(sched, ModelRunnerOutput(["r"], [[bad]], [[None]]))
     assert out.finish_reason == "error" and "rejected sampled token" in out.error
-    assert not core.has_unfinished_requests()
+    assert_no_leak(tiny)
+
+
+# The bundled tokenizer has no token holding the byte 0xF1, which starts U+40000's UTF-8.
+UNWRITABLE = "\U00040000"
+
+
+def _run_alone(core, request_id: str, params: SamplingParams) -> list:
+    core.add_request(request_id, [1, 2, 3], params)
+    outputs = []
+    while core.has_unfinished_requests():
+        outputs += core.step()
+    return outputs
+
+
+def test_a_grammar_the_vocabulary_cannot_begin_is_refused_when_it_compiles(llm):
+    [out] = _run_alone(llm.engine, "r", SamplingParams(max_tokens=8, structured_outputs={"regex": UNWRITABLE}))
+    assert out.finish_reason == "invalid" and out.new_token_ids == [], out
+    assert out.error.startswith("structured_outputs.regex: ") and "vocabulary" in out.error, out.error
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("constraint", [
+    {"regex": "a" + UNWRITABLE},  # llguidance's mask allows 0x80's token, which its parser refuses
+    {"regex": f"a[{UNWRITABLE}\U00080000]"},  # its mask allows nothing but eos (before: "stop", text "a")
+    {"json": {"type": "object", "properties": {"k": {"const": UNWRITABLE}}, "required": ["k"]}},
+], ids=["forced-bytes", "empty-mask", "json-const"])
+def test_a_grammar_the_vocabulary_cannot_finish_ends_its_request_invalid(tiny, constraint):
+    """Caught on the way: the request ends "invalid" (the caller's 400) naming its field, frees
+    its blocks, and the engine serves the next one."""
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=16, temperature=temperature, seed=1, structured_outputs=constraint)
+        outputs = _run_alone(tiny.engine, "r", params)
+        assert outputs[-1].finish_reason == "invalid", outputs
+        assert sum(len(o.new_token_ids) for o in outputs) >= 1  # it failed after a token, not at compile
+        kind = next(iter(constraint))
+        assert outputs[-1].error.startswith(f"structured_outputs.{kind}: "), outputs[-1].error
+        assert "vocabulary" in outputs[-1].error, outputs[-1].error
+        assert_no_leak(tiny)
+    [out] = tiny.generate(["x"], SamplingParams(max_tokens=4, structured_outputs={"regex": "ab"}))
+    assert out.outputs[0].text == "ab"
+
+
+def test_a_grammar_after_the_reasoning_is_checked_from_its_own_first_token(tiny):
+    """The check replays the grammar from where it began (after starts_after): a token its
+    mask allowed and it then refused is the grammar's fault, named with the tokens it took."""
+    core, encode = tiny.engine, lambda text: tiny.tokenizer.encode(text, add_special_tokens=False)
+    end = encode("</answer>")
+    constraint = StructuredOutputsParams(regex="a" + UNWRITABLE, starts_after=tuple(end))
+    core.add_request("r", [1, 2, 3], SamplingParams(max_tokens=8, structured_outputs=constraint))
+    while core.scheduler.requests["r"].status != RequestStatus.RUNNING:
+        sched = core.scheduler.schedule()
+    for token in [*encode("x"), *end, *encode("a")]:  # free, the end of the reasoning, the grammar's first
+        [out] = core.scheduler.update_from_output(sched, ModelRunnerOutput(["r"], [[token]], [[None]]))
+        assert out.finish_reason is None
+        sched = core.scheduler.schedule()
+    [allowed] = core.scheduler.requests["r"].structured.matcher.allowed_tokens()  # one, which it refuses
+    [out] = core.scheduler.update_from_output(sched, ModelRunnerOutput(["r"], [[allowed]], [[None]]))
+    assert out.finish_reason == "invalid" and "1 token into it" in out.error, out.error
+    assert_no_leak(tiny)
 
 
 def test_offline_api_reports_a_failed_request(tiny):
     with pytest.raises(ValueError, match="structured_outputs.regex"):
         tiny.generate(["x"], SamplingParams(structured_outputs={"regex": "a(b"}))
+    with pytest.raises(ValueError, match="structured_outputs.regex: .*vocabulary"):
+        tiny.generate(["x"], SamplingParams(structured_outputs={"regex": "a" + UNWRITABLE}))
     with pytest.raises(ValueError, match="exactly one"):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
     with pytest.raises(ValueError, match="Unimplemented keys"):
