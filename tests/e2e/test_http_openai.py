@@ -99,6 +99,17 @@ def test_token_id_prompt(client, model, frontend):
     assert r.usage.prompt_tokens == len(ids)
 
 
+def test_token_id_prompt_cut_inside_a_character(client, model, frontend):
+    """The prompt ends with 2 of 語's 3 byte tokens and the model writes the third: the text
+    begins with the whole character (the output's), streamed or not, and shows no U+FFFD."""
+    ids = tokenize(frontend, prompt="日本語 日本語 日本語 日本語")[:-1]
+    whole = client.completions.create(model=model, prompt=ids, max_tokens=4, **GREEDY).choices[0].text
+    stream = client.completions.create(model=model, prompt=ids, max_tokens=4, stream=True, **GREEDY)
+    pieces = [chunk.choices[0].text for chunk in stream]
+    assert whole.startswith("語") and "\ufffd" not in whole, whole
+    assert "".join(pieces) == whole and pieces[0] == "語", pieces
+
+
 def test_logprobs_shape(client, model):
     r = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, logprobs=2, **GREEDY)
     choice = r.choices[0]

@@ -154,7 +154,7 @@ def test_router_hashes_blocks_as_the_engine_keys_them():
     assert pool_base == prompt_block_hashes(list(range(9)), 4) and not set(pool_base) & set(pool_sql)
 
 
-def test_an_engine_lacking_the_adapter_passes_the_request_on_then_not_found():
+def test_an_engine_lacking_the_adapter_passes_the_request_on_then_not_found(bundled_tokenizer):
     """The frontend's list can be a heartbeat old: an engine's KIND_NOT_FOUND moves the request
     to another engine with the adapter; when none has it, the caller gets NotFound (404)."""
     from common.sampling_params import SamplingParams
@@ -163,7 +163,9 @@ def test_an_engine_lacking_the_adapter_passes_the_request_on_then_not_found():
     async def run():
         pool, a, b = await two_engines(welcome("a", ["sql"]), welcome("b", ["sql"]))
         llm = AsyncLLM(pool, 8)
-        llm.input = InputProcessor(None, PromptLimits(100, 1024, 64, 4), lambda: pool.lora_adapters().keys())
+        # (a real tokenizer: a request's detokenizer reads the prompt's last characters)
+        llm.input = InputProcessor(bundled_tokenizer, PromptLimits(100, 1024, 64, 4),
+                                   lambda: pool.lora_adapters().keys())
         a.lacks = b.lacks = {"sql"}
         gen = llm.admit([5, 6, 7], SamplingParams(max_tokens=2), lora_name="sql")
         with pytest.raises(NotFound, match="'sql' is not loaded"):
