@@ -32,6 +32,7 @@ from frontend.http.runner import run_to_end, unless_disconnected
 from frontend.http.sample_output import AnthropicBlocks, anthropic_blocks
 from frontend.output_processor import EOS, LENGTH, STOP_STRING, STOPPED
 from frontend.sample_parser import SampleParser
+from frontend.tool_calls import arguments as call_arguments
 from frontend.tool_calls.prompt import chat_with_tools
 
 _STOP_REASONS = {EOS: "end_turn", STOP_STRING: "stop_sequence", LENGTH: "max_tokens"}
@@ -51,12 +52,15 @@ def _stop_reason(reason: str | None, num_calls: int) -> str:
     return _STOP_REASONS.get(reason, "end_turn")
 
 
-def _chat_messages(m: AnthropicMessage) -> list[dict]:
-    """One Anthropic message as chat messages: tool results first (each a tool message), then
-    the text, with the assistant's tool_use blocks as its tool_calls and its thinking as its
+def _chat_messages(m: AnthropicMessage, i: int) -> list[dict]:
+    """messages[i] as chat messages: tool results first (each a tool message), then the text,
+    with the assistant's tool_use blocks as its tool_calls and its thinking as its
     reasoning_content."""
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
+    for j, b in enumerate(m.content):
+        if isinstance(b, ToolUseBlock):
+            call_arguments.check(b.input, f"messages[{i}].content[{j}].input")
     results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
                for b in m.content if isinstance(b, ToolResultBlock)]
     text = "".join(b.text for b in m.content if isinstance(b, TextPart))
@@ -75,7 +79,7 @@ async def create_message(ctx: HttpContext, request: Request):
     tools = anthropic_tool_use(body)
     template_kwargs = anthropic_template_kwargs(body)
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
-    messages += [chat for m in body.messages for chat in _chat_messages(m)]
+    messages += [chat for i, m in enumerate(body.messages) for chat in _chat_messages(m, i)]
     # A conversation ending with the assistant's words asks the model to continue them.
     continue_final = messages[-1]["role"] == "assistant" if messages else False
     messages, template_tools = chat_with_tools(processor.tokenizer.chat_template, messages, tools)

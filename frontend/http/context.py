@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -117,6 +118,8 @@ async def parse_body(request: Request, model: type[BaseModel]):
         raise bad_request(f"body: not valid JSON ({e})", "body") from None
     except RecursionError:
         raise bad_request("body: JSON nested too deeply", "body") from None
+    except ValueError:  # valid JSON, but a number longer than Python's int() reads
+        raise bad_request(f"body: a number has more than {sys.get_int_max_str_digits()} digits", "body") from None
     if not isinstance(data, dict):
         raise bad_request("body: must be a JSON object", "body")
     where = _lone_surrogate(data)

@@ -24,6 +24,7 @@ from frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.http.runner import SampleResult, merged, run_to_end, unless_disconnected
 from frontend.http.sample_output import OpenAIDeltas, openai_message
 from frontend.output_processor import STOPPED, PositionLogprobs, SampleDelta
+from frontend.tool_calls import arguments as call_arguments
 from frontend.tool_calls.prompt import chat_with_tools
 
 
@@ -234,5 +235,10 @@ def _chat_message(m, i: int) -> dict:
     message = {**(m.model_extra or {}), "role": m.role, "content": content or ""}
     if m.role not in ("system", "user", "assistant", "tool", "developer"):
         raise InvalidRequest(f"messages[{i}].role: {m.role!r} is not one of system, user, assistant, tool, developer")
+    calls = message.get("tool_calls")
+    for j, call in enumerate(calls if isinstance(calls, list) else []):
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and "arguments" in function:
+            call_arguments.check(function["arguments"], f"messages[{i}].tool_calls[{j}].function.arguments")
     return message
 

@@ -1,7 +1,10 @@
 """Request bodies of the HTTP API: OpenAI's shapes with vLLM's extras, and Anthropic's.
 
 Types are checked here (pydantic); ranges by `SamplingParams`, so both APIs and gRPC give
-the same messages. Unknown fields are allowed and logged at debug level, as vLLM does.
+the same messages. Unknown fields are allowed and logged at debug level, as vLLM does. A field
+the API defines as an enum is declared with the API's values (those of the `openai` and
+`anthropic` SDKs' types), even where nothing here acts on it: a value outside them is a 400
+naming the field, as OpenAI and Anthropic answer, never a silent ignore.
 """
 
 from __future__ import annotations
@@ -9,6 +12,11 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+
+
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+Verbosity = Literal["low", "medium", "high"]
+PromptCacheRetention = Literal["in_memory", "24h"]
 
 
 class _Request(BaseModel):
@@ -116,6 +124,24 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: StrictBool = False
+    # OpenAI's, not acted on here (ignored): only their values are checked
+    reasoning_effort: ReasoningEffort | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
+    modalities: list[Literal["text", "audio"]] | None = None
+    verbosity: Verbosity | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
+
+
+class CacheControl(BaseModel):
+    """Anthropic's prompt-caching breakpoint: accepted and not acted on (the engine's prefix
+    cache needs none); only its values are checked."""
+
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] = "5m"
+
+
+class AnthropicText(TextPart):
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlock(BaseModel):
@@ -125,6 +151,7 @@ class ToolUseBlock(BaseModel):
     id: str
     name: str
     input: dict[str, Any]
+    cache_control: CacheControl | None = None
 
 
 class ToolResultBlock(BaseModel):
@@ -132,8 +159,9 @@ class ToolResultBlock(BaseModel):
 
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextPart] = ""
+    content: str | list[AnthropicText] = ""
     is_error: StrictBool = False
+    cache_control: CacheControl | None = None
 
 
 class ThinkingBlock(BaseModel):
@@ -152,7 +180,7 @@ class RedactedThinkingBlock(BaseModel):
     data: str
 
 
-ContentBlock = Annotated[TextPart | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+ContentBlock = Annotated[AnthropicText | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
                          Field(discriminator="type")]
 
 
@@ -166,6 +194,7 @@ class AnthropicTool(BaseModel):
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None  # Anthropic's server tools (web search, ...) run on its side
+    cache_control: CacheControl | None = None
 
 
 class AnthropicToolChoice(BaseModel):
@@ -183,11 +212,18 @@ class AnthropicThinking(BaseModel):
     display: Literal["summarized", "omitted"] | None = None  # omitted: thinking blocks come back empty
 
 
+class AnthropicOutputConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # not acted on
+    format: Any = None  # not supported, and ignored: use vLLM's structured_outputs
+
+
 class MessagesRequest(_Request):
     model: str
     max_tokens: StrictInt
     messages: list[AnthropicMessage]
-    system: str | list[TextPart] | None = None
+    system: str | list[AnthropicText] | None = None
     stop_sequences: list[str] | None = None
     stream: StrictBool = False
     temperature: float | None = None
@@ -199,6 +235,11 @@ class MessagesRequest(_Request):
     thinking: AnthropicThinking | None = None
     disable_speculation: StrictBool = False  # ours, as on the OpenAI routes
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's, as on the OpenAI routes
+    # Anthropic's, not acted on here (ignored): only their values are checked
+    service_tier: Literal["auto", "standard_only"] | None = None
+    speed: Literal["standard", "fast"] | None = None
+    output_config: AnthropicOutputConfig | None = None
+    cache_control: CacheControl | None = None
 
 
 class TokenizeRequest(_Request):

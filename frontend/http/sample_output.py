@@ -81,7 +81,9 @@ def anthropic_blocks(events: list[Event], omit_thinking: bool = False) -> list[d
         else:
             arguments[len(blocks) - 1] += e.text
     for i, args in arguments.items():
-        blocks[i]["input"] = json.loads(args)  # whole: a parse leaves no call cut off
+        # Whole: a parse leaves no call cut off; and readable: the parsers take no call whose
+        # arguments json.loads could not read back (frontend/tool_calls/arguments.py).
+        blocks[i]["input"] = json.loads(args)
     return blocks
 
 

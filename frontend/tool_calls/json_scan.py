@@ -5,11 +5,17 @@ The tool-call parsers of the JSON formats stream a call's arguments through it: 
 goes out as soon as it is known to belong to the value, and a value that turns malformed is
 caught at its first bad character. (`json.JSONDecoder.raw_decode` only says "not a whole value
 yet", never whether more text could still make it one.)
+
+A value json.loads could not read back is invalid too: one nested deeper than MAX_DEPTH
+(frontend/tool_calls/arguments.py), or a number longer than Python's int() reads.
 """
 
 from __future__ import annotations
 
 import re
+import sys
+
+from frontend.tool_calls.arguments import MAX_DEPTH
 
 INCOMPLETE, COMPLETE, INVALID = "incomplete", "complete", "invalid"
 _WS = " \t\n\r"
@@ -56,6 +62,8 @@ class JsonScanner:
             self._token += c
             if not (_NUMBER.match(self._token) or _NUMBER.match(self._token + "0")):
                 self.state = INVALID  # e.g. "01", "1.e", "--"
+            elif 0 < sys.get_int_max_str_digits() < len(self._token):  # 0: no limit
+                self.state = INVALID
         elif self._mode == "literal":
             if c != self._token[0]:
                 self.state = INVALID
@@ -92,6 +100,8 @@ class JsonScanner:
 
     def _start_value(self, c: str) -> None:
         if c in _CLOSING:
+            if len(self._stack) == MAX_DEPTH:
+                return self._invalid()
             self._stack.append(c)
             self._expect = "key_or_close" if c == "{" else "value_or_close"
         elif c == '"':

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 from common.errors import InvalidRequest
+from frontend.tool_calls import arguments as call_arguments
 from frontend.tool_calls.tools import ToolUse
 
 _HOW_TO_CALL = (
@@ -86,9 +87,9 @@ def call_text(call: dict) -> str:
     arguments = function.get("arguments")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass  # written as given: it is history, not ours to judge
+            arguments = call_arguments.loads(arguments)
+        except ValueError:
+            pass  # written as given: it is history, not ours to judge (the routes refuse too deep by name)
     body = json.dumps({"name": function.get("name"), "arguments": arguments}, ensure_ascii=False)
     return f"<tool_call>\n{body}\n</tool_call>"
 
@@ -104,8 +105,8 @@ def _arguments_as_objects(message: dict) -> dict:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
             try:
-                call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
-            except json.JSONDecodeError:
+                call = {**call, "function": {**function, "arguments": call_arguments.loads(function["arguments"])}}
+            except ValueError:
                 pass  # left as given
         fixed.append(call)
     return {**message, "tool_calls": fixed}

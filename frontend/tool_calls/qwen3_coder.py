@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from frontend.tool_calls import arguments as call_arguments
 from frontend.tool_calls.stream import WS, Block, CallStream, expect, first_marker, partial_marker_len
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -155,7 +156,9 @@ class Qwen3CoderParser(CallStream):
         if "boolean" in kinds and text.strip() in ("True", "False"):
             return text.strip() == "True"
         try:
-            return json.loads(text, parse_constant=_refuse)
+            value = json.loads(text, parse_constant=_refuse)
+            call_arguments.check_depth({key: value})  # as it will sit in the arguments
+            return value
         except (ValueError, RecursionError):  # RecursionError: nested too deep to read
             return text
 

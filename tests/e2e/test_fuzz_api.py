@@ -331,7 +331,8 @@ RESPONSES_FIELDS = {"tools": RESPONSES_TOOLS, "tool_choice": RESPONSES_TOOL_CHOI
                     "parallel_tool_calls": mostly(st.booleans()),
                     "stream": st.booleans(), "temperature": st.sampled_from([0, 1.0]), "store": mostly(st.booleans()),
                     "background": mostly(st.booleans()), "instructions": mostly(st.text(max_size=10)),
-                    "include": mostly(st.lists(st.sampled_from(["reasoning.encrypted_content", "x"]), max_size=2))}
+                    "include": mostly(st.lists(st.sampled_from(["reasoning.encrypted_content",
+                                                                  "message.output_text.logprobs"]), max_size=2))}
 # Each route's field for the output's length, and its smallest conversation.
 BASICS = {"/v1/chat/completions": ("max_tokens", {"messages": [{"role": "user", "content": "Hi"}]}),
           "/v1/messages": ("max_tokens", {"messages": [{"role": "user", "content": "Hi"}]}),

@@ -6,6 +6,7 @@ house (429 + Retry-After) and a frontend without an engine (503)."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 
 import anthropic
@@ -133,6 +134,126 @@ def test_bad_body_is_400_naming_the_field(frontend, model, case):
         body = {**body, "model": model}
     error = assert_error(post(frontend, route, body), 400, BAD, *words, anthropic_shape=route == "/v1/messages")
     assert error["param"] == param, error
+
+
+RESPONSE = {"input": "Hi", "max_output_tokens": 2}
+MESSAGES = {"messages": CHAT["messages"], "max_tokens": 2}  # + the model
+BATCH = {"input_file_id": "file-x", "endpoint": "/v1/chat/completions"}
+# Fields OpenAI's and Anthropic's APIs define as enums (the values in the `openai` and
+# `anthropic` SDKs' types): a value the API does not define is a 400 naming the field, as there;
+# one it defines still passes (used, or ignored as before). (route, body, field, a value of
+# the API's (None: that route can't answer 200 here), one outside it, the param named)
+ENUMS = {
+    "responses include": ("/v1/responses", RESPONSE, "include", ["reasoning.encrypted_content"],
+                          ["nonsense.field"], "include.0"),
+    "responses service_tier": ("/v1/responses", RESPONSE, "service_tier", "flex", "cheapest", "service_tier"),
+    "responses truncation": ("/v1/responses", RESPONSE, "truncation", "disabled", "sometimes", "truncation"),
+    "responses prompt_cache_retention": ("/v1/responses", RESPONSE, "prompt_cache_retention", "24h", "forever",
+                                         "prompt_cache_retention"),
+    "responses reasoning.effort": ("/v1/responses", RESPONSE, "reasoning.effort", "low", "extreme",
+                                   "reasoning.effort"),
+    "responses reasoning.summary": ("/v1/responses", RESPONSE, "reasoning.summary", "concise", "verbose",
+                                    "reasoning.summary"),
+    "responses text.verbosity": ("/v1/responses", RESPONSE, "text.verbosity", "low", "loud", "text.verbosity"),
+    "chat reasoning_effort": ("/v1/chat/completions", CHAT, "reasoning_effort", "minimal", "extreme",
+                              "reasoning_effort"),
+    "chat service_tier": ("/v1/chat/completions", CHAT, "service_tier", "priority", "cheapest", "service_tier"),
+    "chat modalities": ("/v1/chat/completions", CHAT, "modalities", ["text"], ["smell"], "modalities.0"),
+    "chat verbosity": ("/v1/chat/completions", CHAT, "verbosity", "high", "loud", "verbosity"),
+    "chat prompt_cache_retention": ("/v1/chat/completions", CHAT, "prompt_cache_retention", "in_memory", "forever",
+                                    "prompt_cache_retention"),
+    "chat tool_choice": ("/v1/chat/completions", CHAT, "tool_choice", "none", "always", "tool_choice"),
+    "embeddings encoding_format": ("/v1/embeddings", {"input": "Hi"}, "encoding_format", None, "int8",
+                                   "encoding_format"),
+    "batch completion_window": ("/v1/batches", BATCH, "completion_window", None, "48h", "completion_window"),
+    "anthropic service_tier": ("/v1/messages", MESSAGES, "service_tier", "standard_only", "premium",
+                               "service_tier"),
+    "anthropic speed": ("/v1/messages", MESSAGES, "speed", "standard", "warp", "speed"),
+    "anthropic output_config.effort": ("/v1/messages", MESSAGES, "output_config.effort", "high", "extreme",
+                                       "output_config.effort"),
+    "anthropic cache_control.ttl": ("/v1/messages", MESSAGES, "cache_control", {"type": "ephemeral", "ttl": "1h"},
+                                    {"type": "ephemeral", "ttl": "1d"}, "cache_control.ttl"),
+    "anthropic tool_choice.type": ("/v1/messages", MESSAGES, "tool_choice.type", "auto", "sometimes",
+                                   "tool_choice.type"),
+    "anthropic thinking.type": ("/v1/messages", MESSAGES, "thinking.type", "disabled", "maybe", "thinking.type"),
+}
+
+
+def with_field(body: dict, path: str, value) -> dict:
+    """A copy of `body` with the dotted `path` set to `value`."""
+    body = copy.deepcopy(body)
+    *parents, last = path.split(".")
+    node = body
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return body
+
+
+@pytest.mark.parametrize("case", ENUMS)
+def test_enum_field_takes_only_the_apis_values(frontend, model, case):
+    route, body, field, good, bad, param = ENUMS[case]
+    anthropic_shape = route == "/v1/messages"
+    body = {**body, "model": model}
+    error = assert_error(post(frontend, route, with_field(body, field, bad)), 400, BAD, param,
+                         anthropic_shape=anthropic_shape)
+    assert error["param"] == param, error
+    if good is not None:
+        r = post(frontend, route, with_field(body, field, good))
+        assert r.status_code == 200, r.text
+
+
+# Earlier calls' arguments nested past Python's recursion limit, were json.loads to read them:
+# (route, body, the param named). Anthropic's input is an object, read with the body; nested
+# past the arguments' limit (256 levels) but not the body's.
+DEEP = "[" * 100_000
+DEEP_OBJECT: dict = {}
+for _ in range(300):
+    DEEP_OBJECT = {"a": DEEP_OBJECT}
+DEEP_ARGUMENTS = {
+    "chat": ("/v1/chat/completions", {"max_tokens": 2, "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}, "messages[1].tool_calls[0].function.arguments"),
+    "chat object": ("/v1/chat/completions", {"max_tokens": 2, "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP_OBJECT}}]}]},
+        "messages[1].tool_calls[0].function.arguments"),
+    "responses": ("/v1/responses", {"max_output_tokens": 2, "input": [
+        {"role": "user", "content": "Hi"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": DEEP},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}]}, "input[1].arguments"),
+    "anthropic": ("/v1/messages", {"max_tokens": 2, "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": DEEP_OBJECT}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}]},
+        "messages[1].content[0].input"),
+}
+
+
+@pytest.mark.parametrize("case", DEEP_ARGUMENTS)
+def test_deeply_nested_call_arguments_are_400(frontend, model, case):
+    """A 400 naming the field, with or without tools in the request (kv_free_after: no 500 is
+    logged), and the server serves on."""
+    route, body, param = DEEP_ARGUMENTS[case]
+    anthropic_shape = route == "/v1/messages"
+    tools = ({"tools": [{"name": "f", "input_schema": {"type": "object"}}]} if anthropic_shape else
+             {"tools": [{"type": "function", "name": "f"}]} if route == "/v1/responses" else
+             {"tools": [{"type": "function", "function": {"name": "f"}}]})
+    for extra in ({}, tools):
+        r = post(frontend, route, {**body, "model": model, **extra})
+        error = assert_error(r, 400, BAD, param, "nested", anthropic_shape=anthropic_shape)
+        assert error["param"] == param, error
+    r = post(frontend, "/v1/completions", COMPLETION)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_number_too_long_to_read_is_400(frontend):
+    """Python's int() reads at most 4,300 digits: a longer number in a body is a 400, not a 500."""
+    body = b'{"prompt": "Hi", "max_tokens": ' + b"1" * 5000 + b"}"
+    assert assert_error(post(frontend, "/v1/completions", body), 400, BAD, "digits")["param"] == "body"
 
 
 @pytest.mark.parametrize("route,body", [("/v1/completions", {**COMPLETION, "temperature": -1}),

@@ -269,6 +269,17 @@ def test_bad_requests(frontend, model, fields, param):
     assert assert_error(r, 400, "invalid_request_error", param.split(".")[0])["param"] == param
 
 
+def test_include_takes_only_the_apis_values(client, model):
+    """`include`'s values are the API's (the SDK's ResponseIncludable): accepted, as nothing
+    here has more output to add; a value the API does not define is a 400, as OpenAI answers."""
+    r = client.responses.create(model=model, input="Hi", include=["reasoning.encrypted_content",
+                                                                  "message.output_text.logprobs"], **GREEDY)
+    assert r.status in ("completed", "incomplete") and r.output_text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(model=model, input="Hi", include=["nonsense.field"], **GREEDY)
+    assert info.value.param == "include.0" and "reasoning.encrypted_content" in info.value.message
+
+
 def test_unknown_ids_are_404(frontend):
     for method, path in [("GET", "/v1/responses/resp_nope"), ("DELETE", "/v1/responses/resp_nope"),
                          ("POST", "/v1/responses/resp_nope/cancel")]:

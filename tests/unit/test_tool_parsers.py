@@ -15,9 +15,12 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from common.errors import InvalidRequest
+from frontend.http.sample_output import anthropic_blocks
 from frontend.output_events import CallStart
 from frontend.sample_parser import SampleParser, parse_sample
-from frontend.tool_calls import parsers
+from frontend.tool_calls import arguments as call_arguments, parsers
+from frontend.tool_calls.arguments import MAX_DEPTH
 from frontend.tool_calls.tools import Tool
 from test_tool_parser import collect  # the Hermes tests' event check, for every family
 
@@ -209,9 +212,57 @@ DEEP = "[" * 5000 + "]" * 5000
     ("pythonic", f"[get_time(zone={DEEP})]"),
 ])
 def test_deep_nesting_is_no_error(family, text):
-    """Values nested deeper than Python's recursion limit: read without an error."""
-    _, calls = whole(family, text)
-    assert len(calls) == (0 if family == "pythonic" else 1)
+    """Values nested deeper than Python's recursion limit: read without an error, and no call
+    (json.loads could not read its arguments back), but Qwen3-Coder's, whose value stays text."""
+    content, calls = whole(family, text)
+    if family == "qwen3_coder":
+        [[name, text_arguments]] = calls
+        assert json.loads(text_arguments) == {"hours": DEEP}
+    else:
+        assert calls == [] and content == text
+
+
+def _nested(depth: int) -> str:
+    """Arguments `depth` levels deep, the object itself the first."""
+    return '{"a": ' + "[" * (depth - 1) + "]" * (depth - 1) + "}"
+
+
+@pytest.mark.parametrize("family,call", [
+    ("hermes", '<tool_call>{{"name": "get_time", "arguments": {}}}</tool_call>'),
+    ("llama3_json", '{{"name": "get_time", "parameters": {}}}'),
+    ("mistral", "[TOOL_CALLS]get_time[ARGS]{}"),
+])
+def test_arguments_nest_at_most_max_depth(family, call):
+    """A call's arguments may nest arguments.MAX_DEPTH levels, on the way out as on the way in
+    (a client's deeper ones are a 400); one level more and the text is no call. Anthropic's
+    answer reads them back (sample_output.anthropic_blocks): within the limit, whatever the
+    stack."""
+    deepest = call.format(_nested(MAX_DEPTH))
+    assert [n for n, _ in whole(family, deepest)[1]] == ["get_time"]
+    assert whole(family, call.format(_nested(MAX_DEPTH + 1))) == (call.format(_nested(MAX_DEPTH + 1)), [])
+    [block] = anthropic_blocks(parse_sample(deepest, tools=family))
+    assert block["type"] == "tool_use" and block["input"] == json.loads(_nested(MAX_DEPTH))
+
+
+def test_a_clients_arguments_nest_at_most_max_depth():
+    """arguments.check, for an earlier call a client sends back: JSON text or an object, as deep
+    as MAX_DEPTH; deeper (json.loads' RecursionError too) is a 400 naming the field; text that
+    json.loads can't read otherwise passes (it is written into the prompt as given)."""
+    check = call_arguments.check
+    for given in (_nested(MAX_DEPTH), json.loads(_nested(MAX_DEPTH)), "{not json", '{"a": ' + "1" * 5000 + "}"):
+        check(given, "f")
+    for given in (_nested(MAX_DEPTH + 1), json.loads(_nested(MAX_DEPTH + 1)), "[" * 100_000):
+        with pytest.raises(InvalidRequest, match=rf"^input\[1\]\.arguments: nested deeper than {MAX_DEPTH} levels"):
+            check(given, "input[1].arguments")
+
+
+@pytest.mark.parametrize("arguments", ['{"a": ' + "[" * 2000 + "]" * 2000 + "}",
+                                       '{"a": ' + "1" * 5000 + "}"])
+def test_arguments_json_loads_cannot_read_are_text(arguments):
+    """Past Python's recursion limit, or a number longer than int() reads: an answer (Anthropic's
+    is the one that reads the arguments) with the call as text, not an error."""
+    text = f'<tool_call>{{"name": "get_time", "arguments": {arguments}}}</tool_call>'
+    assert anthropic_blocks(parse_sample(text, tools="hermes")) == [{"type": "text", "text": text}]
 
 
 def test_stream_keeps_an_announced_call():

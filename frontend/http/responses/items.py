@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common.errors import InvalidRequest
+from frontend.tool_calls import arguments as call_arguments
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal", "reasoning_text": "text"}
@@ -81,7 +82,9 @@ def parse_item(item, where: str) -> Item:
             raise InvalidRequest(f"{where}.role: must be one of {', '.join(_ROLES)}, got {role!r}")
         return Message(role, _text(item.get("content"), f"{where}.content"))
     if kind == "function_call":
-        return FunctionCall(*(_string(item, key, where) for key in ("call_id", "name", "arguments")))
+        call = FunctionCall(*(_string(item, key, where) for key in ("call_id", "name", "arguments")))
+        call_arguments.check(call.arguments, f"{where}.arguments")
+        return call
     if kind == "function_call_output":
         output = item.get("output")
         text = output if isinstance(output, str) else _text(output, f"{where}.output")

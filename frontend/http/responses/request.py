@@ -1,15 +1,22 @@
-"""The body of POST /v1/responses. Types are checked here; the shapes of `input`, `tools`,
-`tool_choice` and `text` by hand (items.py, sampling.py), so a 400 names the exact place,
-e.g. `input[2].call_id`. The SDK sends null for an optional field it was given as None."""
+"""The body of POST /v1/responses. Types are checked here, and the values of the API's enums
+(protocol.py); the shapes of `input`, `tools`, `tool_choice` and `text.format` by hand
+(items.py, sampling.py), so a 400 names the exact place, e.g. `input[2].call_id`. The SDK
+sends null for an optional field it was given as None."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import StrictBool, StrictInt
+from pydantic import ConfigDict, StrictBool, StrictInt, with_config
+from typing_extensions import TypedDict
 
 from common.errors import InvalidRequest
-from frontend.http.protocol import _Request
+from frontend.http.protocol import PromptCacheRetention, ReasoningEffort, Verbosity, _Request
+
+Includable = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                     "message.input_image.image_url", "computer_call_output.output.image_url",
+                     "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs"]
+Summary = Literal["auto", "concise", "detailed"]
 
 # OpenAI fields we cannot honour: set, they get a 400 rather than a silent ignore.
 _UNSUPPORTED = {
@@ -19,6 +26,24 @@ _UNSUPPORTED = {
     "top_logprobs": "logprobs are not supported on /v1/responses; use /v1/chat/completions",
     "max_tool_calls": "not supported (it limits built-in tools, which are not served here)",
 }
+
+
+@with_config(ConfigDict(extra="allow"))
+class ReasoningConfig(TypedDict, total=False):
+    """`reasoning`, kept as the dict it came as (the response echoes it)."""
+
+    effort: ReasoningEffort | None  # to the chat template (sampling.py)
+    summary: Summary | None  # accepted: the thinking comes back whole, as reasoning_text
+    generate_summary: Summary | None
+    context: Literal["auto", "current_turn", "all_turns"] | None
+
+
+@with_config(ConfigDict(extra="allow"))
+class TextConfig(TypedDict, total=False):
+    """`text`, kept as the dict it came as (the response echoes it)."""
+
+    format: Any  # sampling.text_format
+    verbosity: Verbosity | None  # accepted, not acted on
 
 
 class ResponsesRequest(_Request):
@@ -31,25 +56,28 @@ class ResponsesRequest(_Request):
     tools: Any = None  # sampling.responses_tool_use
     tool_choice: Any = None
     parallel_tool_calls: StrictBool | None = None  # None: true
-    text: dict[str, Any] | None = None  # {"format": {...}, "verbosity"}: sampling.text_format
-    reasoning: dict[str, Any] | None = None  # {"effort", "summary"}: effort to the template (sampling.py)
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
     store: StrictBool | None = None  # None: true
     previous_response_id: str | None = None
     background: StrictBool | None = None
     stream: StrictBool | None = None
-    include: list[str] | None = None  # accepted; nothing here has extra output to include
-    truncation: str | None = None  # "disabled" only: a conversation too long is a 400
+    include: list[Includable] | None = None  # accepted; nothing here has extra output to include
+    truncation: Literal["auto", "disabled"] | None = None  # "disabled" only: a conversation too long is a 400
+    # not acted on here (ignored): only their values are checked
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
+    prompt_cache_retention: PromptCacheRetention | None = None
 
     def check(self) -> None:
         """What pydantic's types can't say."""
         for name, why in _UNSUPPORTED.items():
             if (self.model_extra or {}).get(name) is not None:
                 raise InvalidRequest(f"{name}: {why}")
-        if self.truncation not in (None, "disabled"):
-            raise InvalidRequest(f'truncation: only "disabled" is supported, got {self.truncation!r} '
-                                 "(a conversation longer than the model's context is a 400)")
+        if self.truncation == "auto":
+            raise InvalidRequest('truncation: only "disabled" is supported, not "auto" (a conversation longer '
+                                 "than the model's context is a 400)")
         if self.background and not self.keeps:
             raise InvalidRequest("background: a background response must be stored; set store to true")
         if self.background and self.stream:
