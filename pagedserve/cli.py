@@ -153,6 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    from engine.models.source import ModelError, check_models
+    try:
+        check_models(args)  # before any command opens a port, starts an engine or reads a weight
+    except ModelError as e:
+        command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
+        print(f"pagedserve {command}: error: {e.as_flag()}", file=sys.stderr)
+        return 2
     if args.command == "serve":
         from pagedserve.serve import run
         return run(args, argv[1:])

