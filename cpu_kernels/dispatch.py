@@ -6,7 +6,7 @@ so the choice is timed: the first time an engine loads a model of given layer sh
 machine (or `make setup`'s warm step, for the bundled model), each candidate runs the
 model's linear shapes at a mix of row counts, and the fastest wins. The result is cached
 next to the compiled kernels, keyed by the CPU's flags, torch, the kernels' sources, the
-shapes and the thread budget, so a second start reads it in a millisecond.
+shapes and the thread budget, so a later start reads it (and checks it: below).
 
 Candidates (those this CPU and build run):
   amx          bf16 activations, AMX tiles from 2 rows on over bf16-dequantized weights, the
@@ -22,10 +22,14 @@ threads. All candidates are timed call by call in turn, so that a load that come
 (another process; the test suite's parallel workers) slows them alike. Each kernel is batch invariant under its own arithmetic, and the choice never
 depends on the batch: it is made once per process.
 
+A plan measured while the machine was busy can name the wrong winner (with another process on
+the second core, one thread wins). So a cached plan is checked when a process first reads it
+(`quick_check`, about 0.1 s): the candidates are timed again on the plan's cheapest cases (its
+smallest layer at the row counts up to CHECK_MACS of work), and if the runner-up now beats the
+winner there by more than CHECK_MARGIN, the plan is measured again. `python -m cpu_kernels.warm --remeasure` forgets every cached plan.
+
 `PAGEDSERVE_CPU_ARITHMETIC=amx|avx512_bf16|float32` skips the measurement and takes that
-kernel (where this CPU runs it): to compare them, or to pin one across a fleet. A plan
-measured while the machine was busy stays cached: `python -m cpu_kernels.warm --remeasure`
-measures again.
+kernel (where this CPU runs it): to compare them, or to pin one across a fleet.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -51,6 +56,11 @@ ROTATE_BYTES = 64 << 20  # each shape's weight copies together: past the L2 and 
 # About 2 s on a quiet 2-core VM; on a busy one the threads wait on each other and one case
 # can take seconds: past this, each remaining case is timed once.
 PATIENCE_S = 15.0
+# The quick check of a cached plan: cases of at most this much work (rows x N x K; a few ms a
+# call), and how much more time per row than the runner-up its winner may now take beyond
+# what the plan recorded (noise under a passing load stays below it; a wrong winner is 2x).
+CHECK_MACS = 1 << 28
+CHECK_MARGIN = 0.15
 log = logging.getLogger("pagedserve.cpu_kernels")
 
 
@@ -61,6 +71,9 @@ class KernelPlan:
     scores_us: dict[str, float]  # candidate -> geometric mean of microseconds per row (ROW_MIX x shapes)
     shapes: list[tuple[int, int]]
     measured_at: str
+    # candidate -> microseconds per row of each case (shapes x ROW_MIX, in that order): what
+    # the quick check compares its own timing with
+    cases_us: dict[str, list[float]] = dataclasses.field(default_factory=dict)
 
     @property
     def dtype(self) -> str:
@@ -133,14 +146,15 @@ def plan(shapes: list[tuple[int, int]], threads: int) -> KernelPlan | None:
     path = _cache_path(shapes, threads, names)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(str(path) + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (checks too: one at a time)
         cached = _read(path)
-        if cached is not None:
+        if cached is not None and _still_holds(cached, threads):
             return cached
         result = measure(shapes, threads, names)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(dataclasses.asdict(result), indent=1))
         tmp.replace(path)
+    _HOLDING.add(_text(result))  # just measured: nothing to check in this process
     log.info("CPU kernel plan: %s", result.reason())
     return result
 
@@ -148,28 +162,66 @@ def plan(shapes: list[tuple[int, int]], threads: int) -> KernelPlan | None:
 def measure(shapes: list[tuple[int, int]], threads: int, names: list[str]) -> KernelPlan:
     """Time each candidate at `threads` and at one thread fewer, interleaved call by call (a
     load that comes and goes, as another process's, then slows every candidate alike)."""
-    import torch
     variants = [(name, threads) for name in names] + [(name, threads - 1) for name in names if threads > 1]
-    logs: dict[tuple[str, int], list[float]] = {v: [] for v in variants}
-    previous = torch.get_num_threads()
-    patient_until = time.perf_counter() + PATIENCE_S
-    try:
-        for n, k in shapes:
-            weights = {name: _rotation(name, n, k) for name in names}
-            for m in ROW_MIX:
-                calls = {v: _call(v[0], weights[v[0]], m, n, k) for v in variants}
-                rounds = 3 if time.perf_counter() < patient_until else 1
-                for v, seconds in _interleaved_medians(calls, rounds).items():
-                    logs[v].append(math.log(seconds * 1e6 / m))
-    finally:
-        torch.set_num_threads(previous)
-    score = {v: math.exp(sum(values) / len(values)) for v, values in logs.items()}
+    cases = _time_per_row(variants, [(n, k, m) for n, k in shapes for m in ROW_MIX], patience_s=PATIENCE_S)
+    score = {v: _geomean(values) for v, values in cases.items()}
     chosen = min(variants[:len(names)], key=score.get)
     fewer = min(variants[len(names):], key=score.get, default=None)
     if fewer is not None and score[fewer] < score[chosen] * (1 - TIE):
         chosen = fewer
     scores = {_key(name, t, threads): round(value, 3) for (name, t), value in score.items()}
-    return KernelPlan(chosen[0], chosen[1], scores, shapes, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    return KernelPlan(chosen[0], chosen[1], scores, shapes, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      {_key(name, t, threads): [round(us, 3) for us in values] for (name, t), values in cases.items()})
+
+
+def quick_check(plan: KernelPlan, budget: int) -> str | None:
+    """Why a cached plan no longer holds on this machine now, or None if it does. Its
+    candidates are timed again as `measure` timed them (all of them, interleaved: a one-thread
+    call right after a two-thread one is not the same as after another one-thread call), on
+    its smallest layer at the row counts of ROW_MIX up to CHECK_MACS of work; the plan fails
+    if its winner now takes more than (1 + CHECK_MARGIN) times the runner-up's time per row
+    there, times the ratio the plan recorded where that is above 1 (a winner may lose these
+    cases and still win the mix). `budget`: the thread budget the plan was made for; the
+    kernels are loaded (`candidates`)."""
+    winner = _key(plan.arithmetic, plan.threads, budget)
+    others = [key for key in plan.scores_us if key != winner]
+    if not others or winner not in plan.cases_us:
+        return None  # one candidate: nothing to compare with
+    runner_up = min(others, key=plan.scores_us.get)
+    n, k = min(plan.shapes, key=lambda shape: shape[0] * shape[1])
+    first = plan.shapes.index((n, k)) * len(ROW_MIX)
+    picked = [i for i, m in enumerate(ROW_MIX) if m * n * k <= CHECK_MACS] or [0]
+    recorded = _geomean([plan.cases_us[winner][first + i] / plan.cases_us[runner_up][first + i] for i in picked])
+    now = _time_per_row([_variant(key, budget) for key in plan.scores_us], [(n, k, ROW_MIX[i]) for i in picked],
+                        budget_s=0.002)
+    ratio = _geomean([a / b for a, b in zip(now[_variant(winner, budget)], now[_variant(runner_up, budget)])])
+    if ratio <= max(1.0, recorded) * (1 + CHECK_MARGIN):
+        return None
+    rows = "/".join(str(ROW_MIX[i]) for i in picked)
+    return (f"{winner} takes {ratio:.2f}x the time per row of {runner_up} on the {n}x{k} layer at rows {rows} "
+            f"(measured {plan.measured_at}: {recorded:.2f}x)")
+
+
+_HOLDING: set[str] = set()  # the plans (as _text) measured or checked in this process
+
+
+def _still_holds(plan: KernelPlan, budget: int) -> bool:
+    """quick_check, once per process and plan (the dtype and the model's layers may ask twice)."""
+    text = _text(plan)
+    if text in _HOLDING:
+        return True
+    start = time.perf_counter()
+    reason = quick_check(plan, budget)
+    log.debug("CPU kernel plan of %s checked in %.3f s", plan.measured_at, time.perf_counter() - start)
+    if reason is not None:
+        log.warning("the cached CPU kernel plan no longer holds: %s; measuring again", reason)
+        return False
+    _HOLDING.add(text)
+    return True
+
+
+def _text(plan: KernelPlan) -> str:
+    return json.dumps(dataclasses.asdict(plan), sort_keys=True)
 
 
 def _key(name: str, threads: int, budget: int) -> str:
@@ -177,18 +229,73 @@ def _key(name: str, threads: int, budget: int) -> str:
     return name if threads == budget else f"{name}@{threads}threads"
 
 
+def _variant(key: str, budget: int) -> tuple[str, int]:
+    """_key's inverse: (name, threads)."""
+    name, _, fewer = key.partition("@")
+    return name, int(fewer.removesuffix("threads")) if fewer else budget
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(map(math.log, values)) / len(values))
+
+
+def _time_per_row(variants: list[tuple[str, int]], cases: list[tuple[int, int, int]], rounds: int = 3,
+                  budget_s: float = 0.02, patience_s: float = math.inf) -> dict[tuple[str, int], list[float]]:
+    """Microseconds per row of each (name, threads) variant on each (N, K, rows) case, the
+    variants interleaved call by call; past `patience_s`, each remaining case is timed once."""
+    import torch
+    times: dict[tuple[str, int], list[float]] = {v: [] for v in variants}
+    previous = torch.get_num_threads()
+    patient_until = time.perf_counter() + patience_s
+    try:
+        for (n, k), same_shape in itertools.groupby(cases, key=lambda case: case[:2]):
+            torch.set_num_threads(1)  # copies: a thread descheduled by a busy machine would stall each
+            weights = {name: _rotation(name, n, k) for name in dict.fromkeys(v[0] for v in variants)}
+            for _, _, m in same_shape:
+                calls = {v: _call(v[0], weights[v[0]], m, n, k) for v in variants}
+                turns = rounds if time.perf_counter() < patient_until else 1
+                for v, seconds in _interleaved_medians(calls, turns, budget_s).items():
+                    times[v].append(seconds * 1e6 / m)
+    finally:
+        torch.set_num_threads(previous)
+    return times
+
+
 def _rotation(name: str, n: int, k: int) -> list[tuple]:
     """Copies of one random int4 [n, k] weight in `name`'s layout that together exceed the
     caches, as a model's layers do: in cache, a kernel that does more arithmetic per weight
     looks better than it is."""
+    base = _random_weight(name, n, k)
+    copies = min(256, max(2, ROTATE_BYTES // sum(t.numel() * t.element_size() for t in base)))
+    stacked = [t.unsqueeze(0).repeat(copies, *[1] * t.dim()) for t in base]  # one allocation each
+    return [tuple(t[i] for t in stacked) for i in range(copies)]
+
+
+def _random_weight(name: str, n: int, k: int) -> tuple:
+    """A random int4 [n, k] weight in `name`'s layout, made for timing: the kernels' time does
+    not depend on the values, so they are random nibbles, and the bf16 layout is one packed
+    super-group of 128 rows repeated (each is independent of the others). Building it costs a
+    copy, not a quantization and repack of the whole weight (1.3 s for 4096 x 4096 on 2 cores),
+    which the quick check could not afford at every start."""
     import torch
 
     from cpu_kernels import packing
-    from cpu_kernels.quant_format import quantize
-    weight = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(n * k)) * 0.05, "int4")
-    base = (weight.qweight, weight.scales, weight.zeros) if name == "float32" else (packing.pack(weight).data,)
-    nbytes = sum(t.numel() * t.element_size() for t in base)
-    return [tuple(t.clone() for t in base) for _ in range(min(256, max(2, ROTATE_BYTES // nbytes)))]
+    from cpu_kernels.quant_format import BLOCK, QuantizedTensor
+
+    def random(rows: int) -> QuantizedTensor:  # fp16-exact scales and zeros, as pack wants: values in +-0.06
+        nibbles = torch.randint(0, 256, (rows, k // 2), dtype=torch.uint8, generator=torch.Generator().manual_seed(k))
+        return QuantizedTensor("int4", nibbles, torch.full((rows, k // BLOCK), 2.0 ** -7),
+                               torch.full((rows, k // BLOCK), -2.0 ** -4))
+
+    if name == "float32":
+        weight = random(n)
+        return weight.qweight, weight.scales, weight.zeros
+    rows = packing.GROUP * packing.SUPER_GROUP
+    whole, tail = divmod(n, rows)
+    parts = [packing.pack(random(rows)).data.repeat(whole)] if whole else []
+    if tail:
+        parts.append(packing.pack(random(tail)).data)
+    return (torch.cat(parts),)
 
 
 def _call(name: str, copies: list[tuple], m: int, n: int, k: int):

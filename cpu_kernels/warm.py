@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strict", action="store_true", help="exit 1 if any family cannot build")
     parser.add_argument("--remeasure", action="store_true",
-                        help="forget every cached kernel plan first (one measured on a busy machine stays cached)")
+                        help="forget every cached kernel plan first and measure again (otherwise a cached plan is "
+                             "only checked, and measured again if its winner no longer wins)")
     args = parser.parse_args(argv)
     from cpu_kernels.compile import FAMILIES, build_dir, unavailable_reason
     failed = 0
