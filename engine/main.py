@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import sys
+from typing import NoReturn
 
 from common.metrics_http import add_metrics_args
 from common.process_args import DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging
@@ -67,4 +70,15 @@ def run(args: argparse.Namespace) -> int:
         if health is not None:
             health.stop()
         core.close()
-    return 0
+    _exit_now()
+
+
+def _exit_now() -> NoReturn:
+    """Exit 0 without the interpreter's teardown: collecting the model's, the tokenizer's and
+    torch's objects took 7 s on a busy 2-core machine, time that would come on top of the drain
+    timeout that orchestrators size their grace period for. The sockets, the workers and the
+    health port are closed already; only the logs are left to flush."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -9,9 +9,12 @@ sends what the main loop produced. The main loop only runs steps; torch releases
 so socket work overlaps the model. Requests are namespaced by frontend id, so two frontends
 may reuse the same request ids.
 
-Shutdown: `begin_drain()` (the first SIGTERM) keeps serving until every frontend has said
-Bye or gone silent and nothing is left running, or until the drain timeout; `stop()` (a
-second signal) stops at once.
+Shutdown: `begin_drain()` (the first SIGTERM) keeps serving until every frontend it had then
+has said Bye or gone silent and nothing is left running, or until the drain timeout, whatever
+keeps connecting; `stop()` (a second signal) stops at once.
+
+A frontend is known by its id (its ZeroMQ identity, generated once per frontend process): a
+Hello from an id seen before is that frontend reconnecting, not one more frontend.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import threading
 import time
 import uuid
 import zlib
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
 import zmq
@@ -41,6 +44,7 @@ from engine.metrics import EngineMetrics
 log = logging.getLogger("pagedserve.engine")
 
 FRONTEND_TIMEOUT_S = 10.0  # a frontend silent this long is gone: abort its requests
+NUM_REMEMBERED_FRONTENDS = 1024  # ids kept after a frontend leaves, to tell a reconnect from a new one
 # Far above any real message (a max-length prompt is ~40 KB); ZeroMQ drops the connection of a
 # peer that sends more, before the bytes are held in memory.
 MAX_MESSAGE_BYTES = 16 * 2**20
@@ -52,6 +56,9 @@ _OUTPUTS_INPROC = "inproc://engine-outputs"
 class _Frontend:
     identity: bytes
     address: str
+    # It said Hello after the drain began: nothing of it ran here before, so the drain does not
+    # wait for it (a stray that keeps reconnecting cannot hold the engine up).
+    joined_draining: bool = False
     last_seen: float = field(default_factory=time.monotonic)
 
 
@@ -97,6 +104,7 @@ class EngineProc:
         self.lora_adapters: tuple[ipc.LoraAdapter, ...] = _adapters_to_proto(core.lora_adapters())
         self.inputs: queue.Queue = queue.Queue()
         self.frontends: dict[str, _Frontend] = {}  # by frontend id; touched by the I/O thread only
+        self.seen_frontends: OrderedDict[str, None] = OrderedDict()  # ids that said Hello, newest last; I/O thread
         self.stats = _stats_to_proto(core.stats())  # latest, replaced (never mutated) by the main loop
         self.stopping = threading.Event()
         self.ctx = zmq.Context()
@@ -157,26 +165,29 @@ class EngineProc:
     def _drained(self) -> bool:
         if self.drain_deadline is None:
             return False
-        if not self.frontends and not self.core.has_unfinished_requests():
+        # list(): one copy under the GIL, as the I/O thread may change the dict meanwhile.
+        waited_for = sum(not f.joined_draining for f in list(self.frontends.values()))
+        if not waited_for and not self.core.has_unfinished_requests():
             log.info("drained: no frontend and no request left")
             return True
         if time.monotonic() > self.drain_deadline:
             log.warning("drain timeout: stopping with %d requests unfinished and %d frontends connected",
-                        self.core.scheduler.num_unfinished, len(self.frontends))
+                        self.core.scheduler.num_unfinished, waited_for)
             return True
         return False
 
     def _drain_inputs(self, block: bool) -> None:
+        """Apply what the I/O thread queued: the first item (waiting up to 0.5 s if `block`) and
+        those queued behind it then, no more, so a peer that keeps sending cannot keep the loop
+        from its next step or from the drain deadline."""
         try:
-            item = self.inputs.get(timeout=0.5) if block else self.inputs.get_nowait()
+            first = self.inputs.get(timeout=0.5) if block else self.inputs.get_nowait()
         except queue.Empty:
             return
-        while item is not None:
-            self._apply(item)
-            try:
-                item = self.inputs.get_nowait()
-            except queue.Empty:
-                return
+        items = [first] + [self.inputs.get_nowait() for _ in range(self.inputs.qsize())]  # we are the only reader
+        for item in items:
+            if item is not None:  # None only wakes the loop (stop, drain)
+                self._apply(item)
 
     def _apply(self, item) -> None:
         if isinstance(item, _Add):
@@ -321,12 +332,27 @@ class EngineProc:
             return
         if self.frontends.pop(frontend_id, None) is not None:  # it reconnected: old streams are gone
             self.inputs.put(_AbortFrontend(frontend_id))
-        self.frontends[frontend_id] = _Frontend(identity, hello.address)
-        log.info("frontend %s connected (%s)", frontend_id, hello.address or "no address")
+        draining = self.drain_deadline is not None
+        self.frontends[frontend_id] = _Frontend(identity, hello.address, joined_draining=draining)
+        address = hello.address or "no address"
+        if self._remember(frontend_id):
+            log.info("frontend %s reconnected (%s)", frontend_id, address)
+        else:
+            log.info("frontend %s connected (%s); %d frontends", frontend_id, address, len(self.frontends))
         welcome = ipc.Welcome()
         welcome.CopyFrom(self.welcome)
         welcome.lora_adapters.extend(self.lora_adapters)  # the adapters now, not at start
         self._reply(identity, ipc.EngineResponse(welcome=welcome))
+
+    def _remember(self, frontend_id: str) -> bool:
+        """Whether this id said Hello before (it may have left since: Bye, silence); bounded, as
+        any peer may send Hellos."""
+        seen = frontend_id in self.seen_frontends
+        self.seen_frontends[frontend_id] = None
+        self.seen_frontends.move_to_end(frontend_id)
+        if len(self.seen_frontends) > NUM_REMEMBERED_FRONTENDS:
+            self.seen_frontends.popitem(last=False)
+        return seen
 
     def _on_add(self, frontend: _Frontend, frontend_id: str, add: ipc.AddRequest) -> None:
         # ":" separates the namespace; frontends' ids never contain one.

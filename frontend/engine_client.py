@@ -151,7 +151,11 @@ class EngineClient:
             except Exception:  # noqa: BLE001 - a bad frame must not kill the frontend
                 log.warning("dropped an undecodable message from the engine")
                 continue
-            self._dispatch(msg)
+            try:
+                self._dispatch(msg)
+            except Exception:  # noqa: BLE001 - a bug handling one message must not end the loop:
+                # a client that stops reading keeps saying Hello, and never hears the Welcome.
+                log.exception("failed to handle a %s message from the engine", msg.WhichOneof("kind"))
 
     def _dispatch(self, msg: ipc.EngineResponse) -> None:
         kind = msg.WhichOneof("kind")

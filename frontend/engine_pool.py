@@ -44,6 +44,9 @@ log = logging.getLogger("pagedserve.frontend")
 _AGREED_FACTS = ("model_name", "max_model_len", "block_size", "vocab_size", "eos_token_ids", "lora_enabled",
                  "max_lora_rank")
 RESTORE_TIMEOUT_S = 120.0  # loading an adapter reads its weights from disk
+# This frontend process's id at every engine (its ZeroMQ identity, and Hello.frontend_id): made
+# once, so a frontend that reconnects is the same frontend to the engine, not one more.
+FRONTEND_ID = uuid.uuid4().hex
 
 
 class EngineState(enum.Enum):

@@ -16,7 +16,6 @@ import asyncio
 import logging
 import signal
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import grpc
@@ -27,7 +26,7 @@ from common.v1 import embedding_pb2, embedding_pb2_grpc, generation_pb2, generat
 from common.v1 import tokenization_pb2, tokenization_pb2_grpc
 from frontend.async_llm import AsyncLLM
 from frontend.embedding_servicer import EmbeddingService
-from frontend.engine_pool import EnginePool
+from frontend.engine_pool import FRONTEND_ID, EnginePool
 from frontend.http.options import HttpOptions
 from frontend.interceptors import DecodeGuard, MetricsInterceptor
 from frontend.metrics import FrontendMetrics
@@ -150,7 +149,7 @@ def _async_llm(config: FrontendConfig, address: str, health_servicer, metrics: F
         for service in ENGINE_SERVICES:
             asyncio.ensure_future(health_servicer.set(service, status))
 
-    llm.pool = EnginePool(make_policy(config.routing_policy), uuid.uuid4().hex, address, config.heartbeat_s,
+    llm.pool = EnginePool(make_policy(config.routing_policy), FRONTEND_ID, address, config.heartbeat_s,
                           config.engine_timeout_s, on_change, on_welcome)
     return llm
 

@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 
 from common.process_args import add_log_level_arg, configure_logging, positive_int, stop_engines
 from engine.arg_utils import add_engine_args
@@ -168,7 +167,7 @@ def _frontend(address: str, max_streams: int):
     event set once the engine's handshake has come (llm.input is None if the tokenizer it
     handed over could not be loaded)."""
     from frontend.async_llm import AsyncLLM
-    from frontend.engine_pool import EnginePool
+    from frontend.engine_pool import FRONTEND_ID, EnginePool
     from frontend.router import make_policy
 
     llm, ready = AsyncLLM(None, max_streams), asyncio.Event()
@@ -184,5 +183,5 @@ def _frontend(address: str, max_streams: int):
         if llm.pool.num_ready and llm.input is not None:
             ready.set()
 
-    llm.pool = EnginePool(make_policy("round_robin"), uuid.uuid4().hex, on_change=on_change, on_welcome=on_welcome)
+    llm.pool = EnginePool(make_policy("round_robin"), FRONTEND_ID, on_change=on_change, on_welcome=on_welcome)
     return llm, ready

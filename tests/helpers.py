@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
+import tempfile
 from pathlib import Path
 
 import torch
@@ -13,24 +15,44 @@ LONG = os.environ.get("PAGEDSERVE_LONG_TESTS") == "1"  # `pytest --long`: releas
 # pytest-xdist runs the suite in several worker processes ("gw0", "gw1", ...; none without -n).
 # Each draws its ports from its own block, below the kernel's ephemeral range (32768 up), where
 # every `--grpc-port 0` bind lands: a port one worker hands to a server it is about to start can
-# then be neither another worker's nor one the kernel gives out meanwhile.
+# then be neither another worker's nor one the kernel gives out meanwhile. Test processes that
+# share a block (runs without -n are all "gw0") keep apart by a lock on each port they hand out,
+# held while they live: a free port is not yet bound, so it is not enough that it binds now.
 _WORKER = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 _BLOCK = 1000  # ports per worker: 12 blocks from 20000 to 32000
 _FIRST_PORT = 20000 + _WORKER % 12 * _BLOCK
 _next_port = _FIRST_PORT
+_LOCKS = Path(tempfile.gettempdir()) / "pagedserve-test-ports"
+_held: dict[int, int] = {}  # port -> the descriptor whose lock reserves it for this process
 
 
 def free_port(span: int = 1) -> int:
-    """A loopback port that nothing listens on, from this test worker's own block; with `span`,
-    the first of that many consecutive free ports (a server that listens on p, p + 1, ...)."""
+    """A loopback port that nothing listens on and no other test process has, from this test
+    worker's own block; with `span`, the first of that many consecutive ones (a server that
+    listens on p, p + 1, ...)."""
     global _next_port
     for _ in range(_BLOCK):
         if _next_port + span > _FIRST_PORT + _BLOCK:
             _next_port = _FIRST_PORT
         first, _next_port = _next_port, _next_port + span
-        if all(_bindable(port) for port in range(first, first + span)):
+        ports = range(first, first + span)
+        if all(_reserve(port) and _bindable(port) for port in ports):
             return first
     raise RuntimeError(f"no {span} free ports in a row from {_FIRST_PORT} to {_FIRST_PORT + _BLOCK - 1}")
+
+
+def _reserve(port: int) -> bool:
+    """Whether this process holds the port's lock (taking it if no other process does)."""
+    if port not in _held:
+        _LOCKS.mkdir(exist_ok=True)
+        fd = os.open(_LOCKS / str(port), os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another test process handed it out
+            os.close(fd)
+            return False
+        _held[port] = fd  # never closed: the lock goes when the process does
+    return True
 
 
 def _bindable(port: int) -> bool:

@@ -163,7 +163,7 @@ def test_sigterm_engine_drains_and_the_frontends_leave_it(pool):
 
 
 def test_serve_data_parallel_size_2(procs):
-    port = procs.free_port()
+    port = procs.free_port(span=2)  # the two engines listen on port and port + 1
     proc = procs.pagedserve("serve", "--engine-address", f"tcp://127.0.0.1:{port}", "--data-parallel-size", "2",
                             "--grpc-port", "0", "--http-port", "off", "--dtype", "float32", "--num-kv-blocks", "128",
                             "--max-model-len", "512", "--num-threads", "1")

@@ -9,6 +9,9 @@ blame the engine for that.
 
 from __future__ import annotations
 
+import os
+import re
+import signal
 import threading
 import time
 
@@ -16,6 +19,7 @@ import zmq
 
 from grpc_client import Result, generate, greedy, user
 from common.v1 import engine_ipc_pb2 as ipc, generation_pb2 as gen
+from pagedserve.health import ping_engine
 
 ENGINE_TIMEOUT_S = 3.0  # the frontend's default --engine-timeout-s
 LONG_PROMPT = list(range(1000, 2500))  # 1,500 tokens: one prefill step of seconds on a CPU core
@@ -59,6 +63,41 @@ def test_frontend_never_loses_a_starting_or_busy_engine(procs):
         assert log.count("connected to engine") == 1, log
         failed = {name: r for name, r in results.items() if isinstance(r, Exception)}
         assert not failed, failed
+    finally:
+        if fe is not None:
+            fe.close()
+        procs.stop(engine)
+
+
+def _wait_for(what: str, ok, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ok():
+        assert time.monotonic() < deadline, f"no {what} in {timeout_s}s"
+        time.sleep(0.2)
+
+
+def test_a_reconnecting_frontend_is_the_same_frontend(procs):
+    """An engine that stops answering for longer than the frontend's timeout (here: SIGSTOP) is
+    lost, and the frontend says Hello on every heartbeat until the engine answers again. The
+    engine then knows it: one frontend, reconnected, not one more each heartbeat (issue 44)."""
+    address = f"tcp://127.0.0.1:{procs.free_port()}"
+    engine = procs.start_engine(address)
+    fe = None
+    try:
+        fe = procs.start_frontend(address)
+        fe.wait_serving()
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            _wait_for("engine loss", lambda: "engine lost" in "".join(fe.proc.log), timeout_s=30)
+            time.sleep(1.5)  # Hellos queue up for the stopped engine, one per heartbeat
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+        _wait_for("reconnect", lambda: "".join(fe.proc.log).count("connected to engine") >= 2)
+        pong = ping_engine(address, timeout_s=10)
+        assert pong is not None and len(pong.frontends) == 1, pong
+        log = procs.log_tail(engine, 500)
+        assert len(re.findall(r"frontend \w+ connected", log)) == 1, log
+        assert re.search(r"frontend \w+ reconnected", log), log
     finally:
         if fe is not None:
             fe.close()

@@ -66,7 +66,7 @@ def offline(setup):
 @pytest.fixture(scope="module")
 def server(setup, procs):
     folder, adapters = setup
-    port = procs.free_port()
+    port = procs.free_port(span=2)  # the two engines listen on port and port + 1
     proc = procs.pagedserve("serve", "--engine-address", f"tcp://127.0.0.1:{port}", "--data-parallel-size", "2",
                             "--grpc-port", "0", "--http-port", "0", "--model", str(folder), *ENGINE,
                             "--served-model-name", "base", "--api-key", KEY, "--lora-modules", f"a={adapters['a']}",

@@ -7,18 +7,20 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
 import grpc
 import pytest
+import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from grpc_client import (FR, GENERATION, LONG, NOT_SERVING, STORY, Background, collect, generate,
                          generate_error, greedy, request)
-from common.v1 import generation_pb2 as gen
+from common.v1 import engine_ipc_pb2 as ipc, generation_pb2 as gen
 
-pytestmark = pytest.mark.heavy(42)  # seconds on the 2-core CI machine: scheduled first
+pytestmark = pytest.mark.heavy(60)  # seconds on the 2-core CI machine: scheduled first
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 
@@ -258,6 +260,78 @@ def test_drain_timeout_cuts_long_streams(procs):
             fe2.close()
     finally:
         fe.close()
+        procs.stop(engine)
+
+
+class _StrayFrontend(threading.Thread):
+    """A frontend left over from an earlier run (issue 44), on a real socket with the real
+    protocol: every 0.5 s a Ping, and with `reconnects` a Hello too (it never takes in the
+    Welcome). It never says Bye, whatever its Pongs say."""
+
+    def __init__(self, address: str, engine_id: str, reconnects: bool) -> None:
+        super().__init__(daemon=True)
+        self.address, self.engine_id, self.reconnects = address, engine_id, reconnects
+        self.welcomed, self.done = threading.Event(), threading.Event()
+
+    def run(self) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, b"stray")
+        sock.connect(self.address)
+        hello = ipc.EngineRequest(hello=ipc.Hello(frontend_id="stray")).SerializeToString()
+        seq = 0
+        while not self.done.is_set():
+            if self.reconnects or not self.welcomed.is_set():
+                sock.send(hello)
+            seq += 1
+            sock.send(ipc.EngineRequest(ping=ipc.Ping(seq=seq)).SerializeToString())
+            next_beat = time.monotonic() + 0.5
+            while (left_s := next_beat - time.monotonic()) > 0:
+                if sock.poll(int(left_s * 1000) + 1):
+                    reply = ipc.EngineResponse.FromString(sock.recv())
+                    if reply.WhichOneof("kind") == "welcome" and reply.welcome.engine_id == self.engine_id:
+                        self.welcomed.set()  # from our engine, not another run's on a reused port
+        sock.close()
+        ctx.term()
+
+
+def _engine_id(engine: subprocess.Popen, timeout_s: float = 120) -> str:
+    """The id in the engine's `engine ID listening on ADDRESS` line, once it is there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in list(engine.log):
+            match = re.search(r"engine (\w+) listening on", line)
+            if match:
+                return match.group(1)
+        assert engine.poll() is None, "".join(engine.log)
+        time.sleep(0.1)
+    raise AssertionError("the engine never listened")
+
+
+@pytest.mark.parametrize("reconnects", [True, False], ids=["reconnects", "heartbeats"])
+def test_engine_drain_ends_within_its_timeout_whatever_connects(procs, reconnects):
+    """The drain timeout is the promise an orchestrator's grace period is sized for: the process
+    is gone by then (and a slack), however a stray frontend keeps talking to it."""
+    drain_timeout_s, slack_s = 5, 3
+    address = f"tcp://127.0.0.1:{procs.free_port()}"
+    engine = procs.start_engine(address, "--drain-timeout-s", str(drain_timeout_s))
+    stray = _StrayFrontend(address, _engine_id(engine), reconnects)
+    stray.start()
+    try:
+        assert stray.welcomed.wait(120), procs.log_tail(engine)
+        time.sleep(1)  # a few heartbeats: it is one of the engine's frontends
+        started = time.monotonic()
+        engine.send_signal(signal.SIGTERM)
+        try:
+            code = engine.wait(drain_timeout_s + slack_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        took_s = time.monotonic() - started
+        assert code == 0, f"engine still running {took_s:.1f}s after SIGTERM\n" + procs.log_tail(engine)
+    finally:
+        stray.done.set()
+        stray.join(timeout=5)
         procs.stop(engine)
 
 
