@@ -3,7 +3,8 @@
 Each protocol maps them once: `InvalidRequest` -> gRPC INVALID_ARGUMENT / HTTP 400,
 `EngineOverloaded` -> RESOURCE_EXHAUSTED / 429, `Unavailable` -> UNAVAILABLE / 503,
 `RequestFailed` -> INTERNAL / 500 with its message. Any other exception is a bug, never the
-caller's fault: it must not be reported as a bad request.
+caller's fault: it must not be reported as a bad request. `ModelError` is the one raised
+before anything serves: a model or tokenizer named that cannot be used.
 """
 
 from __future__ import annotations
@@ -38,3 +39,17 @@ class LoraError(InvalidRequest):
     def __init__(self, message: str, kind: str = "invalid") -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class ModelError(ValueError):
+    """A model or tokenizer named that cannot be used. The message names the field, the name,
+    the problem and what is accepted. A ValueError, as the offline `LLM`'s users expect."""
+
+    def __init__(self, reason: str, name: str | None = None, field: str = "model") -> None:
+        super().__init__(f"{field} {name!r}: {reason}" if name is not None else f"{field}: {reason}")
+        self.reason, self.name, self.field = reason, name, field
+
+    def as_flag(self) -> str:
+        """The message as the command line names things: `--speculative-model PATH: reason`."""
+        flag = "--" + self.field.replace("_", "-")
+        return f"{flag} {self.name}: {self.reason}" if self.name is not None else f"{flag}: {self.reason}"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from common.errors import ModelError
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                    "special_tokens_map.json")
 
@@ -15,3 +17,13 @@ def files_from_dir(path: str | Path) -> dict[str, bytes]:
     if not (path / "tokenizer.json").is_file():
         raise FileNotFoundError(f"{path} has no tokenizer.json (a fast tokenizer is needed)")
     return {name: (path / name).read_bytes() for name in TOKENIZER_FILES if (path / name).is_file()}
+
+
+def check_tokenizer_dir(name: str, field: str = "tokenizer") -> Path:
+    """A frontend's own --tokenizer folder, once it is seen to hold what files_from_dir reads
+    (the engine's --tokenizer may be any tokenizer transformers loads: engine.models.source)."""
+    path = Path(name).expanduser()
+    if not (path / "tokenizer.json").is_file():
+        raise ModelError("no tokenizer.json there; give a fast tokenizer's folder, as save_pretrained writes it",
+                         name, field)
+    return path

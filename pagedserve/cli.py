@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.errors import ModelError
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -150,12 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_models(args: argparse.Namespace) -> None:
+    """The models and tokenizers a command names, checked by what their files say (ModelError).
+    A frontend reads only its own --tokenizer, and imports nothing of the engine (nor torch)."""
+    if args.command == "frontend":
+        if args.tokenizer is not None:
+            from common.tokenizer_files import check_tokenizer_dir
+            check_tokenizer_dir(args.tokenizer)
+        return
+    from engine.models.source import check_models
+    check_models(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
-    from engine.models.source import ModelError, check_models
     try:
-        check_models(args)  # before any command opens a port, starts an engine or reads a weight
+        _check_models(args)  # before any command opens a port, starts an engine or reads a weight
     except ModelError as e:
         command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
         print(f"pagedserve {command}: error: {e.as_flag()}", file=sys.stderr)

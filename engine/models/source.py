@@ -17,6 +17,7 @@ import json
 import tempfile
 from pathlib import Path
 
+from common.errors import ModelError
 from common.paths import cache_dir
 from engine.models.config import gguf_model_type
 from engine.models.gguf_header import GGUFHeaderError, read_gguf_header
@@ -33,20 +34,6 @@ TOKENIZER_ACCEPTED = "a tokenizer folder (tokenizer.json or tokenizer_config.jso
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # What check_models checks: a field of EngineConfig (or a flag, as argparse names it) -> what it holds.
 MODEL_FIELDS = {"model": "model", "speculative_model": "model", "draft_model": "model", "tokenizer": "tokenizer"}
-
-
-class ModelError(ValueError):
-    """A model or tokenizer named that cannot be used. The message names the field, the name,
-    the problem and what is accepted. A ValueError, as the offline `LLM`'s users expect."""
-
-    def __init__(self, reason: str, name: str | None = None, field: str = "model") -> None:
-        super().__init__(f"{field} {name!r}: {reason}" if name is not None else f"{field}: {reason}")
-        self.reason, self.name, self.field = reason, name, field
-
-    def as_flag(self) -> str:
-        """The message as the command line names things: `--speculative-model PATH: reason`."""
-        flag = "--" + self.field.replace("_", "-")
-        return f"{flag} {self.name}: {self.reason}" if self.name is not None else f"{flag}: {self.reason}"
 
 
 def check_models(config) -> None:

@@ -3,6 +3,7 @@ admission control, deadlines, time limits, graceful drain on SIGTERM, request lo
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -336,8 +337,12 @@ def test_engine_drain_ends_within_its_timeout_whatever_connects(procs, reconnect
 
 
 def test_serve_exits_when_its_engine_cannot_start(procs, tmp_path):
+    # A folder that passes the check before start-up (a supported config.json, a weights file)
+    # and fails to load in the engine: its safetensors file is no safetensors.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    (tmp_path / "model.safetensors").write_bytes(b"not safetensors")
     proc = procs.pagedserve("serve", "--grpc-port", "0", "--http-port", "0", "--engine-address",
-                            f"tcp://127.0.0.1:{procs.free_port()}", "--model", str(tmp_path / "missing.gguf"))
+                            f"tcp://127.0.0.1:{procs.free_port()}", "--model", str(tmp_path))
     try:
         code = proc.wait(120)
     except subprocess.TimeoutExpired:

@@ -100,6 +100,12 @@ def test_a_bad_tokenizer_or_draft_model_is_refused(tmp_path):
     line = _refused(["engine", "--speculative-model", str(tmp_path / "draft.gguf"),
                      "--address", f"ipc://{tmp_path}/e"], "--speculative-model")
     assert "no such file or folder" in line
+    # The frontend reads its own tokenizer folder (tokenizer.json), and imports no engine code to check it.
+    (tmp_path / "slow").mkdir()
+    (tmp_path / "slow" / "tokenizer_config.json").write_text("{}")
+    line = _refused(["frontend", "--tokenizer", str(tmp_path / "slow"), "--engine-address", f"ipc://{tmp_path}/e"],
+                    "--tokenizer")
+    assert "no tokenizer.json" in line
 
 
 def test_offline_llm_raises_a_value_error(tmp_path):
