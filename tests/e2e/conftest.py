@@ -152,20 +152,76 @@ def start_serve(*flags: str, timeout_s: float = 120) -> Frontend:
     return Frontend(proc, *read_addresses(proc, timeout_s=timeout_s))
 
 
-@pytest.fixture(scope="module")
-def engine_address():
-    address = f"tcp://127.0.0.1:{free_port()}"
-    engine = start_engine(address)
-    yield address
-    stop(engine)
+class Servers:
+    """The engines and frontends one test worker shares between its modules: one engine per
+    distinct set of engine flags, one frontend per (engine, frontend flags), each started when
+    first asked for and stopped when the worker ends. A module that needs a server of its own
+    kind asks for it by its flags; one that stops or kills processes starts its own (`procs`).
+    Modules run one after another in a worker, so a shared server is idle between them, but
+    it keeps what they did: tests read metric counters as deltas, and prefix-cache hits as
+    what their own requests made."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir  # the frontends' --data-dir (batch files), not the user's cache
+        self._engines: dict[tuple[str, ...], SimpleNamespace] = {}
+        self._frontends: dict[tuple[tuple[str, ...], tuple[str, ...]], Frontend] = {}
+
+    def engine(self, *flags: str) -> SimpleNamespace:
+        """The shared engine with ENGINE_FLAGS and `flags`: .address, .proc (its log in .proc.log)."""
+        engine = self._engines.get(flags)
+        if engine is None:
+            address = f"tcp://127.0.0.1:{free_port()}"
+            engine = self._engines[flags] = SimpleNamespace(address=address, proc=start_engine(address, *flags))
+        elif engine.proc.poll() is not None:  # a test broke it: say so here, not as a timeout later
+            raise RuntimeError(f"the shared engine {flags} exited with code {engine.proc.returncode}:\n"
+                               + log_tail(engine.proc))
+        return engine
+
+    def frontend(self, *flags: str, engine: tuple[str, ...] = ()) -> Frontend:
+        """The shared frontend with `flags` on the shared engine with `engine` flags, serving."""
+        key = (engine, flags)
+        fe = self._frontends.get(key)
+        if fe is None:
+            address = self.engine(*engine).address
+            fe = start_frontend(address, "--data-dir", str(self.data_dir), *flags)
+            fe.engine_address, fe.data_dir = address, self.data_dir
+            self._frontends[key] = fe
+        elif fe.proc.poll() is not None:
+            raise RuntimeError(f"the shared frontend {flags} exited with code {fe.proc.returncode}:\n"
+                               + log_tail(fe.proc))
+        fe.wait_serving()
+        return fe
+
+    def close(self) -> None:
+        for fe in self._frontends.values():
+            fe.close()
+        for engine in self._engines.values():
+            stop(engine.proc)
 
 
-@pytest.fixture(scope="module")
-def frontend(engine_address):
-    fe = start_frontend(engine_address)
-    fe.wait_serving()
-    yield fe
-    fe.close()
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory):
+    pool = Servers(tmp_path_factory.mktemp("frontend-data"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def engine_address(servers):
+    """The worker's engine with ENGINE_FLAGS (the bundled model, fp32, one thread)."""
+    return servers.engine().address
+
+
+@pytest.fixture(scope="session")
+def frontend(servers):
+    """The worker's frontend (default flags) on that engine."""
+    return servers.frontend()
+
+
+@pytest.fixture(scope="session")
+def limited_frontend(servers):
+    """A second frontend on that engine that admits one stream at a time."""
+    return servers.frontend("--max-concurrent-streams", "1")
 
 
 @pytest.fixture(scope="session")

@@ -20,17 +20,6 @@ CHAT = "/v1/chat/completions"
 
 
 @pytest.fixture(scope="module")
-def frontend(engine_address, procs, tmp_path_factory):
-    """conftest's frontend, keeping its files in a temporary folder (not the user's cache)."""
-    data_dir = tmp_path_factory.mktemp("data")
-    fe = procs.start_frontend(engine_address, "--data-dir", str(data_dir))
-    fe.data_dir = data_dir
-    fe.wait_serving()
-    yield fe
-    fe.close()
-
-
-@pytest.fixture(scope="module")
 def client(frontend):
     with openai_client(frontend) as c:
         yield c

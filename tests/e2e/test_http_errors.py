@@ -23,20 +23,14 @@ LONG_STREAM = {"prompt": "Once upon a time", "max_tokens": 400, "temperature": 0
 
 
 @pytest.fixture(scope="module")
-def keyed(engine_address, procs):
+def keyed(servers):
     """A second frontend on the same engine that wants an API key."""
-    fe = procs.start_frontend(engine_address, "--api-key", "secret")
-    fe.wait_serving()
-    yield fe
-    fe.close()
+    return servers.frontend("--api-key", "secret")
 
 
 @pytest.fixture(scope="module")
-def limited(engine_address, procs):
-    fe = procs.start_frontend(engine_address, "--max-concurrent-streams", "1")
-    fe.wait_serving()
-    yield fe
-    fe.close()
+def limited(limited_frontend):
+    return limited_frontend
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,8 @@ GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def frontend(engine_address, procs):
-    fe = procs.start_frontend(engine_address, "--reasoning-parser", "qwen3")
-    fe.wait_serving()
-    yield fe
-    fe.close()
+def frontend(servers):
+    return servers.frontend("--reasoning-parser", "qwen3")
 
 
 @pytest.fixture(scope="module")

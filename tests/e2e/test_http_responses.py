@@ -139,13 +139,10 @@ def test_streamed_named_call(client, model):
 # -- reasoning -------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def thinking(engine_address, procs):
+def thinking(servers):
     """A second frontend on the same engine that reads answers as DeepSeek-R1's (its prompt
     opens `<think>`): SmolLM2 never closes it, so everything it writes is reasoning."""
-    fe = procs.start_frontend(engine_address, "--reasoning-parser", "deepseek_r1")
-    fe.wait_serving()
-    yield fe
-    fe.close()
+    return servers.frontend("--reasoning-parser", "deepseek_r1")
 
 
 def test_reasoning_items(thinking, model):

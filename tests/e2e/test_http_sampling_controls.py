@@ -19,16 +19,16 @@ DEFAULT_MAX_TOKENS = 7  # the generation config's max_new_tokens
 
 
 @pytest.fixture(scope="module")
-def engine_address(procs, tmp_path_factory):
+def frontend(servers, tmp_path_factory):
+    """A frontend on an engine of its own, whose generation config sets defaults."""
     folder = tmp_path_factory.mktemp("generation-config")
     (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.0,
                                                                "max_new_tokens": DEFAULT_MAX_TOKENS}))
-    address = f"tcp://127.0.0.1:{procs.free_port()}"
-    engine = procs.start_engine(address, "--generation-config", str(folder))
-    yield address
-    assert any("using the model's generation config defaults: temperature=0, max_tokens=7" in line
-               for line in engine.log), "".join(engine.log)
-    procs.stop(engine)
+    flags = ("--generation-config", str(folder))
+    fe = servers.frontend(engine=flags)
+    log = "".join(servers.engine(*flags).proc.log)
+    assert "using the model's generation config defaults: temperature=0, max_tokens=7" in log, log
+    return fe
 
 
 @pytest.fixture(scope="module")

@@ -27,11 +27,8 @@ WANT = [("get_weather", {"city": "Rome"}), ("get_weather", {"city": "Paris"})]
 
 
 @pytest.fixture(scope="module")
-def frontend(engine_address, procs):
-    fe = procs.start_frontend(engine_address, "--tool-call-parser", "llama3_json")
-    fe.wait_serving()
-    yield fe
-    fe.close()
+def frontend(servers):
+    return servers.frontend("--tool-call-parser", "llama3_json")
 
 
 def test_chat_completions_whole_and_streamed(frontend, model):
