@@ -48,14 +48,21 @@ def check_sane(grpc: dict, num_prompts: int, output_tokens: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def target():
-    """One `pagedserve serve` for the --target tests, started by the benchmark's own class."""
+def target_server():
+    """One `pagedserve serve` for the --target tests, started by the benchmark's own class,
+    with its engine's /metrics (the structured dataset reads the step phases there)."""
     from bench.servers import server_for
     from engine.config import EngineConfig
-    server = server_for("pagedserve", EngineConfig(dtype="float32", num_threads=1, num_kv_blocks=64), 256)
-    address = server.start()
-    yield address
+    server = server_for("pagedserve", EngineConfig(dtype="float32", num_threads=1, num_kv_blocks=64), 256,
+                        engine_metrics=True)
+    server.address = server.start()
+    yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def target(target_server):
+    return target_server.address
 
 
 def test_help_lists_every_flag():
@@ -84,10 +91,21 @@ def test_help_lists_every_flag():
     (["--metrics-url", "http://127.0.0.1:1/metrics"], "--metrics-url is for --dataset-name structured"),
     (["--dataset-name", "embeddings", "--backend", "hf"], "--dataset-name embeddings posts to /v1/embeddings"),
 ])
-def test_bad_flags_are_refused_before_anything_starts(flags, message):
-    result = bench_serve(*flags, timeout_s=60)
-    assert result.returncode != 0
-    assert message in result.stderr, result.stderr
+def test_bad_flags_are_refused_before_anything_starts(flags, message, capsys):
+    """In process: the flags as the command parses them, then check_args, the first thing
+    `bench serve` runs (a subprocess per case cost a second and a half of imports each)."""
+    from bench.serve_args import check_args
+    from pagedserve.cli import build_parser
+    with pytest.raises(SystemExit) as refused:
+        check_args(build_parser().parse_args(["bench", "serve", *flags]))
+    assert refused.value.code != 0
+    assert message in f"{refused.value.code}{capsys.readouterr().err}"
+
+
+def test_a_bad_flag_exits_the_command_before_anything_starts():
+    result = bench_serve("--backend", "vllm", timeout_s=60)
+    assert result.returncode != 0 and "--backend" in result.stderr, result.stderr
+    assert "starting" not in result.stdout
 
 
 def test_smoke_run_writes_json(tmp_path):
@@ -164,14 +182,16 @@ def test_failed_requests_are_counted_by_code_and_exit_1(tmp_path, target):
     assert "failed requests by code" in result.stdout
 
 
-def test_structured_dataset_splits_constrained_from_unconstrained(tmp_path):
+def test_structured_dataset_splits_constrained_from_unconstrained(tmp_path, target_server):
     import jsonschema
 
     from bench.datasets import load_structured_tasks
     schemas = {task: schema for task, schema, _ in load_structured_tasks()}
     # Seed 4 constrains a product listing and a contact: JSON short enough to complete in 64 tokens.
-    result = bench_serve("--dataset-name", "structured", "--num-prompts", "4", "--structured-ratio", "0,0.5",
-                         "--structured-output-len", "64", "--seed", "4", *ENGINE, "--output-dir", str(tmp_path),
+    # Against the module's server (its engine's /metrics: each run reads its own steps' phases).
+    result = bench_serve("--target", target_server.address, "--metrics-url", target_server.metrics_url,
+                         "--dataset-name", "structured", "--num-prompts", "4", "--structured-ratio", "0,0.5",
+                         "--structured-output-len", "64", "--seed", "4", "--output-dir", str(tmp_path),
                          timeout_s=400)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output

@@ -16,7 +16,7 @@ from test_tiny_hf_equivalence import CONFIGS, tiny_prompts
 
 pytestmark = pytest.mark.heavy(84)  # seconds on the 2-core CI machine: scheduled first
 
-MAX_NEW = 16
+GGUF_MAX_NEW = 10
 TINY_MAX_NEW = 24
 TINY_WINDOW = 16  # most prompts and generations run past it
 
@@ -110,12 +110,13 @@ def test_reblocking_is_exact(gemma_gguf, kind):
 
 
 def test_gguf_matches_hf(gemma_gguf):
-    """The real model, both sides reading the same Q4_K_M file, 16 greedy tokens; one
-    prompt runs past the local layers' window."""
+    """The real model, both sides reading the same Q4_K_M file, GGUF_MAX_NEW greedy tokens of a
+    plain prompt, a chat turn and one prompt past the local layers' window. (HF's generate of
+    this 262k-vocabulary model in fp32 costs a few seconds a prompt on one thread: the three
+    kinds, not more of each.)"""
     llm = LLM(str(gemma_gguf), dtype="float32", enable_prefix_caching=True)
     tok = llm.tokenizer
-    prompts = [tok.encode(t) for t in ("The capital of France is", "def fibonacci(n):",
-                                       "Gemma is a family of")]
+    prompts = [tok.encode("The capital of France is")]
     prompts.append(tok.encode(tok.apply_chat_template([{"role": "user", "content": "Say hi."}],
                                                       tokenize=False, add_generation_prompt=True),
                               add_special_tokens=False))
@@ -123,12 +124,13 @@ def test_gguf_matches_hf(gemma_gguf):
     long_text = " ".join(f"Item {i} is a {'red' if i % 3 else 'blue'} box." for i in range(90))
     prompts.append(tok.encode(long_text + " The colour of item 7 is"))
     assert len(prompts[-1]) > 600
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=GGUF_MAX_NEW, min_tokens=GGUF_MAX_NEW, logprobs=5,
+                            ignore_eos=True)
     outs = llm.generate(prompts, params)
     ours = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
     assert_no_leak(llm)
     del llm
-    assert check_outputs_match(ours, hf_greedy(load_hf_float32(gemma_gguf), prompts, MAX_NEW)) == 0
+    assert check_outputs_match(ours, hf_greedy(load_hf_float32(gemma_gguf), prompts, GGUF_MAX_NEW)) == 0
 
 
 @pytest.mark.parametrize("top_k, top_p", [([50, 5, 2000], [1.0, 0.9, 0.5]), ([262144, 40, 262144], [0.9, 0.95, 0.3])])
