@@ -34,7 +34,7 @@ $(STAMP): pyproject.toml
 # processes and sockets part of the time), each taking whole modules (their servers are module
 # fixtures), the heavy ones first (tests/conftest.py); docs/testing.md. WORKERS=0: one process.
 WORKERS ?= $(shell $(PY) -c 'import os; print(min(8, len(os.sched_getaffinity(0)) + 1))')
-PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder --durations=30
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope --no-loadscope-reorder --durations=25
 test: setup
 	$(BIN)/lint-imports
 	$(PYTEST) tests

@@ -314,7 +314,7 @@ def _engine_id(engine: subprocess.Popen, timeout_s: float = 120) -> str:
 def test_engine_drain_ends_within_its_timeout_whatever_connects(procs, reconnects):
     """The drain timeout is the promise an orchestrator's grace period is sized for: the process
     is gone by then (and a slack), however a stray frontend keeps talking to it."""
-    drain_timeout_s, slack_s = 5, 3
+    drain_timeout_s, slack_s = 2, 3
     address = f"tcp://127.0.0.1:{procs.free_port()}"
     engine = procs.start_engine(address, "--drain-timeout-s", str(drain_timeout_s))
     stray = _StrayFrontend(address, _engine_id(engine), reconnects)
