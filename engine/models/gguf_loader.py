@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from cpu_kernels.quant_format import QuantizedTensor, pack_int4
 from engine.models.config import SUPPORTED, ModelArchConfig, gguf_model_type
+from engine.models.gguf_header import read_gguf_layout
 
 # GGUF tensor name (after "blk.N.") -> HF name (after "model.layers.N.")
 _LAYER_NAMES = {
@@ -45,46 +48,69 @@ DENSE_TYPES = ("F32", "F16", "BF16", "Q5_1", "Q2_K", "Q3_K", "Q5_K", "Q6_K")
 _PERMUTED_ARCHS = ("llama", "mistral")
 
 
+class GGUFTensor(NamedTuple):
+    """One tensor of the file, as gguf-py's ReaderTensor has it: `data` is a view of the mapped
+    file, F32/F16 values in their dtype, any other type its rows of bytes."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF's order: a row's length first
+    data: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class GGUFFile:
+    metadata: dict[str, object]  # scalars and strings by key (the vocabulary's arrays are not read)
+    tensors: list[GGUFTensor]
+
+
 @functools.lru_cache(maxsize=2)
-def _reader(path: Path):
-    # Parsing the metadata (the whole vocabulary) takes a while: do it once per file.
-    import gguf
+def _gguf(path: Path) -> GGUFFile:
+    """The file's metadata and tensors, its header read by gguf_header (milliseconds: gguf-py's
+    GGUFReader spent 1.4 s of every engine start parsing SmolLM2's vocabulary into numpy)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
 
-    class Reader(gguf.GGUFReader):
-        # gguf reads each of the ~10^5 values in the metadata (the vocabulary, the merges) as a
-        # slice of its np.memmap, and every memmap slice runs Python (memmap.__array_finalize__):
-        # 2.7 s for SmolLM2. The same mapping viewed as a plain ndarray slices in C: 0.7 s.
-        @property
-        def data(self) -> np.ndarray:
-            return self._mapped
+    layout = read_gguf_layout(path)
+    # Sliced as a plain ndarray: a memmap's slices run Python (memmap.__array_finalize__) each;
+    # the view's base, the memmap, keeps the file mapped.
+    mapped = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
+    tensors = []
+    for info in layout.tensors:
+        kind = GGMLQuantizationType(info.type)
+        shape = tuple(reversed(info.dims))
+        values = _VALUE_TYPES.get(kind.name)
+        if values is not None:
+            size = math.prod(shape) * np.dtype(values).itemsize
+            data = mapped[info.offset:info.offset + size].view(values).reshape(shape)
+        else:
+            block, block_bytes = GGML_QUANT_SIZES[kind]
+            size = math.prod(shape) * block_bytes // block
+            data = mapped[info.offset:info.offset + size].reshape(quant_shape_to_byte_shape(shape, kind))
+        tensors.append(GGUFTensor(info.name, kind, info.dims, data))
+    return GGUFFile(layout.metadata, tensors)
 
-        @data.setter
-        def data(self, memmap: np.memmap) -> None:
-            self._mapped = memmap.view(np.ndarray)  # its base, the memmap, keeps the file mapped
 
-    return Reader(str(path))
-
-
-def _field(reader, key: str, default=None):
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+# Tensor types whose data gguf-py gives as values, not bytes.
+_VALUE_TYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                "I32": np.int32, "I64": np.int64}
 
 
 def read_gguf_metadata(path: Path, keys: list[str]) -> dict[str, object]:
-    """The values of those of `keys` the file carries."""
-    reader = _reader(path)
-    return {key: _field(reader, key) for key in keys if key in reader.fields}
+    """The values of those of `keys` the file carries (scalars and strings)."""
+    metadata = _gguf(path).metadata
+    return {key: metadata[key] for key in keys if key in metadata}
 
 
 def read_gguf_config(path: Path) -> ModelArchConfig:
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
-    model_type = gguf_model_type(arch, _field(reader, f"{arch}.expert_count", 0))
-    names = {t.name for t in reader.tensors}
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    file = _gguf(path)
+    arch = file.metadata.get("general.architecture")
+    model_type = gguf_model_type(arch, file.metadata.get(f"{arch}.expert_count", 0))
+    names = {t.name for t in file.tensors}
+    embd = next(t for t in file.tensors if t.name == "token_embd.weight")
 
     def key(name: str, default=None):
-        return _field(reader, f"{arch}.{name}", default)
+        return file.metadata.get(f"{arch}.{name}", default)
 
     hidden, heads = key("embedding_length"), key("attention.head_count")
     scaling = None
@@ -114,10 +140,10 @@ _BLOCK_TYPES = {"Q4_0": ("int4", 18), "Q4_1": ("int4", 20), "Q8_0": ("int8", 34)
 
 def gguf_block_formats(path: Path) -> dict[str, str]:
     """HF tensor name -> "int4" | "int8", for the tensors that can run as stored."""
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
+    file = _gguf(path)
+    arch = file.metadata.get("general.architecture")
     return {_hf_name(t.name, arch): _BLOCK_TYPES[t.tensor_type.name][0]
-            for t in reader.tensors if t.tensor_type.name in _BLOCK_TYPES}
+            for t in file.tensors if t.tensor_type.name in _BLOCK_TYPES}
 
 
 def iter_gguf_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = False
@@ -126,9 +152,9 @@ def iter_gguf_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = F
     `keep_quantized` the block types (Q4_0/Q4_1/Q8_0 as stored, Q5_0/Q4_K re-blocked)."""
     from gguf.quants import dequantize
 
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
-    for tensor in reader.tensors:
+    file = _gguf(path)
+    arch = file.metadata.get("general.architecture")
+    for tensor in file.tensors:
         name, kind = _hf_name(tensor.name, arch), tensor.tensor_type.name
         if kind not in _BLOCK_TYPES and kind not in DENSE_TYPES:
             raise ValueError(f"GGUF tensor {tensor.name!r} has type {kind}, which is not supported "

@@ -102,8 +102,8 @@ def test_gguf_config(gemma_gguf):
 def test_reblocking_is_exact(gemma_gguf, kind):
     from gguf.quants import dequantize
 
-    from engine.models.gguf_loader import _blocks, _reader
-    tensor = next(t for t in _reader(gemma_gguf).tensors if t.tensor_type.name == kind)
+    from engine.models.gguf_loader import _blocks, _gguf
+    tensor = next(t for t in _gguf(gemma_gguf).tensors if t.tensor_type.name == kind)
     ours = _blocks(tensor.data, kind)
     assert ours.format == ("int8" if kind == "Q5_0" else "int4")
     assert torch.equal(ours.dequantize(), torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()))
