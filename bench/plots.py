@@ -172,7 +172,7 @@ def plot_peers(rows: list[dict], title: str, path: Path) -> Path:
 
 
 def plot_host_step(payload: dict, path: Path) -> Path:
-    """Stacked bars per build: the model's ms per decode step, the engine's host ms on top,
+    """Stacked bars per build: the model's ms per timed step, the engine's host ms on top,
     and the output processing beside them."""
     import matplotlib
     matplotlib.use("Agg")
@@ -186,7 +186,9 @@ def plot_host_step(payload: dict, path: Path) -> Path:
     host = ax.barh(labels, [r["host_ms"] for r in runs], left=[r["forward_ms"] for r in runs],
                    color="tab:red", label="engine host work")
     ax.bar_label(host, labels=[f"host {r['host_ms']:.2f} ms" for r in runs], padding=3)
-    ax.set_xlabel(f"ms per decode step at {payload['workload']['num_seqs']} sequences (lower is better)")
+    workload = payload["workload"]
+    ax.set_xlabel(f"ms per {workload.get('phase', 'decode')} step at {workload['num_seqs']} sequences "
+                  "(lower is better)")
     ax.set_title("Engine step: model vs host time (output processing apart: "
                  + ", ".join(f"{n} {r['output_ms']:.2f} ms" for n, r in zip(names, runs)) + ")", fontsize=9)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=2, fontsize=8)

@@ -7,6 +7,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,6 +69,23 @@ def _memory_gb() -> float | None:
         return round(kb / 2**20, 1)
     except (OSError, ValueError, IndexError):
         return None
+
+
+class Worktree:
+    """Git commit `ref` of this checkout in a temporary worktree (a benchmark's --baseline):
+    `sha`, `tree`; `close()` removes it."""
+
+    def __init__(self, ref: str) -> None:
+        self.root = Path(__file__).resolve().parent.parent
+        self.sha = subprocess.check_output(["git", "-C", str(self.root), "rev-parse", ref], text=True).strip()
+        self._tmp = tempfile.TemporaryDirectory(prefix="pagedserve-baseline-")
+        self.tree = Path(self._tmp.name) / "tree"
+        subprocess.run(["git", "-C", str(self.root), "worktree", "add", "--detach", str(self.tree), self.sha],
+                       check=True, capture_output=True)
+
+    def close(self) -> None:
+        subprocess.run(["git", "-C", str(self.root), "worktree", "remove", "--force", str(self.tree)], check=False)
+        self._tmp.cleanup()
 
 
 class OtherLoad:

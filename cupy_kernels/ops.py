@@ -180,9 +180,10 @@ class PrefillBatch:
     num_tiles: int
 
 
-def build_prefill_batch(chunks: list[tuple[int, int, int]], block_tables: list[torch.Tensor], group: int,
+def build_prefill_batch(chunks: list[tuple[int, int, int]], block_tables: torch.Tensor, group: int,
                         device: torch.device) -> PrefillBatch:
-    """chunks: (token_start, num_tokens, context_len) each; block_tables: one 1-D tensor each."""
+    """chunks: (token_start, num_tokens, context_len) each; block_tables: [C, W], row c chunk
+    c's table, padded with 0."""
     tile_chunk, tile_row0 = [], []
     for c, (_, num_tokens, _) in enumerate(chunks):
         rows = range(0, num_tokens * group, PREFILL_ROWS)
@@ -192,9 +193,9 @@ def build_prefill_batch(chunks: list[tuple[int, int, int]], block_tables: list[t
     dev = host.to(device, non_blocking=True)
     t, c = len(tile_chunk), len(chunks)
     per_chunk = dev[2 * t:].view(c, 3)
-    tables = torch.nn.utils.rnn.pad_sequence([b.to(torch.int32) for b in block_tables], batch_first=True)
+    tables = block_tables.to(device=device, dtype=torch.int32).contiguous()
     return PrefillBatch(dev[:t], dev[t:2 * t], per_chunk[:, 0].contiguous(), per_chunk[:, 1].contiguous(),
-                        per_chunk[:, 2].contiguous(), tables.to(device).contiguous(), t)
+                        per_chunk[:, 2].contiguous(), tables, t)
 
 
 def prefill_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, batch: PrefillBatch,

@@ -39,7 +39,7 @@ from engine.request import Request
 from engine.sampler import NOT_EMITTED, Sampler, prompt_logprobs
 from engine.sampling_batch import SamplingBatch, rng_keys
 from engine.step_rows import (DecodeInputs, ForwardRow, SteadyRows, all_ahead, all_plain_greedy, as_decodes,
-                              forward_order, forward_row, num_leading_decodes, padded, request_of)
+                              forward_order, forward_row, num_leading_decodes, padded, prefill_inputs, request_of)
 
 log = logging.getLogger(__name__)
 
@@ -373,31 +373,30 @@ class ModelRunner:
     def _prepare(self, rows: list[ForwardRow], steady: SteadyRows | None):
         """The flat step inputs of the steady decodes then `rows`, single-token rows first:
         (input ids, positions, attention metadata, the rows whose logits are needed). Decode
-        rows are built as arrays over the persistent block tables; prefill chunks (a few per
-        step) one by one."""
+        rows are built as arrays over the persistent block tables; prefill chunks as arrays
+        too, their tables one padded array (one copy to the device)."""
         bs = self.block_size
         num_leading = num_leading_decodes(rows)
         decode = self._decode_inputs(rows[:num_leading], steady)
         num_decode = len(decode.token_ids)
         input_ids, positions, slots = [decode.token_ids], [decode.positions], [decode.slots]
         last_rows = [decode.logits_rows]
-        prefills, row = [], num_decode
-        rows = rows[num_leading:]
-        for f in rows:
-            start, end = f.start, f.start + len(f.token_ids)
-            pos = np.arange(start, end, dtype=np.int64)
-            table = np.asarray(f.block_ids[:(end + bs - 1) // bs], dtype=np.int64)
-            input_ids.append(np.asarray(f.token_ids, dtype=np.int64))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            last_rows.append(np.arange(row + len(pos) - f.num_logits, row + len(pos), dtype=np.int64))
-            prefills.append(PrefillChunk(row, len(pos), end, self._tensor(table)))
-            row += len(pos)
+        prefills, prefill_tables = [], None
+        if len(rows) > num_leading:
+            chunks = prefill_inputs(rows[num_leading:], num_decode, bs)
+            input_ids.append(chunks.token_ids)
+            positions.append(chunks.positions)
+            slots.append(chunks.slots)
+            last_rows.append(chunks.logits_rows)
+            prefill_tables = self._tensor(chunks.block_tables)
+            prefills = [PrefillChunk(start, n, context, table[:k]) for start, n, context, k, table in zip(
+                chunks.token_starts.tolist(), chunks.num_tokens.tolist(), chunks.context_lens.tolist(),
+                chunks.num_blocks.tolist(), prefill_tables.unbind(0))]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(np.concatenate(slots)), num_decode_tokens=num_decode,
             decode_block_tables=self._tensor(decode.block_tables) if num_decode else None,
             decode_context_lens=self._tensor(decode.positions + 1) if num_decode else None,
-            prefills=prefills, backend_state={"block_size": bs})
+            prefills=prefills, backend_state={"block_size": bs}, prefill_block_tables=prefill_tables)
         self.backend.prepare(meta)
         input_ids, positions, last_rows = (np.concatenate(a) for a in (input_ids, positions, last_rows))
         if self.pad_shapes:  # padding rows: token 0 at position 0, no slot, never sampled

@@ -1,12 +1,14 @@
 """A step's rows as the model runner builds its inputs from them: `ForwardRow`s (a sequence's
-tokens this step), the steady decodes as columns (`SteadyRows`), single-token rows as arrays
-(`DecodeInputs`), and the tests that pick a step's path (which rows run as decodes, whether
-every row samples plain greedy, whether a step may be launched ahead)."""
+tokens this step), the steady decodes as columns (`SteadyRows`), single-token rows and
+prefill chunks as arrays (`DecodeInputs`, `PrefillInputs`), and the tests that pick a step's
+path (which rows run as decodes, whether every row samples plain greedy, whether a step may
+be launched ahead)."""
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -56,6 +58,9 @@ _all_token_ids = operator.attrgetter("all_token_ids")
 _last = operator.itemgetter(-1)
 _num_computed_tokens = operator.attrgetter("num_computed_tokens")
 _block_ids = operator.attrgetter("block_ids")
+_token_ids = operator.attrgetter("token_ids")
+_start = operator.attrgetter("start")
+_num_logits = operator.attrgetter("num_logits")
 _output_token_ids = operator.attrgetter("output_token_ids")
 _greedy_from = operator.attrgetter("greedy_from")
 _ahead_from = operator.attrgetter("ahead_from")
@@ -80,6 +85,54 @@ class DecodeInputs:
     slots: np.ndarray  # [n] where each row's K/V goes
     block_tables: np.ndarray  # [n, width], width = blocks up to the furthest position
     logits_rows: np.ndarray  # rows that need logits (a 1-token prefill chunk short of the end has none)
+
+
+@dataclass(slots=True)
+class PrefillInputs:
+    """A step's multi-token rows (prefill chunks) as arrays (int64), with their block tables
+    in one padded array, so that the device gets one copy of them all:
+
+        block_tables [C, W]     row c = chunk c's entries up to its context, then 0
+              ┌─────────────┐
+        c=0   │ 7  3 12  0  │  ◄─ context 40 at block size 16: 3 entries
+        c=1   │ 5  0  0  0  │
+              └─────────────┘
+    """
+
+    token_ids: np.ndarray  # [T], the chunks' tokens in order
+    positions: np.ndarray  # [T]
+    slots: np.ndarray  # [T] where each token's K/V goes
+    logits_rows: np.ndarray  # rows of the step (from first_row) that need logits
+    token_starts: np.ndarray  # [C] each chunk's first row of the step
+    num_tokens: np.ndarray  # [C]
+    context_lens: np.ndarray  # [C] cached + new tokens
+    num_blocks: np.ndarray  # [C] table entries up to the context's end
+    block_tables: np.ndarray  # [C, max(num_blocks)]
+
+
+def prefill_inputs(rows: list[ForwardRow], first_row: int, block_size: int) -> PrefillInputs:
+    """`rows` (at least one), laid out from row `first_row` of the step, as arrays: one
+    pass over the rows for their lists, the rest whole-array."""
+    n, bs = len(rows), block_size
+    lens = np.fromiter(map(len, map(_token_ids, rows)), np.int64, n)
+    starts = np.fromiter(map(_start, rows), np.int64, n)
+    ends = starts + lens
+    num_blocks = -(-ends // bs)
+    tables = np.zeros((n, int(num_blocks.max())), dtype=np.int64)
+    for i, (f, k) in enumerate(zip(rows, num_blocks.tolist())):
+        tables[i, :k] = f.block_ids[:k]
+    offsets = np.cumsum(lens) - lens  # each chunk's first row, from first_row
+    chunk = np.repeat(np.arange(n), lens)
+    positions = np.arange(int(lens.sum()), dtype=np.int64) + (starts - offsets)[chunk]
+    slots = tables[chunk, positions // bs] * bs + positions % bs
+    # A chunk's last num_logits rows need logits.
+    num_logits = np.fromiter(map(_num_logits, rows), np.int64, n)
+    logits_end = first_row + offsets + lens
+    logits_rows = (np.arange(int(num_logits.sum()), dtype=np.int64)
+                   + np.repeat(logits_end - num_logits - (np.cumsum(num_logits) - num_logits), num_logits))
+    token_ids = np.fromiter(chain.from_iterable(map(_token_ids, rows)), np.int64, len(positions))
+    return PrefillInputs(token_ids, positions, slots, logits_rows, first_row + offsets, lens, ends, num_blocks,
+                         tables)
 
 
 def num_leading_decodes(rows: list[ForwardRow]) -> int:

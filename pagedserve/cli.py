@@ -140,8 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         "host-step", help="the engine's host time per decode step at 256 sequences (the GPU-idle proxy)",
         description="Host-overhead benchmark: a random-weight model so small that its forward costs "
                     "almost nothing, 256 concurrent greedy decodes; per decode step, the engine step's "
-                    "wall time minus the model's, and the offline output processing. --baseline REF "
-                    "measures another commit in the same run."))
+                    "wall time minus the model's, the offline output processing and the GC's pauses. "
+                    "--phase prefill times the steps that complete prompts (128 chunks a step) instead. "
+                    "--baseline REF measures another commit in the same run."))
     from bench.gpu_busy import add_arguments as add_gpu_busy
     add_gpu_busy(bench_kinds.add_parser(
         "gpu-busy", help="the GPU's busy share of the decode phase at 256 sequences, and the bandwidth bound",

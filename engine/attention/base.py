@@ -34,7 +34,8 @@ class PrefillChunk:
     token_start: int  # first row of this chunk in the flat token batch
     num_tokens: int  # new tokens in this chunk
     context_len: int  # cached + new tokens: what the last new token attends to
-    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] int64 (the runner's: a view of
+    # AttentionMetadata.prefill_block_tables' row)
 
 
 @dataclass
@@ -47,6 +48,18 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decode] int64
     prefills: list[PrefillChunk] = field(default_factory=list)
     backend_state: dict = field(default_factory=dict)  # a backend's per-step precomputation
+    # [num_chunks, max_blocks] int64, 0-padded: the chunks' tables in one tensor (one copy to
+    # the device) for backends that read them all at once; None where the chunks were built
+    # one by one (see padded_prefill_tables).
+    prefill_block_tables: torch.Tensor | None = None
+
+    def padded_prefill_tables(self) -> torch.Tensor:
+        """The chunks' tables as [num_chunks, max_blocks], 0-padded: the runner's tensor, or
+        the chunks' own tables padded (metadata built by hand)."""
+        if self.prefill_block_tables is None:
+            self.prefill_block_tables = torch.nn.utils.rnn.pad_sequence(
+                [c.block_table for c in self.prefills], batch_first=True)
+        return self.prefill_block_tables
 
 
 class AttentionBackend(Protocol):

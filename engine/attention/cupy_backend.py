@@ -80,10 +80,10 @@ class CupyAttentionBackend:
                 self.reserve_workspace(numel, tables.device)
             state["decode"] = (tables, meta.decode_context_lens.to(torch.int32), plan)
         if meta.prefills:
-            plan = plan_flash_prefill(meta.prefills, state["block_size"]) if self.flash_prefill else None
+            plan = plan_flash_prefill(meta) if self.flash_prefill else None
             if plan is None:
                 chunks = [(c.token_start, c.num_tokens, c.context_len) for c in meta.prefills]
-                plan = ops.build_prefill_batch(chunks, [c.block_table for c in meta.prefills], self.group,
+                plan = ops.build_prefill_batch(chunks, meta.padded_prefill_tables(), self.group,
                                                meta.slot_mapping.device)
             state["prefill"] = plan
 

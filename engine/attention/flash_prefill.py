@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.base import PrefillChunk
+from engine.attention.base import AttentionMetadata
 
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -57,9 +57,10 @@ def flash_prefill_enabled(dtype: torch.dtype) -> bool:
     return bool(available is not None and available())
 
 
-def plan_flash_prefill(chunks: list[PrefillChunk], block_size: int) -> FlashPrefillPlan | None:
-    """The varlen layout of `chunks`; None where their rows are not one contiguous run (the
-    runner lays them out so: after the decodes, in order)."""
+def plan_flash_prefill(meta: AttentionMetadata) -> FlashPrefillPlan | None:
+    """The varlen layout of the step's prefill chunks; None where their rows are not one
+    contiguous run (the runner lays them out so: after the decodes, in order)."""
+    chunks, block_size = meta.prefills, meta.backend_state["block_size"]
     starts = np.array([c.token_start for c in chunks], dtype=np.int64)
     lens_q = np.array([c.num_tokens for c in chunks], dtype=np.int64)
     lens_k = np.array([c.context_len for c in chunks], dtype=np.int64)
@@ -72,9 +73,9 @@ def plan_flash_prefill(chunks: list[PrefillChunk], block_size: int) -> FlashPref
     # Each key's (chunk, position) on the host, then its slot through the tables on the device.
     chunk_of_key = np.repeat(np.arange(len(chunks)), lens_k)
     position = np.arange(total_k) - np.repeat(cu[1, :-1], lens_k)
-    device = chunks[0].block_table.device
+    tables = meta.padded_prefill_tables()
+    device = tables.device
     index = torch.from_numpy(np.concatenate([chunk_of_key, position])).to(device, non_blocking=True)
-    tables = torch.nn.utils.rnn.pad_sequence([c.block_table for c in chunks], batch_first=True)
     chunk_of_key, position = index[:total_k], index[total_k:]
     key_slots = tables[chunk_of_key, position // block_size] * block_size + position % block_size
     cu_dev = torch.from_numpy(cu.astype(np.int32)).to(device, non_blocking=True)

@@ -81,13 +81,16 @@ def mixed_step(block_size: int, num_blocks: int, gen: torch.Generator, device: s
     slots, prefills, row = [], [], len(decode_lens)
     for n, table in zip(decode_lens, tables):
         slots.append(table[(n - 1) // block_size] * block_size + (n - 1) % block_size)
-    for (new, context), table in zip(chunks, tables[len(decode_lens):]):
+    # The chunks' tables in one padded tensor, each chunk's a view of its row (as the runner has them).
+    chunk_tables = tables[len(decode_lens):]
+    padded = torch.tensor([t + [0] * (max(map(len, chunk_tables)) - len(t)) for t in chunk_tables], device=device)
+    for i, ((new, context), table) in enumerate(zip(chunks, chunk_tables)):
         slots += [table[p // block_size] * block_size + p % block_size for p in range(context - new, context)]
-        prefills.append(PrefillChunk(row, new, context, torch.tensor(table, device=device)))
+        prefills.append(PrefillChunk(row, new, context, padded[i, :len(table)]))
         row += new
     width = max(len(t) for t in tables[:3])
     return AttentionMetadata(
         slot_mapping=torch.tensor(slots, device=device), num_decode_tokens=3,
         decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]], device=device),
         decode_context_lens=torch.tensor(decode_lens, device=device), prefills=prefills,
-        backend_state={"block_size": block_size})
+        backend_state={"block_size": block_size}, prefill_block_tables=padded)

@@ -42,7 +42,7 @@ def test_gathered_contexts_attended_bottom_right_equal_the_reference():
     backend.prepare(meta)
     reference = backend.forward(q, k, v, cache, meta)  # writes the new K/V into the cache too
 
-    plan = plan_flash_prefill(meta.prefills, block_size)
+    plan = plan_flash_prefill(meta)
     assert plan.first_row == meta.num_decode_tokens and plan.num_rows == num_tokens - plan.first_row
     assert plan.cu_seq_q.dtype == plan.cu_seq_k.dtype == torch.int32
     assert (plan.max_q, plan.max_k) == (100, 300)
@@ -59,4 +59,12 @@ def test_gathered_contexts_attended_bottom_right_equal_the_reference():
 def test_chunks_that_are_not_one_run_of_rows_get_no_plan():
     meta = mixed_step(16, BLOCKS, torch.Generator().manual_seed(1), "cpu", CHUNKS[:2])
     meta.prefills[1].token_start += 1  # a gap between the two chunks' rows
-    assert plan_flash_prefill(meta.prefills, 16) is None
+    assert plan_flash_prefill(meta) is None
+
+
+def test_chunks_built_one_by_one_get_the_plan_of_the_runners_padded_tables():
+    meta = mixed_step(16, BLOCKS, torch.Generator().manual_seed(1), "cpu", CHUNKS)
+    runners = plan_flash_prefill(meta)
+    meta.prefills = [type(c)(c.token_start, c.num_tokens, c.context_len, c.block_table.clone()) for c in meta.prefills]
+    meta.prefill_block_tables = None  # as a caller that builds each chunk's table on its own
+    assert torch.equal(plan_flash_prefill(meta).key_slots, runners.key_slots)

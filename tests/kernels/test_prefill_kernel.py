@@ -28,7 +28,7 @@ def test_prefill(dtype, head_size, block_size, heads):
     for new, context in CHUNKS:
         chunks.append((start, new, context))
         start += new
-    tables = [torch.tensor(t, device="cuda") for t in ctx.tables]
+    tables = torch.nn.utils.rnn.pad_sequence([torch.tensor(t, device="cuda") for t in ctx.tables], batch_first=True)
     batch = ops.build_prefill_batch(chunks, tables, num_q_heads // num_kv_heads, torch.device("cuda"))
     out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
     scale = head_size ** -0.5
