@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 from common.errors import EngineOverloaded, InvalidRequest, Unavailable
 from common.ipc import (bad_words_to_proto, output_from_proto, sampling_defaults_from_proto, sampling_params_to_proto,
                         structured_to_proto)
-from common.outputs import EngineCoreOutput
+from common.outputs import plain_output
 from common.sampling_params import SamplingParams
 from common.v1 import engine_ipc_pb2 as ipc
 from common.validation import PromptLimits
-from frontend.engine_client import EngineLost
+from frontend.engine_client import EngineLost, Inbox
 from frontend.engine_pool import EnginePool, PooledEngine
 from frontend.input_processor import InputProcessor, NotFound
 from frontend.output_processor import ABORT, TIME_LIMIT, RequestState, SampleDelta
@@ -56,7 +56,7 @@ class Generation:
     lora_name: str = ""  # its LoRA adapter; "" for the base model
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None  # time.monotonic() of the first token
-    queue: asyncio.Queue | None = None
+    inbox: Inbox | None = None  # its outputs, while it runs on an engine
     engine: PooledEngine | None = None  # where it runs now
     received: bool = False  # an output came: it can no longer move to another engine
 
@@ -231,7 +231,7 @@ class AsyncLLM:
     async def _run_on(self, engine: PooledEngine, gen: Generation, deadline: float | None
                       ) -> AsyncIterator[list[SampleDelta]]:
         client, engine_id = engine.client, gen.engine_id
-        gen.engine, gen.queue = engine, client.open_stream(engine_id)
+        gen.engine, gen.inbox = engine, client.open_stream(engine_id)
         try:
             if isinstance(gen.state, PoolingState):
                 add = gen.state.add_request()
@@ -244,9 +244,7 @@ class AsyncLLM:
                     lora_name=gen.lora_name, bad_words_token_ids=bad_words_to_proto(params))
             await client.add(add)
             while not gen.done:
-                items = [await _next(gen.queue, deadline)]
-                while not gen.queue.empty():
-                    items.append(gen.queue.get_nowait())
+                items = await _next(gen.inbox, deadline)
                 deltas = self._handle(gen, items)
                 if deltas:
                     yield deltas
@@ -268,15 +266,22 @@ class AsyncLLM:
         found = []
         for request_id in request_ids:
             gen = self.active.get(request_id)
-            if gen is None or gen.queue is None or gen.done:
+            if gen is None or gen.inbox is None or gen.done:
                 found.append(False)
                 continue
-            gen.queue.put_nowait(_ABORTED)
+            gen.inbox.put(_ABORTED)
             self._abort_later(gen.engine, [gen.engine_id])
             found.append(True)
         return found
 
     def _handle(self, gen: Generation, items: list) -> list[SampleDelta]:
+        if len(items) == 1 and type(items[0]) is tuple:  # one plain token: most streams, most steps
+            delta = gen.state.process_plain(0, *items[0])
+            if delta is not None:
+                gen.received = True
+                if gen.first_token_time is None:
+                    gen.first_token_time = time.monotonic()
+                return [delta]
         outputs, deltas = [], []
         for item in items:
             if isinstance(item, _ERRORS):
@@ -288,7 +293,10 @@ class AsyncLLM:
                 if item is _TIME_LIMIT:
                     self._abort_later(gen.engine, [gen.engine_id])
                 continue
-            outputs.append(item if type(item) is EngineCoreOutput else output_from_proto(item))
+            if type(item) is tuple:
+                outputs.append(plain_output(gen.engine_id, *item))
+            else:
+                outputs.append(output_from_proto(item))
             gen.received = True
         deltas += self._process(gen, outputs)
         if gen.first_token_time is None and any(d.token_ids for d in deltas):
@@ -322,13 +330,14 @@ def _reason(error: Exception) -> str:
     return "overloaded" if isinstance(error, EngineOverloaded) else "lost"
 
 
-async def _next(queue: asyncio.Queue, deadline: float | None):
+async def _next(inbox: Inbox, deadline: float | None) -> list:
+    """What came since the last call (waiting for something), or the time limit."""
     if deadline is None:
-        return await queue.get()
-    try:
-        return await asyncio.wait_for(queue.get(), max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError:
-        return _TIME_LIMIT
+        return await inbox.take()
+    remaining_s = deadline - time.monotonic()
+    if remaining_s <= 0:  # however much keeps coming
+        return [_TIME_LIMIT]
+    return await inbox.take(remaining_s) or [_TIME_LIMIT]
 
 
 def _load_tokenizer(welcome: ipc.Welcome, path: str | None) -> Tokenizer:

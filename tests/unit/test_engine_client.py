@@ -9,7 +9,7 @@ import zmq
 import zmq.asyncio
 
 from common.v1 import engine_ipc_pb2 as ipc
-from frontend.engine_client import EngineClient
+from frontend.engine_client import EngineClient, Inbox
 from helpers import free_port
 
 
@@ -50,3 +50,37 @@ def test_a_failing_handler_does_not_stop_the_client_reading():
 
     assert asyncio.run(run()) == 7  # the Pong after the failed Welcome callback was read
     assert calls == [True]
+
+
+def test_an_inbox_hands_over_everything_that_came_at_once_in_order():
+    async def run():
+        inbox = Inbox()
+        inbox.put("a")
+        inbox.put("b")
+        assert await inbox.take() == ["a", "b"]
+        reader = asyncio.ensure_future(inbox.take())
+        await asyncio.sleep(0)  # the reader waits now
+        inbox.put("c")
+        inbox.put("d")
+        assert await reader == ["c", "d"]
+        assert await inbox.take(timeout_s=0.01) == []  # nothing came in time
+        inbox.put("e")  # after a timeout, a put is not lost
+        assert await inbox.take(timeout_s=0.01) == ["e"]
+
+    asyncio.run(run())
+
+
+def test_plain_tokens_reach_their_streams_as_token_and_cached_pairs():
+    async def run():
+        client = EngineClient("tcp://127.0.0.1:1", "fe-1")
+        a, b = client.open_stream("a"), client.open_stream("b")
+        batch = ipc.OutputBatch(
+            outputs=[ipc.RequestOutput(request_id="b", new_token_ids=[7], finish_reason="length")],
+            token_request_ids=["a", "b", "gone"], token_ids=[5, 6, 9], token_num_cached_tokens=[16, 0, 0])
+        client._dispatch(ipc.EngineResponse(outputs=batch))
+        await client.close()
+        return a.items, b.items
+
+    a, b = asyncio.run(run())
+    assert a == [(5, 16)]
+    assert [type(i) for i in b] == [ipc.RequestOutput, tuple] and b[1] == (6, 0)  # in the engine's order

@@ -97,10 +97,11 @@ def test_client_learns_adapters_from_welcome_pong_result_and_errors():
         assert client.lora_adapters["sql"].path == "/a/sql" and set(client.lora_adapters) == {"sql", "chat"}
         client._dispatch(ipc.EngineResponse(pong=ipc.Pong(engine_id="a", lora_names=["chat"])))
         assert set(client.lora_adapters) == {"chat"}
-        queue = client.open_stream("r1")
+        inbox = client.open_stream("r1")
         client._dispatch(ipc.EngineResponse(error=ipc.RequestError(
             request_id="r1", kind=ipc.RequestError.KIND_NOT_FOUND, message="no adapter x")))
-        assert isinstance(queue.get_nowait(), NotFound)
+        [error] = inbox.items
+        assert isinstance(error, NotFound)
         future = await client.lora_op(ipc.EngineRequest(load_lora=ipc.LoadLora(op_id="op", name="x", path="/x")))
         client._lose("test")
         with pytest.raises(Unavailable):
