@@ -10,7 +10,8 @@ import sys
 from typing import NoReturn
 
 from common.metrics_http import add_metrics_args
-from common.process_args import DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging
+from common.process_args import (DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging,
+                                 freeze_startup_heap)
 from engine.arg_utils import add_engine_args, engine_config_from_args
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: proc.on_signal())
     if health is not None:
         health.attach(proc)
+    freeze_startup_heap()  # the model is loaded and warmed up: a full collection need not walk it
     try:
         proc.run()
     finally:

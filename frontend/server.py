@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.process_args import freeze_startup_heap
 from common.v1 import embedding_pb2, embedding_pb2_grpc, generation_pb2, generation_pb2_grpc, info_pb2, info_pb2_grpc
 from common.v1 import tokenization_pb2, tokenization_pb2_grpc
 from frontend.async_llm import AsyncLLM
@@ -139,6 +140,7 @@ def _async_llm(config: FrontendConfig, address: str, health_servicer, metrics: F
         ready = llm.pool.num_ready > 0 and llm.input is not None
         if ready and not announced:
             announced = True
+            freeze_startup_heap()  # imports, servers, tokenizer: out of the collector's way from now on
             http = f", http http://{llm.http_address}/v1" if llm.http_address else ""
             print(f"pagedserve ready: model {llm.welcome.model_name}, grpc {address}{http}", flush=True)
         metrics.engine_connected.set(llm.pool.num_ready)

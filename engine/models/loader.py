@@ -77,7 +77,7 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
         with torch.device("meta"):  # no time spent on random init of weights we overwrite
             model = model_class(cfg.model_type)(cfg, max_positions, shard)
             quantize_modules(model, formats, cfg.tie_word_embeddings)
-        model = model.to_empty(device=device)
+        materialize(model, device)
         model.init_non_persistent(device)
     finally:
         torch.set_default_dtype(previous)
@@ -89,6 +89,23 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     if layer_kernels:
         use_layer_kernels(model, device, dtype)
     return model.eval()
+
+
+def materialize(model: nn.Module, device: str | torch.device) -> None:
+    """`Module.to_empty`, without torch's `empty_like` of meta tensors: that goes through
+    torch._refs, whose first call imports sympy (a third of a second of every engine's
+    start-up). Each parameter and buffer is allocated with `torch.empty` on `device`,
+    uninitialized; one shared by several modules (tied weights) stays shared."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, old in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            new = made.get(id(old))
+            if new is None:
+                new = torch.empty(old.shape, dtype=old.dtype, device=device)
+                if isinstance(old, nn.Parameter):
+                    new = nn.Parameter(new, requires_grad=old.requires_grad)
+                made[id(old)] = new
+            setattr(module, name, new)
 
 
 def use_layer_kernels(model: nn.Module, device: str, dtype: str) -> bool:
