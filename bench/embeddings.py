@@ -90,7 +90,8 @@ def _dtype_list(text: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.models.loader import load_tokenizer, resolve_model_path
+    from engine.models.loader import load_tokenizer
+    from engine.models.source import resolve_model_path
     for flag in ("num_texts", "texts_per_request", "clients", "latency_requests", "latency_clients", "min_len"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"bench embeddings: --{flag.replace('_', '-')} must be at least 1")

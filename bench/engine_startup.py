@@ -35,7 +35,8 @@ def measure(num_kv_blocks: int) -> dict:
     start = time.perf_counter()
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    from engine.models.loader import bundled_model_path, eos_token_ids, load_tokenizer
+    from engine.models.loader import eos_token_ids, load_tokenizer
+    from engine.models.source import bundled_model_path
     path = bundled_model_path()
     tokenizer = load_tokenizer(path)
     imported = time.perf_counter()

@@ -86,7 +86,7 @@ def kernel_plan(gguf: Path, num_threads: int | None) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.models.loader import resolve_model_path
+    from engine.models.source import resolve_model_path
     gguf = resolve_model_path(args.model)
     plan = kernel_plan(gguf, args.num_threads)
     results = {}

@@ -307,7 +307,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
     torch.set_num_threads(args.threads)
-    from engine.models.loader import eos_token_ids, load_tokenizer, resolve_model_path
+    from engine.models.loader import eos_token_ids, load_tokenizer
+    from engine.models.source import resolve_model_path
     tok = load_tokenizer(resolve_model_path(args.model))
     doc = json.dumps(NESTED_DOC, separators=(",", ":"))
     tokens = tok.encode(doc, add_special_tokens=False) + list(eos_token_ids(tok))

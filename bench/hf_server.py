@@ -59,7 +59,8 @@ class HFModel:
 
     def __init__(self, config: HFServerConfig) -> None:
         from engine.config import resolve_dtype
-        from engine.models.loader import load_tokenizer, model_name, resolve_model_path
+        from engine.models.loader import load_tokenizer, model_name
+        from engine.models.source import resolve_model_path
         path = resolve_model_path(config.model)
         dtype = resolve_dtype(config.dtype, config.device)
         self.model = load_hf_model(path, dtype, config.device)

@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     load = os.getloadavg()  # the machine is shared: say how busy it was
-    from engine.models.loader import gemma3_model_path
+    from engine.models.source import gemma3_model_path
     model = args.model or str(gemma3_model_path())
     sampling = {"greedy": dict(temperature=0.0),
                 "top_k50_top_p0.95": dict(temperature=0.8, top_k=50, top_p=0.95),

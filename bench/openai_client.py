@@ -199,7 +199,8 @@ def describe_target(args, target: str) -> tuple[dict, Callable[[str, bool], int]
     """The run's model facts (the keys GetModelInfo gives over gRPC) and a token counter for
     text, from `target`'s /models (the OpenAI base URL) and the model's local files."""
     from engine.model_runner import MAX_DEFAULT_MODEL_LEN
-    from engine.models.loader import read_arch_config, resolve_model_path
+    from engine.models.loader import read_arch_config
+    from engine.models.source import resolve_model_path
     name, entry = served_model(target, args.served_model_name, args.api_key)
     path = resolve_model_path(args.model)
     arch = read_arch_config(path)

@@ -109,7 +109,8 @@ def build_random_model(shape: str, folder: Path, dtype: str = "bfloat16", device
 def _tokenizer(shape: str, vocab_size: int):
     from transformers import PreTrainedTokenizerFast
     if shape in BUNDLED_TOKENIZER_SHAPES:
-        from engine.models.loader import bundled_model_path, load_tokenizer
+        from engine.models.loader import load_tokenizer
+        from engine.models.source import bundled_model_path
         return load_tokenizer(bundled_model_path())
     from tokenizers import Tokenizer, models, pre_tokenizers
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t3"))

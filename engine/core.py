@@ -27,7 +27,8 @@ from engine.encoder_runner import EncoderRunner
 from engine.lora.adapter import LoraAdapter
 from engine.model_runner import ModelRunner
 from engine.models.generation_config import load_sampling_defaults
-from engine.models.loader import read_arch_config, resolve_model_path
+from engine.models.loader import read_arch_config
+from engine.models.source import resolve_model_path
 from engine.pooling import Pooler, resolve_pooler, sentence_transformers_max_len
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler

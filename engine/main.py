@@ -35,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from engine.core import EngineCore
     from common.errors import LoraError
-    from engine.models.loader import eos_token_ids, load_tokenizer, model_name, resolve_model_path
+    from engine.models.loader import eos_token_ids, load_tokenizer, model_name
+    from engine.models.source import resolve_model_path
     from engine.models.loader import tokenizer_files
     from engine.proc import EngineProc
     config = engine_config_from_args(args)

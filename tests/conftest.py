@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def bundled_path():
-    from engine.models.loader import bundled_model_path
+    from engine.models.source import bundled_model_path
     return bundled_model_path()
 
 

@@ -26,9 +26,6 @@ from engine.layers.quantized import QuantizedTensor, QuantLinear, dequantize_mod
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelArchConfig
 from engine.models.registry import model_class
-# Re-exported: callers find a model's files here, as they load it (engine/models/source.py).
-from engine.models.source import (MINILM_NAMES, bundled_model_path, gemma3_model_path,  # noqa: F401
-                                  minilm_model_path, resolve_model_path)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -27,7 +27,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.models.loader import resolve_model_path
+from engine.models.source import resolve_model_path
 from engine.request import Request
 from engine.step_rows import ForwardRow
 

@@ -54,7 +54,7 @@ class Reference:
     def __init__(self) -> None:
         from sentence_transformers import SentenceTransformer
 
-        from engine.models.loader import minilm_model_path
+        from engine.models.source import minilm_model_path
         self.st = SentenceTransformer(str(minilm_model_path()), device="cpu")
         self.texts = [self._fit(t) for t in make_texts(300, seed=0)]
         self.token_ids = [self.count_ids(t) for t in self.texts]

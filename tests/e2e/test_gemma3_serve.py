@@ -12,7 +12,7 @@ from http_client import openai_client
 
 @pytest.fixture(scope="module")
 def gemma(procs):
-    from engine.models.loader import gemma3_model_path
+    from engine.models.source import gemma3_model_path
     path = gemma3_model_path()
     fe = procs.start_serve("--model", str(path), "--dtype", "float32", "--num-kv-blocks", "128",
                            "--max-model-len", "1024", "--num-threads", "1", timeout_s=300)

@@ -112,7 +112,7 @@ def test_run_batch_refuses_a_missing_input_before_starting_an_engine(tmp_path):
 def test_run_batch_embeds_as_sentence_transformers_does(tmp_path):
     from sentence_transformers import SentenceTransformer
 
-    from engine.models.loader import minilm_model_path
+    from engine.models.source import minilm_model_path
     st = SentenceTransformer(str(minilm_model_path()), device="cpu")
     words = PROSE.read_text().split()
     texts = [" ".join(words[7 * i:7 * i + n]) for i, n in enumerate((1, 3, 12, 40, 90, 160, 5, 25))]

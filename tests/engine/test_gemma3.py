@@ -77,7 +77,7 @@ def test_softcapping_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def gemma_gguf():
-    from engine.models.loader import gemma3_model_path
+    from engine.models.source import gemma3_model_path
     return gemma3_model_path()
 
 
