@@ -24,7 +24,10 @@ def test_bench_scaling_writes_results(tmp_path):
         assert run["summary"]["failed"] == 0
         assert run["summary"]["output_tokens"] == 4 * 3 * run["engines"]
         assert set(run["cpu_s"]) == {f"engine{i}" for i in range(run["engines"])} | {"frontend", "client"}
-        assert all(v > 0 for v in run["cpu_s"].values())
+        # /proc counts CPU in 10 ms ticks: the frontend and the client may spend less than one
+        # on 12 tokens; each engine runs the model.
+        assert all(v >= 0 for v in run["cpu_s"].values())
+        assert all(run["cpu_s"][f"engine{i}"] > 0 for i in range(run["engines"]))
     assert one["efficiency"] == 1.0
     assert 0 < two["efficiency"]
     # Both engines generated: the frontend split the traffic.
