@@ -318,7 +318,9 @@ class EngineCore:
         return self.block_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or self._inflight is not None
+        """Whether `step` has anything to do: requests to run, a step in flight, or outputs of
+        requests that ended as they were added (a cached grammar that failed) still to give."""
+        return self.scheduler.num_unfinished > 0 or self._inflight is not None or bool(self.scheduler.failed_outputs)
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -250,9 +250,13 @@ def _run_alone(core, request_id: str, params: SamplingParams) -> list:
 
 
 def test_a_grammar_the_vocabulary_cannot_begin_is_refused_when_it_compiles(llm):
-    [out] = _run_alone(llm.engine, "r", SamplingParams(max_tokens=8, structured_outputs={"regex": UNWRITABLE}))
-    assert out.finish_reason == "invalid" and out.new_token_ids == [], out
-    assert out.error.startswith("structured_outputs.regex: ") and "vocabulary" in out.error, out.error
+    """Also the second time, when its compile is cached and the request ends as it is added:
+    its output must still go out (it once waited forever for a step that never came)."""
+    for request_id in ("first", "cached"):
+        params = SamplingParams(max_tokens=8, structured_outputs={"regex": UNWRITABLE})
+        [out] = _run_alone(llm.engine, request_id, params)
+        assert out.finish_reason == "invalid" and out.new_token_ids == [], out
+        assert out.error.startswith("structured_outputs.regex: ") and "vocabulary" in out.error, out.error
     assert_no_leak(llm)
 
 
