@@ -15,9 +15,7 @@ ARG EXTRAS=""
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HUB_OFFLINE=1 \
-    TRANSFORMERS_OFFLINE=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # g++ builds the C++ CPU kernels (cpu_kernels/) for the CPU the engine runs on, at its first
 # start (cached in ~/.cache/pagedserve); without it the engine runs plain torch.
@@ -48,6 +46,9 @@ WORKDIR /home/pagedserve
 # Build the CPU kernels now, for this build machine's CPU; a host with other instruction
 # sets rebuilds them (about 40 s) at the engine's first start.
 RUN python -m cpu_kernels.warm
+# The Hugging Face cache (HF_HOME's default), where a Hub model (--model ORG/NAME) downloads:
+# made by this user, so that a named volume mounted there (compose.yaml) is this user's too.
+RUN mkdir -p /home/pagedserve/.cache/huggingface
 
 # 50051: gRPC (frontend). 5570: ZeroMQ (engine), for frontends on other hosts.
 EXPOSE 50051 8000 5570

@@ -70,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.models.loader import is_gguf
-    from engine.models.source import resolve_model_path
+    from engine.models.source import model_files
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     if not peers or set(peers) - set(PEERS):
         raise SystemExit(f"--peers: a comma list of {', '.join(PEERS)}, got {args.peers!r}")
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model == "gemma3":
         from engine.models.source import gemma3_model_path
         args.model = str(gemma3_model_path())
-    gguf = resolve_model_path(args.model)
+    gguf = model_files(args)
     if not is_gguf(gguf):
         raise SystemExit(f"--model {gguf}: llama-server needs a .gguf file")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # stop the servers too

@@ -91,12 +91,12 @@ def _dtype_list(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from engine.models.loader import load_tokenizer
-    from engine.models.source import resolve_model_path
+    from engine.models.source import model_files
     for flag in ("num_texts", "texts_per_request", "clients", "latency_requests", "latency_clients", "min_len"):
         if getattr(args, flag) < 1:
             raise SystemExit(f"bench embeddings: --{flag.replace('_', '-')} must be at least 1")
     config = engine_config_from_args(args)
-    folder = resolve_model_path(config.model)
+    folder = model_files(config)
     tokenizer = load_tokenizer(folder)
     count = lambda text, special: len(tokenizer.encode(text, add_special_tokens=special))  # noqa: E731
     try:

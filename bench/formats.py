@@ -86,8 +86,8 @@ def kernel_plan(gguf: Path, num_threads: int | None) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from engine.models.source import resolve_model_path
-    gguf = resolve_model_path(args.model)
+    from engine.models.source import model_files
+    gguf = model_files(args)
     plan = kernel_plan(gguf, args.num_threads)
     results = {}
     for name in args.formats:

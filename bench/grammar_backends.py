@@ -308,8 +308,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     torch.set_num_threads(args.threads)
     from engine.models.loader import eos_token_ids, load_tokenizer
-    from engine.models.source import resolve_model_path
-    tok = load_tokenizer(resolve_model_path(args.model))
+    from engine.models.source import model_files
+    tok = load_tokenizer(model_files(args))
     doc = json.dumps(NESTED_DOC, separators=(",", ":"))
     tokens = tok.encode(doc, add_special_tokens=False) + list(eos_token_ids(tok))
     wheel_dirs = dict(w.split("=", 1) for w in args.wheel_dir)

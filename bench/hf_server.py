@@ -59,14 +59,14 @@ class HFModel:
 
     def __init__(self, config: HFServerConfig) -> None:
         from engine.config import resolve_dtype
-        from engine.models.loader import load_tokenizer, model_name
-        from engine.models.source import resolve_model_path
-        path = resolve_model_path(config.model)
+        from engine.models.loader import load_tokenizer
+        from engine.models.source import model_files, served_model_name, tokenizer_path
+        path = model_files(config)
         dtype = resolve_dtype(config.dtype, config.device)
         self.model = load_hf_model(path, dtype, config.device)
-        self.tokenizer = load_tokenizer(path, config.tokenizer)
+        self.tokenizer = load_tokenizer(path, tokenizer_path(config))
         hf = self.model.config
-        self.name, self.dtype, self.device = model_name(path), dtype, config.device
+        self.name, self.dtype, self.device = served_model_name(config.model, path), dtype, config.device
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or min(hf.max_position_embeddings, MAX_MODEL_LEN_CAP)
         eos = self.tokenizer.eos_token_id

@@ -110,8 +110,8 @@ def _time_run(llm, prompts: list[list[int]], names: list[str | None], output_len
 
 def run(args: argparse.Namespace) -> int:
     from pagedserve import LLM
-    from engine.models.source import resolve_model_path
-    model_path = resolve_model_path(args.model)
+    from engine.models.source import model_files
+    model_path = model_files(args)
     common = dict(dtype=args.dtype, num_threads=args.num_threads, enable_prefix_caching=False,
                   max_num_seqs=max(args.num_prompts, 1))
     results = {}

@@ -125,7 +125,7 @@ def _time_hf(llm, prompts, args) -> dict:
     out = {}
     seq_prompts = prompts[:args.hf_sequential_prompts] if args.hf_sequential_prompts else prompts
     for dtype in args.hf_dtypes:
-        model = load_hf_float32(llm.engine.model_path).to(device=args.device, dtype=DTYPES[dtype])
+        model = load_hf_float32(llm.engine.model_path).to(device=llm.config.device, dtype=DTYPES[dtype])
         out[f"hf_{dtype}_sequential"] = _time_hf_batches(
             model, seq_prompts, 1, args.output_len, f"HF {dtype} bs=1")
         out[f"hf_{dtype}_batch{args.hf_batch_size}"] = _time_hf_batches(

@@ -26,6 +26,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -200,9 +201,9 @@ def describe_target(args, target: str) -> tuple[dict, Callable[[str, bool], int]
     text, from `target`'s /models (the OpenAI base URL) and the model's local files."""
     from engine.model_runner import MAX_DEFAULT_MODEL_LEN
     from engine.models.loader import read_arch_config
-    from engine.models.source import resolve_model_path
+    from engine.models.source import model_files, tokenizer_path
     name, entry = served_model(target, args.served_model_name, args.api_key)
-    path = resolve_model_path(args.model)
+    path = model_files(args)
     arch = read_arch_config(path)
     # vLLM lists its limit as max_model_len, llama-server its context per slot (-c / -np) as meta.n_ctx.
     max_model_len = (args.max_model_len or entry.get("max_model_len") or (entry.get("meta") or {}).get("n_ctx")
@@ -210,14 +211,12 @@ def describe_target(args, target: str) -> tuple[dict, Callable[[str, bool], int]
     model = {"model_name": name, "architecture": arch.model_type, "dtype": "as served",
              "vocab_size": arch.vocab_size, "max_model_len": max_model_len, "local_files": str(path),
              "served_model": entry}
-    return model, _token_counter(str(path), args.tokenizer)
+    return model, _token_counter(str(path), tokenizer_path(args))
 
 
-def _token_counter(path: str, tokenizer: str | None) -> Callable[[str, bool], int]:
+def _token_counter(path: str, tokenizer: Path | None) -> Callable[[str, bool], int]:
     @functools.cache
     def load():
-        from pathlib import Path
-
         from engine.models.loader import load_tokenizer
         return load_tokenizer(Path(path), tokenizer)
 

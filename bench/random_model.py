@@ -63,10 +63,12 @@ def use_random_weights(args: argparse.Namespace, command: str) -> None:
 
 def random_weights_dtype(dtype: str, device: str) -> str:
     """`dtype`, with auto made bfloat16 on CUDA and float32 on any CPU: unlike the engine's auto,
-    not bfloat16 on CPUs with bf16 instructions, so CPU runs compare across machines."""
+    not bfloat16 on CPUs with bf16 instructions, so CPU runs compare across machines. `device`
+    may be auto, the engine's default."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.startswith("cuda") else "float32"
+    from engine.config import resolve_device
+    return "bfloat16" if resolve_device(device).startswith("cuda") else "float32"
 
 
 def random_model_dir(shape: str, dtype: str = "bfloat16", root: Path | None = None, device: str = "cpu") -> Path:

@@ -45,6 +45,8 @@ def add_drain_arg(parser: argparse.ArgumentParser, what: str) -> None:
 def configure_logging(level: str) -> None:
     import logging
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for client in ("httpx", "httpx2"):  # a line per HTTP request (a Hub download's): only their warnings
+        logging.getLogger(client).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def positive_int(text: str) -> int:

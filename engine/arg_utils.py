@@ -8,15 +8,33 @@ from dataclasses import MISSING, fields
 from engine.config import EngineConfig
 
 HELP = {
-    "model": "HF model folder or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
-    "tokenizer": "tokenizer folder (default: the model's own)",
+    "model": "a Hugging Face Hub repo id (ORG/NAME; ORG/NAME:TAG picks a GGUF repo's file by quantization "
+             "tag, e.g. :Q4_K_M), downloaded into the Hub's cache unless there already, or a local model "
+             "folder or .gguf file, which wins over a repo of the same name (default: the bundled "
+             "SmolLM2-135M-Instruct, also for an empty value)",
+    "tokenizer": "tokenizer: a Hub repo id or a folder (default: the model's own)",
+    "revision": "the model's Hub revision: a branch, tag or commit (default: main, also for an empty value)",
+    "tokenizer_revision": "the --tokenizer's Hub revision (default: main)",
+    "download_dir": "cache folder for Hub downloads (default: the Hugging Face cache: HF_HUB_CACHE, else "
+                    "HF_HOME/hub, else ~/.cache/huggingface/hub)",
+    "hf_file": "the GGUF file of a GGUF Hub repo to serve, by name (unset: the :TAG's file, else Q4_K_M's, "
+               "else the first)",
     "dtype": "weight and KV-cache dtype; auto picks bfloat16 on CUDA, and on a CPU the faster of the "
              "bf16 and float32 quantized kernels, measured per machine (docs/cpu.md; without the kernels: "
              "bfloat16 where the CPU has AVX512-BF16 or AMX, float32 elsewhere)",
-    "device": "cpu or cuda[:N]",
+    "device": "auto (cuda where torch sees a GPU, else cpu; the start-up log says which), cpu, or cuda[:N]",
     "block_size": "tokens per KV-cache block",
-    "num_kv_blocks": "KV-cache blocks (default: from --kv-cache-memory-gb)",
-    "kv_cache_memory_gb": "KV-cache size in GiB when --num-kv-blocks is not given",
+    "num_kv_blocks": "KV-cache blocks; wins over --gpu-memory-utilization and --kv-cache-memory-gb "
+                     "(default: sized by those)",
+    "gpu_memory_utilization": "cuda only: the share F (0 < F <= 1) of the GPU's total memory this engine may "
+                              "use for weights, activations and the KV cache, as vLLM reads it: the KV cache "
+                              "gets F x total less the weights and the peak activations of a profiled step of "
+                              "--max-num-batched-tokens (the start-up log gives the numbers); the CUDA context, "
+                              "CUDA graphs and a draft model come on top, so 0.9 leaves them room. Wins over "
+                              "--kv-cache-memory-gb; --num-kv-blocks wins over it; an error on cpu, where "
+                              "--kv-cache-memory-gb sizes it (unset: --kv-cache-memory-gb sizes the KV cache)",
+    "kv_cache_memory_gb": "KV-cache size in GiB, where neither --num-kv-blocks nor (on cuda) "
+                          "--gpu-memory-utilization is given",
     "max_model_len": "longest prompt + output, in tokens (default: the model's, at most 8192); Phi-3 "
                      "LongRoPE uses its long factors for every request when this exceeds the original length",
     "max_num_batched_tokens": "token budget per engine step; longer prompts are chunked",
@@ -53,7 +71,7 @@ HELP = {
                           "context's last n-gram earlier on) or draft (a small model, "
                           "--speculative-model); verified losslessly by the model (unset: off)",
     "num_speculative_tokens": "most tokens proposed per request per step",
-    "speculative_model": "draft model for --speculative-method draft: HF folder or .gguf sharing "
+    "speculative_model": "draft model for --speculative-method draft: a Hub repo id, HF folder or .gguf sharing "
                          "the model's tokenizer (setting it implies --speculative-method draft)",
     "prompt_lookup_min": "ngram: shortest suffix n-gram to look up",
     "prompt_lookup_max": "ngram: longest suffix n-gram to look up (the longest match wins)",
@@ -80,7 +98,10 @@ CHOICES = {"dtype": ["float32", "bfloat16", "float16", "auto"], "scheduling_poli
            "attention_backend": ["auto", "torch", "cpu", "cupy"], "quantization": ["none", "int4", "int8"],
            "speculative_method": ["ngram", "draft", "none"], "task": ["auto", "generate", "embed", "score"],
            "pooling": ["mean", "cls", "last"]}
-METAVARS = {"generation_config": "auto|vllm|PATH"}
+METAVARS = {"generation_config": "auto|vllm|PATH", "gpu_memory_utilization": "F"}
+# Flags whose empty value means the flag left out, for templates that always pass them
+# (compose.yaml's --model "${PAGEDSERVE_MODEL:-}", the Kubernetes engine's $(PAGEDSERVE_MODEL)).
+EMPTY_IS_UNSET = ("model", "revision")
 
 
 def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None:
@@ -99,11 +120,23 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None
         kind = {"int": int, "float": float}.get(type(f.default).__name__, str)
         if f.name in ("num_kv_blocks", "max_model_len", "num_threads", "max_waiting_requests"):
             kind = int
+        if f.name == "gpu_memory_utilization":
+            kind = float
+        if f.name in EMPTY_IS_UNSET:
+            kind = _empty_is_none
         text = HELP[f.name]
         if "default:" not in text and "unset:" not in text:  # the help already says it otherwise
             text += f" (default: {default})"
         group.add_argument(flag, default=default, type=kind, choices=CHOICES.get(f.name), metavar=METAVARS.get(f.name),
                            help=text)
+    # Not a field: the token goes to huggingface_hub through the environment (pagedserve.cli),
+    # never into a config that is logged or a child's command line.
+    group.add_argument("--hf-token", metavar="TOKEN",
+                       help="Hugging Face token for gated or private repos (default: HF_TOKEN, else the saved login)")
+
+
+def _empty_is_none(text: str) -> str | None:
+    return text or None
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -19,15 +19,26 @@ log = logging.getLogger("pagedserve.engine")
 
 @dataclass
 class EngineConfig:
-    """Every knob of the engine, with defaults that work out of the box on CPU."""
+    """Every knob of the engine, with defaults that work out of the box, on a CPU or a GPU."""
 
-    model: str | None = None  # HF folder or .gguf file; None = the bundled SmolLM2
+    model: str | None = None  # Hub repo id (ORG/NAME[:TAG]), HF folder or .gguf file; None = the bundled SmolLM2
     tokenizer: str | None = None  # defaults to the model's own
+    # Where a Hub id's files come from (common/hub.py): a revision of the model (branch, tag or
+    # commit) and of --tokenizer, another cache folder than the Hub's, a GGUF file by name.
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    hf_file: str | None = None
     dtype: str = "auto"  # bfloat16 where bf16 is fast (CUDA, CPUs with bf16 instructions), else float32
-    device: str = "cpu"
+    device: str = "auto"  # auto: cuda where torch sees a GPU, else cpu (resolved here, logged once)
     block_size: int = 16
-    num_kv_blocks: int | None = None  # explicit KV pool size; wins over kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0  # KV budget when num_kv_blocks is not given
+    # The KV pool's size (engine/kv_sizing.py), first given wins: num_kv_blocks, then (cuda only)
+    # gpu_memory_utilization, then kv_cache_memory_gb.
+    num_kv_blocks: int | None = None
+    # The share of the GPU's memory for weights, activations and KV, as vLLM reads it: the KV pool
+    # gets what the weights and a profiled step leave of it.
+    gpu_memory_utilization: float | None = None
+    kv_cache_memory_gb: float = 1.0
     max_model_len: int | None = None  # None: the model's own limit, capped at 8192
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill above it)
     max_num_seqs: int = 128
@@ -56,7 +67,7 @@ class EngineConfig:
     # verify them all in one target step. None: off.
     speculative_method: str | None = None
     num_speculative_tokens: int = 4  # most tokens proposed per request per step
-    speculative_model: str | None = None  # draft: HF folder or .gguf with the target's tokenizer
+    speculative_model: str | None = None  # draft: Hub id, HF folder or .gguf with the target's tokenizer
     prompt_lookup_min: int = 2  # ngram: shortest suffix n-gram looked up
     prompt_lookup_max: int = 5  # ngram: longest
     # Multi-LoRA (docs/lora.md): PEFT adapters on the base model, mixed in one batch.
@@ -96,9 +107,13 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of none, int4, int8 (or unset), got {self.quantization!r}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device: must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device: must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.device == "auto":  # first: every check below and the rest of the engine see cpu or cuda
+            self.device = resolve_device(self.device)
+            log.info("device auto: %s", _describe_auto(self.device))
         on_cuda = self.device.startswith("cuda")
+        self._check_gpu_memory_utilization(on_cuda)
         self.dtype = resolve_dtype(self.dtype, self.device)  # the rest of the engine sees a real dtype
         if self.attention_backend == "cupy" and not on_cuda:
             raise ValueError("attention_backend: 'cupy' runs CUDA kernels; it needs device 'cuda'")
@@ -132,6 +147,16 @@ class EngineConfig:
         self._check_lora()
         if self.async_scheduling is None:  # after the checks above, which may turn graphs off
             self.async_scheduling = self.cuda_graphs
+
+    def _check_gpu_memory_utilization(self, on_cuda: bool) -> None:
+        share = self.gpu_memory_utilization
+        if share is None:
+            return
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise ValueError(f"gpu_memory_utilization: must be a number in (0, 1], got {share!r}")
+        if not on_cuda:
+            raise ValueError(f"gpu_memory_utilization: is for cuda, and this engine runs on {self.device}; "
+                             "use --kv-cache-memory-gb (kv_cache_memory_gb) to size its KV cache")
 
     def _check_lora(self) -> None:
         _positive("max_loras", self.max_loras)
@@ -196,6 +221,22 @@ class SchedulerConfig:
     num_lookahead_tokens: int = 0  # KV slots past each step's tokens, for a draft model's drafts
     max_loras: int = 4  # distinct LoRA adapters the running requests may use at once
     async_admission_steps: int = 0  # EngineConfig.async_admission_steps
+
+
+def resolve_device(device: str) -> str:
+    """`device`, with "auto" made "cuda" where torch sees a GPU, else "cpu"."""
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _describe_auto(device: str) -> str:
+    """What "auto" found, for the start-up log: the GPU's name, or that there is none."""
+    if device == "cpu":
+        return f"{device} (no CUDA device)"
+    import torch
+    return f"{device} ({torch.cuda.get_device_name(device)})"
 
 
 def resolve_dtype(dtype: str, device: str) -> str:

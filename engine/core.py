@@ -28,7 +28,7 @@ from engine.lora.adapter import LoraAdapter
 from engine.model_runner import ModelRunner
 from engine.models.generation_config import load_sampling_defaults
 from engine.models.loader import read_arch_config
-from engine.models.source import resolve_model_path
+from engine.models.source import adapter_path, model_files
 from engine.pooling import Pooler, resolve_pooler, sentence_transformers_max_len
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
@@ -75,7 +75,7 @@ class EngineCore:
         """`log_stats`: collect `IterationStats` for metrics; whoever sets it must take them.
         `tokenizer`: the model's (Hugging Face) tokenizer; structured output needs it, and it
         bounds the tokens that can be sampled when the LM head has padding rows."""
-        self.model_path = resolve_model_path(config.model)
+        self.model_path = model_files(config)
         arch = read_arch_config(self.model_path)
         self.pooler = resolve_pooler(self.model_path, arch.encoder, arch.num_labels, arch.hidden_size,
                                      config.task, config.pooling)
@@ -117,7 +117,7 @@ class EngineCore:
             self.iteration_stats)
         self._inflight: InflightStep | None = None  # the step launched and not yet resolved
         for name, path in (config.lora_modules or {}).items():  # a bad one stops the start, named
-            self.load_lora(name, path)
+            self.load_lora(name, str(adapter_path(path, config.download_dir)))
 
     def _fit_max_model_len(self, max_model_len: int) -> int:
         # A sequence longer than the whole pool would preempt itself forever: never admit one.
@@ -129,8 +129,8 @@ class EngineCore:
             return max_model_len
         capacity = self.block_manager.num_blocks * self.config.block_size
         if capacity < max_model_len:
-            log.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more "
-                        "(raise --num-kv-blocks or --kv-cache-memory-gb)", max_model_len, capacity)
+            log.warning("max_model_len lowered from %d to %d tokens: the KV cache holds no more (raise "
+                        "--num-kv-blocks, --gpu-memory-utilization or --kv-cache-memory-gb)", max_model_len, capacity)
         return min(max_model_len, capacity)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -35,18 +35,22 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     from engine.core import EngineCore
     from common.errors import LoraError
-    from engine.models.loader import eos_token_ids, load_tokenizer, model_name
-    from engine.models.source import resolve_model_path
-    from engine.models.loader import tokenizer_files
+    from engine.models.loader import eos_token_ids, load_tokenizer, tokenizer_files
+    from engine.models.source import model_files, served_model_name, tokenizer_path
     from engine.proc import EngineProc
-    config = engine_config_from_args(args)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as e:  # flags that do not go together: one line and exit 2, as argparse does
+        print(f"pagedserve engine: error: {e}", file=sys.stderr)
+        return 2
     health = None
     if args.health_port is not None:  # first: "" answers SERVING while the model loads
         from engine.health_server import EngineHealth
         health = EngineHealth(args.health_host, args.health_port)
-    path = resolve_model_path(config.model)
+    path = model_files(config)  # a Hub id's files: the command's check fetched them (common/hub.py)
+    name = served_model_name(config.model, path)
     metrics_on = args.metrics_port is not None
-    tokenizer = load_tokenizer(path, config.tokenizer)
+    tokenizer = load_tokenizer(path, tokenizer_path(config))
     try:
         core = EngineCore(config, eos_token_ids(tokenizer), log_stats=metrics_on, tokenizer=tokenizer)
     except LoraError as e:  # a --lora-modules adapter that cannot run: one clear line, no traceback
@@ -58,9 +62,9 @@ def run(args: argparse.Namespace) -> int:
     if metrics_on:
         from engine.metrics import EngineMetrics
         from common.metrics_http import serve_metrics
-        metrics = EngineMetrics(model_name(path))
+        metrics = EngineMetrics(name)
         serve_metrics(args.metrics_host, args.metrics_port)
-    proc = EngineProc(core, args.address, model_name(path), metrics, args.drain_timeout_s,
+    proc = EngineProc(core, args.address, name, metrics, args.drain_timeout_s,
                       tokenizer_files(tokenizer))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: proc.on_signal())

@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.cpu_tuning import bucket, linear_shapes, tune_cpu
 from engine.cuda_graphs import DecodeGraphs, GraphOutputs
 from engine.distributed.state import SINGLE, TPShard, all_reduce_min, broadcast_object
+from engine.kv_sizing import GpuMemory, measure_gpu_memory, num_kv_blocks, num_profile_blocks, profile_rows
 from engine.layers.parallel import check_shardable, local_sizes
 from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, linear_formats, load_model, read_arch_config
@@ -105,14 +106,12 @@ class ModelRunner:
                                              self.arch.head_dim, config.device,
                                              any(w is not None for w in windows), DTYPES[config.dtype])
         self.block_size = config.block_size
+        self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), config.max_num_seqs)
         # Every rank must hold the same blocks: the smallest pool any rank can afford.
         self.num_kv_blocks = all_reduce_min(
-            config.num_kv_blocks or self._blocks_for_budget(config.kv_cache_memory_gb), self.shard)
-        shape = self.backend.kv_cache_shape(self.num_kv_blocks, self.block_size)
-        self.kv_caches = [torch.zeros(shape, dtype=DTYPES[config.dtype], device=self.device)
-                          for _ in range(self.arch.num_layers)]
+            num_kv_blocks(config, self._bytes_per_block(), self._measure_gpu_memory), self.shard)
+        self.kv_caches = self._kv_caches(self.num_kv_blocks)
         self.sampler = Sampler(eos_token_ids, None if num_tokens is None else min(num_tokens, self.arch.vocab_size))
-        self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), config.max_num_seqs)
         # The previous `execute`'s steady decodes: their requests and rows (see _steady_rows).
         self._last_steady: tuple[list[Request], SteadyRows] | None = None
         if config.cuda_graphs and self.backend.name != "cupy":
@@ -158,11 +157,30 @@ class ModelRunner:
                              f"{self.arch.max_position_embeddings} positions")
         return wanted
 
-    def _blocks_for_budget(self, memory_gb: float) -> int:
+    def _bytes_per_block(self) -> int:
         a = self.arch
         itemsize = torch.empty((), dtype=DTYPES[self.config.dtype]).element_size()
-        bytes_per_block = 2 * a.num_layers * self.num_kv_heads * a.head_dim * self.block_size * itemsize
-        return max(1, int(memory_gb * 2**30) // bytes_per_block)
+        return 2 * a.num_layers * self.num_kv_heads * a.head_dim * self.block_size * itemsize
+
+    def _kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        shape = self.backend.kv_cache_shape(num_blocks, self.block_size)
+        return [torch.zeros(shape, dtype=DTYPES[self.config.dtype], device=self.device)
+                for _ in range(self.arch.num_layers)]
+
+    @torch.inference_mode()
+    def _measure_gpu_memory(self) -> GpuMemory:
+        """The weights, and the peak of the largest step with the LM head on as many rows as
+        a step samples and their float32 copy (the sampler's), for --gpu-memory-utilization."""
+        rows = profile_rows(self.config.max_num_batched_tokens, self.max_model_len, self.block_size)
+
+        def step(caches: list[torch.Tensor]) -> None:
+            input_ids, positions, meta, _ = self._prepare(rows, None)
+            hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, caches))
+            logits = self.model.compute_logits(hidden[:self.config.max_num_seqs])
+            if logits is not None:  # None on tensor-parallel ranks but 0
+                logits.float().softmax(-1)
+
+        return measure_gpu_memory(self.device, lambda: self._kv_caches(num_profile_blocks(rows)), step)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -56,7 +56,10 @@ def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) 
                          "ones; a second signal stops at once")
         add_metrics_args(p)
         p.add_argument("--tokenizer", default=None,
-                       help="tokenizer folder (default: the engine's model, learnt in the handshake)")
+                       help="tokenizer: a folder with tokenizer.json, or a Hub repo id that has one (default: "
+                            "the engine's model's, learnt in the handshake)")
+        p.add_argument("--tokenizer-revision", default=None,
+                       help="the --tokenizer's Hub revision: a branch, tag or commit (default: main)")
         add_log_level_arg(p)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from common.errors import ModelError
@@ -17,9 +18,11 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedserve.serve import add_arguments as add_serve
     add_serve(commands.add_parser(
         "serve", help="engine + gRPC frontend as two processes (the bundled model by default)",
-        description="Start the engine and the gRPC frontend as two processes, on the bundled "
-                    "SmolLM2 unless --model is given. Ctrl-C or SIGTERM drains (running streams "
-                    "finish, new ones get UNAVAILABLE), then stops both."))
+        usage="%(prog)s [MODEL] [options]",
+        description="Start the engine and the gRPC frontend as two processes, on MODEL (or --model): a "
+                    "Hugging Face Hub repo id, downloaded into the Hub's cache unless there already, or a "
+                    "local folder or .gguf file; the bundled SmolLM2 if none is given. Ctrl-C or SIGTERM "
+                    "drains (running streams finish, new ones get UNAVAILABLE), then stops both."))
     add_engine(commands.add_parser(
         "engine", help="the engine process alone, serving frontends over ZeroMQ",
         description="Run the engine alone: it binds a ZeroMQ endpoint that frontends connect to."))
@@ -37,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "each line gets what the HTTP route would answer. Writes one result line per input line as it finishes ({id, custom_id, "
                     "response: {status_code, request_id, body}, error}); a bad line becomes an error line. "
                     "Exit code 0 once the file is processed. The engine flags are those of serve."))
+    from pagedserve.download import add_arguments as add_download
+    add_download(commands.add_parser(
+        "download", help="fetch a Hub model into the Hugging Face cache ahead of serving; --list what it holds",
+        description="Download a model from the Hugging Face Hub into its cache (HF_HOME, HF_HUB_CACHE, or "
+                    "--download-dir), only the files serve reads (config, tokenizer, *.safetensors or one "
+                    "GGUF), checked as serve checks them, and print its local path. With --list, list the "
+                    "models the cache holds with their sizes."))
     from pagedserve.health import add_health_arguments, add_ping_arguments
     add_health_arguments(commands.add_parser(
         "health", help="grpc.health.v1 Check on a frontend; exit 0 if SERVING (a healthcheck)",
@@ -154,21 +164,47 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_models(args: argparse.Namespace) -> None:
-    """The models and tokenizers a command names, checked by what their files say (ModelError).
-    A frontend reads only its own --tokenizer, and imports nothing of the engine (nor torch)."""
+    """The models and tokenizers a command names, checked by what their files say (ModelError);
+    a Hub repo's are downloaded first, here, before anything starts, so that its child processes
+    find them in the cache. A frontend reads only its own --tokenizer, and imports nothing of the
+    engine (nor torch)."""
+    from common.process_args import configure_logging
+    configure_logging(getattr(args, "log_level", "info"))  # a download's progress and summary show
+    if getattr(args, "hf_token", None):  # huggingface_hub reads it here, and so do the children
+        os.environ["HF_TOKEN"] = args.hf_token
     if args.command == "frontend":
         if args.tokenizer is not None:
-            from common.tokenizer_files import check_tokenizer_dir
-            check_tokenizer_dir(args.tokenizer)
+            from common.tokenizer_files import check_tokenizer_dir, resolve_tokenizer_dir
+            folder = resolve_tokenizer_dir(args.tokenizer, args.tokenizer_revision)
+            args.tokenizer = str(check_tokenizer_dir(args.tokenizer, folder))
+        return
+    if args.command == "download" and args.list:
         return
     from engine.models.source import check_models
     check_models(args)
 
 
+def _take_positional_model(args: argparse.Namespace, rest: list[str]) -> list[str]:
+    """`serve MODEL` as `serve --model MODEL` (vLLM's form); the child engine gets --model.
+    Returns the command's arguments with that rewrite."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return rest
+    if args.model is not None and args.model != tag:
+        raise ModelError(f"given twice, as MODEL {tag!r} and --model; give one", args.model)
+    args.model = tag
+    i = rest.index(tag)
+    return ["--model", tag, *rest[:i], *rest[i + 1:]]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if args.command == "download":
+        from pagedserve.download import check_args
+        check_args(args)
     try:
+        rest = _take_positional_model(args, argv[1:])
         _check_models(args)  # before any command opens a port, starts an engine or reads a weight
     except ModelError as e:
         command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
@@ -176,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "serve":
         from pagedserve.serve import run
-        return run(args, argv[1:])
+        return run(args, rest)
     if args.command == "run-batch":
         from pagedserve.run_batch import run
         return run(args, argv[1:])
@@ -185,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "frontend":
         from frontend.main import run
+        return run(args)
+    if args.command == "download":
+        from pagedserve.download import run
         return run(args)
     if args.command == "health":
         from pagedserve.health import run_health

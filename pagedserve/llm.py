@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.lora.adapter import LoraAdapter
 from engine.models.loader import eos_token_ids, load_tokenizer
-from engine.models.source import check_models, resolve_model_path
+from engine.models.source import check_models, model_files, tokenizer_path
 from frontend.input_processor import InputProcessor
 from frontend.output_processor import STOPPED, OutputProcessor, SampleDelta
 from frontend.pooling import as_inputs, require_task
@@ -71,8 +71,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_config: object) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_config)
         check_models(self.config)  # a bad model: ModelError (a ValueError) before anything loads
-        path = resolve_model_path(self.config.model)
-        self.tokenizer = load_tokenizer(path, self.config.tokenizer)
+        path = model_files(self.config)
+        self.tokenizer = load_tokenizer(path, tokenizer_path(self.config))
         self.engine = EngineCore(self.config, eos_token_ids(self.tokenizer), tokenizer=self.tokenizer)
         self.input = InputProcessor(self.tokenizer, self.engine.limits,
                                     sampling_defaults=self.engine.sampling_defaults)

@@ -36,6 +36,8 @@ log = logging.getLogger("pagedserve")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="the model, as --model takes it: a Hub repo id (ORG/NAME[:TAG]), a folder or a .gguf file")
     p.add_argument("--engine-address", default=DEFAULT_ADDRESS,
                    help="ZeroMQ endpoint between the two processes; with --data-parallel-size N, the "
                         f"first of N (tcp: the next N-1 ports; ipc: PATH-0 ... PATH-N-1) (default: {DEFAULT_ADDRESS})")
@@ -63,7 +65,8 @@ _FRONTEND_ONLY = {"--host": 1, "--grpc-port": 1, "--max-concurrent-streams": 1, 
                   "--log-prompts": 0, "--http-port": 1, "--served-model-name": -1, "--api-key": 1,
                   "--data-parallel-size": 1, "--routing-policy": 1, "--allow-runtime-lora": 0,
                   "--api-server-count": 1, "--tool-call-parser": 1, "--reasoning-parser": 1,
-                  "--response-store-size": 1, "--response-ttl-s": 1, "--data-dir": 1}
+                  "--response-store-size": 1, "--response-ttl-s": 1, "--data-dir": 1,
+                  "--hf-token": 1}  # the token reaches the engine in its environment, not its command line
 
 
 def engine_addresses(address: str, n: int) -> list[str]:

@@ -65,6 +65,15 @@ def bundled_hf_model(bundled_path):
     return load_hf_float32(bundled_path)
 
 
+@pytest.fixture(scope="session")
+def hub():
+    """A local Hugging Face Hub (tests/hub_server.py) for the session: give each test repos of
+    its own names; faults (cut_after, claimed_size) want a file name of their own too."""
+    from hub_server import HubServer
+    with HubServer() as server:
+        yield server
+
+
 @pytest.fixture(autouse=True)
 def no_kv_leak(monkeypatch):
     """Every engine a test builds must end the test with all KV blocks free and no request left."""

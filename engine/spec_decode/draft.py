@@ -27,7 +27,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
-from engine.models.source import resolve_model_path
+from engine.models.source import model_files
 from engine.request import Request
 from engine.step_rows import ForwardRow
 
@@ -45,7 +45,7 @@ class DraftModelProposer:
             config, model=config.speculative_model, num_kv_blocks=target.num_kv_blocks,
             max_model_len=max_model_len, speculative_method=None, speculative_model=None,
             cuda_graphs=False)
-        path = resolve_model_path(config.speculative_model)
+        path = model_files(config, "speculative_model")
         self.runner = ModelRunner(draft_config, path, eos_token_ids=())
         if self.runner.arch.vocab_size != target.arch.vocab_size:
             raise ValueError(f"speculative_model: its vocabulary has {self.runner.arch.vocab_size} "

@@ -1,6 +1,6 @@
-"""The container set-up, checked without Docker: `docker-compose config` on both variants (and
-that the engine service can be scaled), and the two healthcheck commands against tiny stand-in
-servers (no model)."""
+"""The container set-up, checked without Docker: `docker-compose config` on both variants (that
+the engine service can be scaled, and takes a Hub model by name from PAGEDSERVE_MODEL), and the
+two healthcheck commands against tiny stand-in servers (no model)."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ from pagedserve.cli import build_parser, main as cli
 ROOT = Path(__file__).resolve().parents[2]
 GENERATION = "pagedserve.v1.Generation"
 OPERATIONS = ["--metrics-host", "0.0.0.0", "--drain-timeout-s", "30"]
-ENGINE_COMMAND_GPU = ["engine", "--address", "tcp://0.0.0.0:5570", "--device", "cuda", "--dtype", "bfloat16",
+MODEL = ["--model", "", "--revision", ""]  # empty: the bundled model (PAGEDSERVE_MODEL unset)
+ENGINE_COMMAND_GPU = ["engine", *MODEL, "--address", "tcp://0.0.0.0:5570", "--device", "cuda", "--dtype", "bfloat16",
                       "--metrics-port", "9401", *OPERATIONS]
-ENGINE_COMMAND_CPU = ["engine", "--address", "tcp://0.0.0.0:5570", "--device", "cpu", "--dtype", "float32",
+ENGINE_COMMAND_CPU = ["engine", *MODEL, "--address", "tcp://0.0.0.0:5570", "--device", "cpu", "--dtype", "float32",
                       "--metrics-port", "9401", *OPERATIONS]
 FRONTEND_COMMAND = ["frontend", "--engine-dns", "engine:5570", "--host", "0.0.0.0",
                     "--grpc-port", "50051", "--http-port", "8000", "--metrics-port", "9400", *OPERATIONS]
@@ -37,6 +38,7 @@ ENGINE_HEALTHCHECK = ["CMD", "pagedserve", "ping-engine", "--address", "tcp://12
 FRONTEND_HEALTHCHECK = ["CMD-SHELL", f"pagedserve health --address 127.0.0.1:50051 --service {GENERATION} && "
                                      "pagedserve health --http http://127.0.0.1:8000/health"]
 GPU_DEVICE = {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
+VARIANTS = [(), ("compose.yaml", "compose.cpu.yaml")]
 
 
 # -- docker-compose config ------------------------------------------------------------
@@ -45,7 +47,7 @@ def compose_config(*files: str, **environment: str) -> dict:
     """`docker-compose [-f FILE]... config`, parsed; no -f means what plain `up` reads."""
     if shutil.which("docker-compose") is None:
         pytest.skip("the docker-compose binary is absent (Debian: apt-get install docker-compose)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "PAGEDSERVE_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "PAGEDSERVE_", "HF_"))}
     env.update(environment)
     args = [arg for f in files for arg in ("-f", f)]
     done = subprocess.run(["docker-compose", *args, "config"], cwd=ROOT, env=env, capture_output=True,
@@ -70,6 +72,18 @@ def published_ports(service: dict) -> set[tuple[int | None, int]]:
     return pairs
 
 
+def mounts(service: dict) -> dict[str, str]:
+    """target -> source of the service's volumes, from the short syntax (v1) or the long one (v2)."""
+    pairs = {}
+    for volume in service.get("volumes", []):
+        if isinstance(volume, dict):
+            pairs[volume["target"]] = volume["source"]
+        else:
+            source, target = volume.split(":")[:2]
+            pairs[target] = source
+    return pairs
+
+
 def assert_common(config: dict) -> None:
     services = config["services"]
     assert set(services) == {"engine", "frontend"}
@@ -89,6 +103,21 @@ def assert_common(config: dict) -> None:
         assert Path(service["build"]["context"]).resolve() == ROOT
     assert engine["image"] == frontend["image"]
     assert engine["build"] == frontend["build"]
+    assert_hub_wiring(config)
+
+
+def assert_hub_wiring(config: dict) -> None:
+    """The Hugging Face cache is a named volume at the engine's HF_HOME; the token and offline
+    switch come from the shell running compose (no value here), to the engine alone."""
+    engine, frontend = config["services"]["engine"], config["services"]["frontend"]
+    home = engine["environment"]["HF_HOME"]
+    assert mounts(engine)[home] in config["volumes"]  # named, so it outlives the container
+    assert engine["environment"]["HF_TOKEN"] is None and engine["environment"]["HF_HUB_OFFLINE"] is None
+    assert not {"HF_TOKEN", "HF_HOME", "HF_HUB_OFFLINE"} & set(frontend.get("environment", {}))
+    assert not mounts(frontend)
+    # a first start downloads the model: the healthchecks' start period leaves room for it
+    for service in (engine, frontend):
+        assert _seconds(service["healthcheck"]["start_period"]) >= 600
 
 
 def _seconds(duration: str) -> float:
@@ -123,11 +152,30 @@ def test_cpu_variant_has_no_gpu():
     assert engine["image"] != compose_config()["services"]["engine"]["image"]
 
 
+@pytest.mark.parametrize("files", VARIANTS, ids=["gpu", "cpu"])
+def test_model_by_name(files):
+    """PAGEDSERVE_MODEL (and _REVISION) name the engine's model; unset, the bundled one. HF_TOKEN
+    from the shell reaches the engine only."""
+    engine = compose_config(*files)["services"]["engine"]
+    args = build_parser().parse_args(engine["command"])
+    assert args.model is None and args.revision is None  # the bundled model: no download
+    config = compose_config(*files, PAGEDSERVE_MODEL="Qwen/Qwen3-0.6B", PAGEDSERVE_MODEL_REVISION="v1.0",
+                            HF_TOKEN="hf_not_a_real_token", HF_HUB_OFFLINE="1")
+    engine, frontend = config["services"]["engine"], config["services"]["frontend"]
+    args = build_parser().parse_args(engine["command"])
+    assert (args.model, args.revision) == ("Qwen/Qwen3-0.6B", "v1.0")
+    assert engine["environment"]["HF_TOKEN"] == "hf_not_a_real_token"
+    assert engine["environment"]["HF_HUB_OFFLINE"] == "1"
+    assert "hf_not_a_real_token" not in str(frontend)
+    for name in ("compose.yaml", "compose.cpu.yaml", "compose.override.yaml", "Dockerfile"):
+        assert not re.search(r"\bhf_[A-Za-z0-9]{8,}", (ROOT / name).read_text()), f"a token in {name}"
+
+
 def test_engine_scales_behind_the_frontend():
     """`docker compose up --scale engine=2`: nothing fixes the engine to one container (a host
     port, a container name), and the frontend resolves the service's name, which Compose's DNS
     answers with every replica."""
-    for files in ((), ("compose.yaml", "compose.cpu.yaml")):
+    for files in VARIANTS:
         services = compose_config(*files)["services"]
         engine, frontend = services["engine"], services["frontend"]
         assert all(host is None for host, _ in published_ports(engine))
@@ -156,6 +204,11 @@ def test_dockerfile():
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and users[-1] not in ("root", "0")
     assert "g++" in text and "python -m cpu_kernels.warm" in text  # the CPU kernels can build
+    assert "HF_HUB_OFFLINE" not in text  # the engine may download a Hub model; compose decides
+    # the HF cache exists in the image, made by its user: a new named volume there copies its owner
+    home = yaml.safe_load((ROOT / "compose.yaml").read_text())["services"]["engine"]["environment"]["HF_HOME"]
+    assert f"RUN mkdir -p {home}" in lines[lines.index(f"USER {users[-1]}"):]
+    assert home == f"/home/{users[-1]}/.cache/huggingface"  # HF_HOME's default for that user
     packages = re.search(r'include = \[(.*?)\]', (ROOT / "pyproject.toml").read_text()).group(1)
     for package in re.findall(r'"(\w+)\*"', packages):  # every package the wheel carries is copied
         assert f"COPY {package} {package}" in lines, package

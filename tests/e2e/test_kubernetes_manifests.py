@@ -2,13 +2,15 @@
 build`, else the one inside `kubectl kustomize`), validated by kubernetes-validate's bundled
 schemas (strict: unknown fields fail) for the oldest and newest Kubernetes we claim, KEDA's
 ScaledObject by a schema of our own; then the invariants that schemas cannot see (selectors,
-ports, args against probes); then the engine started with the manifest's own args, probed as
-the kubelet would, and stopped as the kubelet does."""
+ports, args against probes, the model's name from its ConfigMap, the Hugging Face cache and
+token); then the engine started with the manifest's own args, probed as the kubelet would, and
+stopped as the kubelet does."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import os
 import re
 import shutil
 import signal
@@ -110,7 +112,33 @@ def containers(workload: dict, init: bool = True) -> list[dict]:
 
 
 def main_container(docs: list[dict], kind: str) -> dict:
-    return containers(one(docs, kind), init=False)[0]
+    """The workload's first container, its args as the kubelet passes them ($(VAR) expanded)."""
+    container = containers(one(docs, kind), init=False)[0]
+    container["args"] = kubelet_args(docs, container)
+    return container
+
+
+def env_values(docs: list[dict], container: dict) -> dict[str, str]:
+    """The container's environment as the kubelet sets it: literal values, and ConfigMap keys
+    from the rendered ConfigMaps; Secrets are not in the manifests, so their variables are unset
+    (allowed only where the reference is optional)."""
+    values = {}
+    for var in container.get("env", []):
+        source = var.get("valueFrom", {})
+        if "value" in var:
+            values[var["name"]] = var["value"]
+        elif "configMapKeyRef" in source:
+            ref = source["configMapKeyRef"]
+            values[var["name"]] = one(docs, "ConfigMap", ref["name"])["data"][ref["key"]]
+        else:
+            assert source["secretKeyRef"].get("optional") is True, f"{var['name']} needs a Secret"
+    return values
+
+
+def kubelet_args(docs: list[dict], container: dict) -> list[str]:
+    """`$(NAME)` in args replaced by the variable's value, as the kubelet does; an unset one stays."""
+    env = env_values(docs, container)
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), arg) for arg in container["args"]]
 
 
 def parse_args(container: dict):
@@ -228,7 +256,7 @@ def test_probe_ports_exist_and_resources_are_set(overlay):
 def test_engine_cache_is_writable_and_seeded_from_the_image():
     statefulset = one(render("cpu"), "StatefulSet")
     engine, (seed,) = containers(statefulset, init=False)[0], statefulset["spec"]["template"]["spec"]["initContainers"]
-    env = {e["name"]: e["value"] for e in engine["env"]}
+    env = env_values(render("cpu"), engine)
     mounts = {m["name"]: m["mountPath"] for m in engine["volumeMounts"]}
     assert env["PAGEDSERVE_CACHE_DIR"] == mounts["cache"]
     assert {m["name"]: m["mountPath"] for m in seed["volumeMounts"]}["cache"] in seed["command"][-1]
@@ -304,14 +332,87 @@ def test_cpu_and_gpu_variants():
     assert cpu_engine["image"].endswith(":cpu") and gpu_engine["image"].endswith(":gpu")
     assert "nvidia.com/gpu" not in str(cpu)
     assert gpu_engine["resources"]["limits"]["nvidia.com/gpu"] == "1"
-    assert parse_args(cpu_engine).model is None  # the image's bundled model
-    model = parse_args(gpu_engine).model
-    mount = next(m for m in gpu_engine["volumeMounts"] if m["name"] == "models")
-    assert mount["readOnly"] is True and model.startswith(mount["mountPath"] + "/")
-    volume = next(v for v in one(gpu, "StatefulSet")["spec"]["template"]["spec"]["volumes"] if v["name"] == "models")
-    claim = volume["persistentVolumeClaim"]
-    assert claim["readOnly"] is True
-    assert one(gpu, "PersistentVolumeClaim", claim["claimName"])["spec"]["accessModes"] == ["ReadOnlyMany"]
+    assert parse_args(cpu_engine).model is None and parse_args(gpu_engine).model is None  # bundled, by default
+    cpu_cache, gpu_cache = (hf_cache_claim(docs)["spec"]["resources"]["requests"]["storage"] for docs in (cpu, gpu))
+    assert (cpu_cache, gpu_cache) == ("20Gi", "100Gi")  # room for the bigger models a GPU serves
+
+
+# -- the model by name: ConfigMap, Hugging Face cache, token ---------------------------------
+
+def hf_cache_claim(docs: list[dict]) -> dict:
+    """The engine's volumeClaimTemplate mounted at its HF_HOME."""
+    statefulset = one(docs, "StatefulSet")
+    engine = containers(statefulset, init=False)[0]
+    home = env_values(docs, engine)["HF_HOME"]
+    (name,) = [m["name"] for m in engine["volumeMounts"] if m["mountPath"] == home]
+    (claim,) = [c for c in statefulset["spec"].get("volumeClaimTemplates", []) if c["metadata"]["name"] == name]
+    return claim
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_engine_takes_its_model_from_the_config_map(overlay):
+    """--model and --revision are $(VARS) from the ConfigMap pagedserve-model (kustomize's hashed
+    name), empty by default: the bundled model, no download."""
+    docs = render(overlay)
+    engine = containers(one(docs, "StatefulSet"), init=False)[0]
+    assert flag(engine["args"], "--model") == "$(PAGEDSERVE_MODEL)"
+    assert flag(engine["args"], "--revision") == "$(PAGEDSERVE_MODEL_REVISION)"
+    refs = {e["name"]: e["valueFrom"]["configMapKeyRef"] for e in engine["env"]
+            if "configMapKeyRef" in e.get("valueFrom", {})}
+    assert {name: ref["key"] for name, ref in refs.items()} == {
+        "PAGEDSERVE_MODEL": "model", "PAGEDSERVE_MODEL_REVISION": "revision", "HF_HUB_OFFLINE": "hub-offline"}
+    (config_map,) = {ref["name"] for ref in refs.values()}
+    assert config_map.startswith("pagedserve-model-")  # a change of model rolls the engines
+    assert one(docs, "ConfigMap", config_map)["data"] == {"model": "", "revision": "", "hub-offline": "0"}
+    args = parse_args(main_container(docs, "StatefulSet"))
+    assert args.model is None and args.revision is None
+
+
+def test_a_model_set_by_an_overlay_reaches_the_engine(tmp_path):
+    """The way the docs give: an overlay merging the model into the ConfigMap."""
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(KUBERNETES / "overlays" / "gpu", tmp_path)],  # kustomize wants it relative
+        "configMapGenerator": [{"name": "pagedserve-model", "behavior": "merge",
+                                "literals": ["model=Qwen/Qwen3-0.6B", "revision=v1.0", "hub-offline=1"]}]}))
+    done = subprocess.run([*kustomize_command(), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    docs = [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    engine = main_container(docs, "StatefulSet")
+    args = parse_args(engine)
+    assert (args.model, args.revision, args.device) == ("Qwen/Qwen3-0.6B", "v1.0", "cuda")
+    assert env_values(docs, engine)["HF_HUB_OFFLINE"] == "1"
+    assert one(docs, "ConfigMap")["metadata"]["name"] != one(render("gpu"), "ConfigMap")["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_hugging_face_cache_is_a_volume_per_engine(overlay):
+    """HF_HOME is a volume of each engine's own (volumeClaimTemplates): a restarted or
+    rescheduled engine finds its download. Frontends download nothing."""
+    docs = render(overlay)
+    claim = hf_cache_claim(docs)
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
+    pod = one(docs, "StatefulSet")["spec"]["template"]["spec"]
+    assert claim["metadata"]["name"] not in {v["name"] for v in pod["volumes"]}  # not an emptyDir
+    assert "HF_TOKEN" not in {e["name"] for e in main_container(docs, "Deployment").get("env", [])}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_hf_token_comes_from_an_optional_secret(overlay):
+    docs = render(overlay)
+    engine = containers(one(docs, "StatefulSet"), init=False)[0]
+    (token,) = [e for e in engine["env"] if e["name"] == "HF_TOKEN"]
+    assert set(token) == {"name", "valueFrom"}  # never a literal
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token", "optional": True}
+    assert not [d for d in docs if d["kind"] == "Secret"]  # the manifests carry no secret
+    assert "HF_TOKEN" not in env_values(docs, engine)  # without the Secret: unset, the pod still starts
+
+
+def test_engine_startup_allows_for_a_download():
+    """The startup probe waits out a first start's download (kubelet restarts the pod after
+    periodSeconds x failureThreshold)."""
+    probe = main_container(render("cpu"), "StatefulSet")["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 30 * 60
 
 
 def test_keda_scales_the_engines_on_their_queue():

@@ -171,7 +171,7 @@ def test_the_engine_runs_the_plan(bundled_path, cache, monkeypatch):
     from pagedserve import LLM, SamplingParams
     arithmetic = "amx" if ops.bf16_amx_ready() else "avx512_bf16"
     monkeypatch.setenv(dispatch.ENV, arithmetic)
-    llm = LLM(str(bundled_path), dtype="auto", num_kv_blocks=64)
+    llm = LLM(str(bundled_path), dtype="auto", device="cpu", num_kv_blocks=64)
     runner = llm.engine.model_runner
     assert runner.kernel_plan.arithmetic == arithmetic and runner.config.dtype == "bfloat16"
     assert runner.model.lm_head.amx == (arithmetic == "amx")

@@ -162,3 +162,28 @@ def test_seeded_samples_launched_ahead_equal_the_synchronous_ones(tiny_llama):
         outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         assert (launches[0] > 0) == on
     assert outs[True] == outs[False]
+
+
+def test_auto_device_and_a_gpu_share_size_the_pool(tiny_llama, caplog):
+    """`--device auto` (the default) is cuda here, and --gpu-memory-utilization gives the KV pool
+    its share of the GPU less the weights and a profiled step's activations (engine/kv_sizing.py)."""
+    import logging
+    from pagedserve import LLM, SamplingParams
+    folder, prompts, reference = tiny_llama
+    total = torch.cuda.mem_get_info()[1]
+    share = min(0.3, (torch.cuda.mem_get_info()[0] - 2**30) / total)  # what the GPU has free, less 1 GiB
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine"):
+        llm = LLM(str(folder), dtype="float32", gpu_memory_utilization=share, max_model_len=512, max_num_seqs=8)
+    assert llm.config.device == "cuda"
+    assert any(r.getMessage().startswith("device auto: cuda (") for r in caplog.records)
+    sizing = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("gpu_memory_utilization"))
+    runner = llm.engine.model_runner
+    pool_bytes = runner.num_kv_blocks * runner._bytes_per_block()
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    assert share * total - weights - 2**30 < pool_bytes <= share * total - weights, sizing
+    assert sum(c.numel() * c.element_size() for c in runner.kv_caches) == pool_bytes
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW))
+    for i, (out, ref) in enumerate(zip(outs, reference)):
+        assert_greedy_match(out.outputs[0].token_ids, ref, i)
+    with pytest.raises(ValueError, match="leaves no room for the KV cache"):
+        LLM(str(folder), dtype="float32", gpu_memory_utilization=1e-6, max_model_len=512, max_num_seqs=8)

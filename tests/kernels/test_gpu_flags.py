@@ -14,7 +14,7 @@ from engine.cuda_graphs import bucket_sizes
 
 
 def test_cuda_graphs_default_follows_device_and_backend():
-    assert EngineConfig().cuda_graphs is False
+    assert EngineConfig(device="cpu").cuda_graphs is False
     assert EngineConfig(device="cuda", attention_backend="cupy").cuda_graphs is True
     assert EngineConfig(device="cuda", attention_backend="cupy", cuda_graphs=False).cuda_graphs is False
 
@@ -33,7 +33,7 @@ def test_auto_backend_on_cuda_means_graphs_where_cupy_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(cuda_graphs=True), "cuda_graphs"),
+    (dict(device="cpu", cuda_graphs=True), "cuda_graphs"),
     (dict(device="cuda", cuda_graphs=True), "attention_backend 'cupy'"),
     (dict(attention_backend="cupy"), "needs device 'cuda'"),
 ])
@@ -46,7 +46,7 @@ def test_invalid_gpu_options_are_refused(kwargs, message, monkeypatch):
 def test_cli_flag():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_config_from_args(parser.parse_args([])).cuda_graphs is False
+    assert engine_config_from_args(parser.parse_args(["--device", "cpu"])).cuda_graphs is False
     args = parser.parse_args(["--device", "cuda", "--attention-backend", "cupy", "--no-cuda-graphs"])
     assert engine_config_from_args(args).cuda_graphs is False
     args = parser.parse_args(["--device", "cuda", "--attention-backend", "cupy"])
