@@ -7,9 +7,14 @@ Each checks its inputs once, in Python, where errors read well, then calls the o
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from cpu_kernels.compile import unavailable_reason
+
+if TYPE_CHECKING:
+    from cpu_kernels.fp8_format import PackedFp8
 
 
 def _ensure(family: str) -> None:
@@ -169,3 +174,35 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """In place: logits[rows[r], t] = -inf where bit t of bitmask[r] (int32 [R, ceil(V/32)]) is 0."""
     torch.ops.pagedserve_cpu.apply_token_bitmask(logits, bitmask, rows)
+
+
+# --- fp8_linear: FP8 e4m3 weights, one byte each (csrc/fp8_linear.cpp) -----------------------
+
+def fp8_supported() -> bool:
+    """Whether the FP8 kernel runs here with float32 activations (it needs AVX-512 F, BW and
+    VBMI: Ice Lake, Sapphire Rapids, Zen 4 and later). Never raises."""
+    from cpu_kernels.compile import available
+    return available("fp8_linear") and bool(torch.ops.pagedserve_cpu.fp8_supported())
+
+
+def fp8_bf16_supported() -> bool:
+    """Whether it also runs bfloat16 activations (VDPBF16PS: AVX512-BF16). Never raises."""
+    return fp8_supported() and bool(torch.ops.pagedserve_cpu.fp8_bf16_supported())
+
+
+def fp8_amx_ready() -> bool:
+    """Whether it runs AMX tiles here, the process holding the tile state's permission."""
+    return fp8_bf16_supported() and bool(torch.ops.pagedserve_cpu.fp8_amx_ready())
+
+
+def fp8_linear(x: torch.Tensor, packed: PackedFp8, amx: bool = False, out_dtype: torch.dtype | None = None
+               ) -> torch.Tensor:
+    """x [M, K] (contiguous) @ W^T -> [M, N], W an FP8 weight packed by
+    `cpu_kernels.fp8_format.pack`, widened to exact values in registers, never dequantized in
+    memory. float32 x: fp32 fmas, float32 out. bfloat16 x: VDPBF16PS, or in AMX arithmetic
+    (`amx`, where `fp8_amx_ready()`; one arithmetic per process) tiles from 2 rows on; bfloat16
+    out, or float32 (`out_dtype`: the fp32 sums before rounding). Either way x times
+    fp8 * scale up to fp32 summation order (csrc/fp8_linear.cpp). The op checks its inputs."""
+    _ensure("fp8_linear")
+    return torch.ops.pagedserve_cpu.fp8_linear(x, packed.data, packed.scales, packed.n, packed.k_block, amx,
+                                               out_dtype)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from cpu_kernels.fp8_format import Fp8Weight
+
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
@@ -26,3 +28,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
             probs = torch.softmax(keys @ q[b, h].float() * scale, dim=0)
             out[b, h] = probs @ values
     return out
+
+
+def fp8_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """float32 [M, N]: x as the kernel gets it (bfloat16 or float32) times the dequantized
+    float32 weights, fp8.float() * scale, in float32 (the FP8 kernel's exactness reference)."""
+    return x.float() @ weight.dequantize().t()
