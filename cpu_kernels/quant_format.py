@@ -2,7 +2,12 @@
 them (engine/layers/quantized.py runs them; cpu_kernels/packing.py repacks them).
 
     int4: w = scale * q + zero, q in 0..15   (GGUF Q4_1: zero = m; Q4_0: zero = -8 * d)
-    int8: w = scale * q, q in -127..127      (GGUF Q8_0)
+    int8: w = scale * q, q in -128..127      (GGUF Q8_0: -127..127)
+
+Checkpoints quantized in groups of 32 * m values (GPTQ, AWQ, compressed-tensors) become m
+blocks sharing their group's scale and zero (`from_groups`); act-order's scattered groups are
+made contiguous by a permutation of the input channels (`perm`), which the layer applies to
+its activations.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ class QuantizedTensor:
     qweight: torch.Tensor  # int4: uint8 [N, K/2], GGUF nibble order; int8: int8 [N, K]
     scales: torch.Tensor  # float32 [N, K/32]
     zeros: torch.Tensor | None = None  # int4: float32 [N, K/32]
+    # int64 [K]: stored column i holds input channel perm[i] (act-order); None: the identity.
+    perm: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -35,12 +42,33 @@ class QuantizedTensor:
         w = values.view(n, k // BLOCK, BLOCK).float() * self.scales[..., None]
         if self.zeros is not None:
             w = w + self.zeros[..., None]
-        return w.view(n, k)
+        w = w.view(n, k)
+        if self.perm is not None:  # back to the input channels' own order
+            w = torch.empty_like(w).index_copy_(1, self.perm, w)
+        return w
 
     def map_rows(self, fn) -> QuantizedTensor:
         """The same weight with `fn` applied to the row dimension of every part."""
         return QuantizedTensor(self.format, fn(self.qweight), fn(self.scales),
-                               None if self.zeros is None else fn(self.zeros))
+                               None if self.zeros is None else fn(self.zeros), self.perm)
+
+    @classmethod
+    def from_groups(cls, fmt: str, values: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor | None = None, perm: torch.Tensor | None = None) -> QuantizedTensor:
+        """Re-block values quantized in G groups along K: values [N, K] (int4: 0..15, int8:
+        int8), float32 scales (and int4 zeros) [N, G], w = scale * q (+ zero). A group of
+        32 * m values becomes m blocks holding its scale and zero, so the weights are the
+        same floats."""
+        n, k = values.shape
+        groups = scales.shape[1]
+        if k % groups or (k // groups) % BLOCK:
+            raise ValueError(f"groups of {k / groups:g} values cannot be re-blocked exactly into blocks of {BLOCK}")
+        per = k // groups // BLOCK
+        scales = scales.float().repeat_interleave(per, dim=1).contiguous()
+        if fmt == "int4":
+            zeros = zeros.float().repeat_interleave(per, dim=1).contiguous()
+            return cls("int4", pack_int4(values), scales, zeros, perm)
+        return cls("int8", values.to(torch.int8).contiguous(), scales, None, perm)
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,8 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.arch = read_arch_config(model_path)
         check_shardable(self.arch, config.tensor_parallel_size)
+        # A quantized checkpoint that cannot be split (W8A8) is refused before workers start.
+        linear_formats(model_path, self.arch, config.quantization, config.tensor_parallel_size)
         self.pad_shapes = self.device.type == "cpu"  # few shapes for oneDNN: see cpu_tuning
         self.kernel_plan = None  # CPU, quantized layers: cpu_kernels.dispatch's measured choice
         if self.pad_shapes:  # ranks share the cores

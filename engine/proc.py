@@ -40,6 +40,7 @@ from common.sampling_params import SamplingParams
 from common.v1 import engine_ipc_pb2 as ipc, info_pb2
 from engine.core import EngineCore, EngineStats
 from engine.metrics import EngineMetrics
+from engine.models.loader import weight_format
 
 log = logging.getLogger("pagedserve.engine")
 
@@ -266,7 +267,8 @@ class EngineProc:
             lora_enabled=cfg.enable_lora, max_lora_rank=cfg.max_lora_rank if cfg.enable_lora else 0,
             max_loras=cfg.max_loras if cfg.enable_lora else 0,
             sampling_defaults=sampling_defaults_to_proto(core.sampling_defaults),
-            pooler=pooler_to_proto(core.pooler, core.max_pooling_tokens))
+            pooler=pooler_to_proto(core.pooler, core.max_pooling_tokens),
+            quantization=weight_format(core.model_path, cfg.quantization))
 
     # -- I/O thread ----------------------------------------------------------------
 

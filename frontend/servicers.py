@@ -239,7 +239,8 @@ class InfoService(info_pb2_grpc.InfoServicer):
                                       eos_token_ids=w.eos_token_ids, dtype=w.dtype, lora_enabled=w.lora_enabled,
                                       max_lora_rank=w.max_lora_rank, lora_adapters=adapters,
                                       task=served_task(w.pooler),
-                                      embedding_dimensions=w.pooler.dimensions if w.pooler.task == "embed" else 0)
+                                      embedding_dimensions=w.pooler.dimensions if w.pooler.task == "embed" else 0,
+                                      quantization=w.quantization)
 
     async def GetServerInfo(self, request, context):  # noqa: N802
         """KV blocks and requests of every answering engine together; every engine of the pool,

@@ -178,7 +178,7 @@ class LoraResult(_message.Message):
     def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[LoraResult.Kind, str]] = ..., message: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("engine_id", "model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "kv_blocks_total", "dtype", "device", "model_path", "tokenizer_files", "lora_enabled", "max_lora_rank", "max_loras", "lora_adapters", "sampling_defaults", "pooler")
+    __slots__ = ("engine_id", "model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "kv_blocks_total", "dtype", "device", "model_path", "tokenizer_files", "lora_enabled", "max_lora_rank", "max_loras", "lora_adapters", "sampling_defaults", "pooler", "quantization")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class Welcome(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     POOLER_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model_name: str
     architecture: str
@@ -222,7 +223,8 @@ class Welcome(_message.Message):
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
     sampling_defaults: _generation_pb2.SamplingParams
     pooler: Pooler
-    def __init__(self, engine_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., sampling_defaults: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., pooler: _Optional[_Union[Pooler, _Mapping]] = ...) -> None: ...
+    quantization: str
+    def __init__(self, engine_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., sampling_defaults: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., pooler: _Optional[_Union[Pooler, _Mapping]] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pagedserve/v1/info.proto\x12\rpagedserve.v1\"\x15\n\x13GetModelInfoRequest\"\x96\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0clora_enabled\x18\x07 \x01(\x08\x12\x15\n\rmax_lora_rank\x18\x08 \x01(\r\x12\x35\n\rlora_adapters\x18\t \x03(\x0b\x32\x1e.pagedserve.v1.LoraAdapterInfo\x12\x0c\n\x04task\x18\n \x01(\t\x12\x1c\n\x14\x65mbedding_dimensions\x18\x0b \x01(\r\";\n\x0fLoraAdapterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\x16\n\x14GetServerInfoRequest\"#\n\x04Peer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xda\x01\n\nServerInfo\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12&\n\tfrontends\x18\x06 \x03(\x0b\x32\x13.pagedserve.v1.Peer\x12$\n\x07\x65ngines\x18\x07 \x03(\x0b\x32\x13.pagedserve.v1.Peer\x12\x0f\n\x07version\x18\x08 \x01(\t2\xa5\x01\n\x04Info\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12O\n\rGetServerInfo\x12#.pagedserve.v1.GetServerInfoRequest\x1a\x19.pagedserve.v1.ServerInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pagedserve/v1/info.proto\x12\rpagedserve.v1\"\x15\n\x13GetModelInfoRequest\"\xac\x02\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0clora_enabled\x18\x07 \x01(\x08\x12\x15\n\rmax_lora_rank\x18\x08 \x01(\r\x12\x35\n\rlora_adapters\x18\t \x03(\x0b\x32\x1e.pagedserve.v1.LoraAdapterInfo\x12\x0c\n\x04task\x18\n \x01(\t\x12\x1c\n\x14\x65mbedding_dimensions\x18\x0b \x01(\r\x12\x14\n\x0cquantization\x18\x0c \x01(\t\";\n\x0fLoraAdapterInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\"\x16\n\x14GetServerInfoRequest\"#\n\x04Peer\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xda\x01\n\nServerInfo\x12\x12\n\nblock_size\x18\x01 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x03 \x01(\r\x12\x13\n\x0bnum_running\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12&\n\tfrontends\x18\x06 \x03(\x0b\x32\x13.pagedserve.v1.Peer\x12$\n\x07\x65ngines\x18\x07 \x03(\x0b\x32\x13.pagedserve.v1.Peer\x12\x0f\n\x07version\x18\x08 \x01(\t2\xa5\x01\n\x04Info\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12O\n\rGetServerInfo\x12#.pagedserve.v1.GetServerInfoRequest\x1a\x19.pagedserve.v1.ServerInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMODELINFOREQUEST']._serialized_start=43
   _globals['_GETMODELINFOREQUEST']._serialized_end=64
   _globals['_MODELINFO']._serialized_start=67
-  _globals['_MODELINFO']._serialized_end=345
-  _globals['_LORAADAPTERINFO']._serialized_start=347
-  _globals['_LORAADAPTERINFO']._serialized_end=406
-  _globals['_GETSERVERINFOREQUEST']._serialized_start=408
-  _globals['_GETSERVERINFOREQUEST']._serialized_end=430
-  _globals['_PEER']._serialized_start=432
-  _globals['_PEER']._serialized_end=467
-  _globals['_SERVERINFO']._serialized_start=470
-  _globals['_SERVERINFO']._serialized_end=688
-  _globals['_INFO']._serialized_start=691
-  _globals['_INFO']._serialized_end=856
+  _globals['_MODELINFO']._serialized_end=367
+  _globals['_LORAADAPTERINFO']._serialized_start=369
+  _globals['_LORAADAPTERINFO']._serialized_end=428
+  _globals['_GETSERVERINFOREQUEST']._serialized_start=430
+  _globals['_GETSERVERINFOREQUEST']._serialized_end=452
+  _globals['_PEER']._serialized_start=454
+  _globals['_PEER']._serialized_end=489
+  _globals['_SERVERINFO']._serialized_start=492
+  _globals['_SERVERINFO']._serialized_end=710
+  _globals['_INFO']._serialized_start=713
+  _globals['_INFO']._serialized_end=878
 # @@protoc_insertion_point(module_scope)

@@ -11,7 +11,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "lora_enabled", "max_lora_rank", "lora_adapters", "task", "embedding_dimensions")
+    __slots__ = ("model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "lora_enabled", "max_lora_rank", "lora_adapters", "task", "embedding_dimensions", "quantization")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class ModelInfo(_message.Message):
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     max_model_len: int
@@ -34,7 +35,8 @@ class ModelInfo(_message.Message):
     lora_adapters: _containers.RepeatedCompositeFieldContainer[LoraAdapterInfo]
     task: str
     embedding_dimensions: int
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., task: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ...) -> None: ...
+    quantization: str
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapterInfo, _Mapping]]] = ..., task: _Optional[str] = ..., embedding_dimensions: _Optional[int] = ..., quantization: _Optional[str] = ...) -> None: ...
 
 class LoraAdapterInfo(_message.Message):
     __slots__ = ("name", "path", "rank")

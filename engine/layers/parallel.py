@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # type hints only: engine.models builds on these layers, not 
     from engine.models.config import ModelArchConfig
 
 Weight = torch.Tensor | QuantizedTensor
+ROW_PARALLEL = ("o_proj", "down_proj")  # layers whose input columns are split
 
 
 def check_shardable(cfg: ModelArchConfig, size: int) -> None:
@@ -83,7 +84,7 @@ def shard_checkpoint_tensor(name: str, part: int | None, tensor: Weight, cfg: Mo
         return shard_rows(tensor, first * d, count * d)
     if ".gate_up_proj." in name:
         return shard_rows(tensor, *shard.split(cfg.intermediate_size))
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(tuple(f"{layer}.weight" for layer in ROW_PARALLEL)):
         return shard_cols(tensor, *shard.split(tensor.shape[1]))
     if name.endswith("down_proj.bias"):  # added once, after the all-reduce sums the ranks
         return tensor if shard.rank == 0 else torch.zeros_like(tensor)
@@ -101,11 +102,12 @@ def shard_rows(t: Weight, start: int, count: int) -> Weight:
 
 def shard_cols(t: Weight, start: int, count: int) -> Weight:
     """Columns start..start+count. A quantized weight keeps its blocks when the slice falls
-    on block boundaries; otherwise it is dequantized (the layer then runs dense: see
-    `quantize_modules`, which keeps such layers dense)."""
+    on block boundaries; otherwise, or when act-order scattered its groups over the columns
+    (`perm`), it is dequantized (the layer then runs dense: see `quantize_modules`, which
+    keeps such layers dense, and loader.linear_formats)."""
     if not isinstance(t, QuantizedTensor):
         return t.narrow(1, start, count).contiguous()
-    if start % BLOCK or count % BLOCK:
+    if start % BLOCK or count % BLOCK or t.perm is not None:
         return t.dequantize().narrow(1, start, count).contiguous()
     per_byte = 2 if t.format == "int4" else 1
     blocks = slice(start // BLOCK, (start + count) // BLOCK)

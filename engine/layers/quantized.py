@@ -1,7 +1,7 @@
 """Quantized weights, run as stored: int4 and int8 in blocks of 32 values, as GGUF keeps them.
 
     int4: w = scale * q + zero, q in 0..15   (GGUF Q4_1: zero = m; Q4_0: zero = -8 * d)
-    int8: w = scale * q, q in -127..127      (GGUF Q8_0)
+    int8: w = scale * q, q in -128..127      (GGUF Q8_0: -127..127)
 
 `QuantLinear` runs them through `cpu_kernels`' quant_linear ops, which unpack each block
 in registers and multiply it with float32 activations: the result is the float32 model of
@@ -11,6 +11,11 @@ In a bfloat16 model on a CPU with AVX512-BF16, `pack_modules` repacks the blocks
 quant_linear_bf16 ops instead, which take the bf16 activations as they are (exact bf16 x
 integer products, fp32 accumulation; see cpu_kernels/packing.py).
 
+HF checkpoints (engine/models/hf_quant.py) add two things a layer may carry: act-order's
+permutation of the input channels (`perm`, gathered from the activations first), and W8A8's
+int8 activations (`int8_inputs`: compressed-tensors' dynamic per-token scheme, run exactly in
+int32 by `torch._int_mm`).
+
 Loading: `quantize_modules` swaps a model's `nn.Linear`s for `QuantLinear`s (on the meta
 device, before weights exist); `dequantize_modules` swaps them back for dense layers, where
 the kernels cannot run.
@@ -18,6 +23,7 @@ the kernels cannot run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import psutil
@@ -28,6 +34,7 @@ from cpu_kernels import ops
 # The format itself lives with the kernels that pack it (cpu_kernels/quant_format.py).
 from cpu_kernels.quant_format import BLOCK, FORMATS, QuantizedTensor, quantize
 from engine.layers import Layer
+from engine.layers.fp8 import Fp8Linear
 
 log = logging.getLogger("pagedserve.engine")
 UNPACKED_FROM_ROWS = 3  # see QuantLinear.pack
@@ -56,14 +63,18 @@ class QuantLinear(Layer):
         self.amx = False  # packed: AMX arithmetic (cpu_kernels.dispatch chooses it per machine)
         self.unpacked_from_rows = UNPACKED_FROM_ROWS  # calls of this many rows on read `unpacked`
         self.unpacked: torch.Tensor | None = None  # packed int8 (or AMX with copies): bf16 values (see pack)
+        self.register_buffer("perm", None)  # act-order: the input channels' order in the blocks
+        self.perm_loaded = False  # a part was loaded: every other part must bring the same perm
+        self.int8_inputs = False  # W8A8: activations quantized per token to int8 (see _int8_inputs)
+        self.fp32_kernels = False  # stays on the float32 kernels: the bf16 ones would round its zeros
 
     @property
     def weight(self) -> QuantizedTensor:
         """The weight in the row layout (unpacked again if packed)."""
         if self.packed:
             from cpu_kernels.packing import unpack
-            return unpack(self._packed())
-        return QuantizedTensor(self.format, self.qweight, self.scales, self.zeros)
+            return dataclasses.replace(unpack(self._packed()), perm=self.perm)
+        return QuantizedTensor(self.format, self.qweight, self.scales, self.zeros, self.perm)
 
     def rows(self, ids: torch.Tensor) -> QuantizedTensor:
         """Rows `ids` of the weight, in the row layout (a tied embedding's lookup)."""
@@ -100,6 +111,11 @@ class QuantLinear(Layer):
         return PackedWeight(self.format, self.qweight, self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        if self.int8_inputs:
+            y = self._int8_inputs(x.reshape(-1, self.in_features)).to(x.dtype).view(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias
         if self.packed:
             flat = x.reshape(-1, self.in_features).contiguous()
             if self.unpacked is not None and flat.shape[0] >= self.unpacked_from_rows:
@@ -117,6 +133,16 @@ class QuantLinear(Layer):
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def _int8_inputs(self, flat: torch.Tensor) -> torch.Tensor:
+        """W8A8 as compressed-tensors defines its dynamic symmetric per-token scheme: each
+        row's scale is absmax / 127.5 (its observer's range 255 / 2), q = round(x / scale)
+        clamped to -128..127; the int8 products summed exactly in int32, then rescaled once
+        by the row's and the output channel's scales (int8 weights: one scale per row)."""
+        x = flat.float()
+        scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp(min=torch.finfo(torch.float32).eps)
+        q = torch.round(x / scale).clamp(-128, 127).to(torch.int8)
+        return torch._int_mm(q, self.qweight.t()).float() * (scale * self.scales[:, 0])
+
     @torch.no_grad()
     def load_rows(self, weight: QuantizedTensor | torch.Tensor, offset: int) -> None:
         """Copy `weight` into rows offset.. (a shard of a fused layer); float weights are
@@ -129,9 +155,25 @@ class QuantLinear(Layer):
                              f"quantized layer ({self.out_features}, {self.in_features})")
         if weight.format != self.format:
             raise ValueError(f"checkpoint block format {weight.format} vs layer format {self.format}")
+        self._load_perm(weight.perm)
         for name, part in (("qweight", weight.qweight), ("scales", weight.scales), ("zeros", weight.zeros)):
             if part is not None:
                 getattr(self, name).narrow(0, offset, rows).copy_(part)
+
+    def fp16_exact(self) -> bool:
+        """Whether the bf16 kernels' fp16 scales and zeros hold this layer's exactly (GGUF's
+        do; a GPTQ/AWQ zero -scale * z rarely does: 15 significant bits)."""
+        parts = [p for p in (self.scales, self.zeros) if p is not None and self.format == "int4"]
+        return all(torch.equal(p.half().float(), p) for p in parts)
+
+    def _load_perm(self, perm: torch.Tensor | None) -> None:
+        """A fused layer's parts share one input, so they must share its permutation (GPTQ's
+        act-order derives it from that input's statistics: q, k and v get the same)."""
+        if not self.perm_loaded:
+            self.perm, self.perm_loaded = perm, True
+        elif (perm is None) != (self.perm is None) or (perm is not None and not torch.equal(perm, self.perm)):
+            raise ValueError(f"the parts of a fused layer ({self.out_features} x {self.in_features}) have "
+                             "different act-order permutations (g_idx): they cannot share one input order")
 
 
 class QuantEmbedding(Layer):
@@ -152,13 +194,17 @@ class QuantEmbedding(Layer):
 
 
 def quantize_modules(model: nn.Module, formats: dict[str, str], tie_embeddings: bool) -> None:
-    """Replace the `nn.Linear` named in `formats` (module name -> format) by QuantLinear.
+    """Replace the `nn.Linear` named in `formats` (module name -> format) by QuantLinear
+    (Fp8Linear for "fp8").
     With tied embeddings and a quantized `lm_head`, the embedding reads the head's table.
     Names whose input width is not a multiple of 32 are dropped from `formats`: they stay dense."""
     for name, fmt in list(formats.items()):
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         dense = getattr(parent, attr)
+        if fmt == "fp8":  # any width: the FP8 kernel pads K itself
+            setattr(parent, attr, Fp8Linear(dense.in_features, dense.out_features, dense.bias is not None))
+            continue
         if dense.in_features % BLOCK:
             # Under tensor parallelism, a row-parallel layer's share of the columns may fall
             # off the blocks: its slice is dequantized at load.
@@ -176,7 +222,7 @@ def pack_modules(model: nn.Module, amx: bool = False) -> int:
     them), in AMX arithmetic if `amx`; returns how many. AMX: the layers also keep their
     weights dequantized to bf16 where those copies take at most DEQUANTIZED_COPY_RAM_SHARE
     of the machine's memory (SmolLM2-135M: 270 MB)."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and not (m.fp32_kernels or m.int8_inputs)]
     copy_bytes = sum(2 * layer.in_features * layer.out_features for layer in layers)
     copies = amx and copy_bytes <= psutil.virtual_memory().total * DEQUANTIZED_COPY_RAM_SHARE
     for layer in layers:

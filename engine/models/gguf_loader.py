@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from cpu_kernels.quant_format import QuantizedTensor, pack_int4
+from cpu_kernels.quant_format import QuantizedTensor
 from engine.models.config import SUPPORTED, ModelArchConfig, gguf_model_type
 from engine.models.gguf_header import read_gguf_layout
 
@@ -214,8 +214,8 @@ def _q4_k(blocks: np.ndarray) -> QuantizedTensor:
     sc, m = (x.reshape(flat.shape[0], 8).astype(np.float32) for x in Q4_K.get_scale_min(flat[:, 4:16]))
     q = (flat[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 15
     values = torch.from_numpy(np.ascontiguousarray(q).reshape(rows, -1))
-    return QuantizedTensor("int4", pack_int4(values), torch.from_numpy((d * sc).reshape(rows, -1)),
-                           torch.from_numpy((-(dmin * m)).reshape(rows, -1)))
+    return QuantizedTensor.from_groups("int4", values, torch.from_numpy((d * sc).reshape(rows, -1)),
+                                       torch.from_numpy((-(dmin * m)).reshape(rows, -1)))
 
 
 def _q5_0_values(blocks: np.ndarray) -> torch.Tensor:

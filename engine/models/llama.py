@@ -18,6 +18,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.layers import Layer
 from engine.layers.activation import SiluAndMul
+from engine.layers.fp8 import Fp8Linear
 from engine.layers.parallel import (SINGLE, TPShard, local_sizes, parallel_logits, row_parallel,
                                     shard_checkpoint_tensor, vocab_embedding, vocab_parallel_embed)
 from engine.layers.norm import RMSNorm
@@ -171,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         anything is left unloaded."""
         params = dict(self.named_parameters())
         quantized = {f"{n}.weight": m for n, m in self.named_modules()
-                     if isinstance(m, QuantLinear) and not n.endswith(".table")}
+                     if isinstance(m, (QuantLinear, Fp8Linear)) and not n.endswith(".table")}
         if isinstance(self.model.embed_tokens, QuantEmbedding):  # tied: the head is the table
             quantized["model.embed_tokens.weight"] = self.model.embed_tokens.table
         loaded: set[str] = set()

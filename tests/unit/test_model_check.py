@@ -76,6 +76,45 @@ def test_serve_refuses_a_bad_model_before_listening(tmp_path, kind):
     assert "HF" in line or "Hugging Face" in line or "supported:" in line  # says what is accepted
 
 
+def _quantized_folder(path: Path, quantization_config: dict, scales: bool = True) -> Path:
+    """A tiny GPTQ-style llama folder: config.json with `quantization_config`, and one layer's
+    qweight/qzeros (and scales) in its safetensors."""
+    import torch
+    from safetensors.torch import save_file
+    path.mkdir()
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "quantization_config": quantization_config}
+    (path / "config.json").write_text(json.dumps(config))
+    layer = "model.layers.0.mlp.down_proj"
+    tensors = {f"{layer}.qweight": torch.zeros(16, 64, dtype=torch.int32),
+               f"{layer}.qzeros": torch.zeros(4, 8, dtype=torch.int32)}
+    if scales:
+        tensors[f"{layer}.scales"] = torch.ones(4, 64, dtype=torch.float16)
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True}
+# kind -> (quantization_config, whether the scales are there, words the error line must hold)
+BAD_QUANTIZED = {
+    "bits 3": (GPTQ | {"bits": 3}, True, "gptq with bits 3 is not supported (supported: gptq (4 or 8 bit"),
+    "unknown quant_method": (GPTQ | {"quant_method": "bitsandbytes"}, True,
+                             "quant_method 'bitsandbytes' is not supported (supported: gptq"),
+    "group size not dividing": (GPTQ | {"group_size": 96}, True, "group_size 96 does not divide the model's hidden_size 64"),
+    "missing scale tensor": (GPTQ, False, "'model.layers.0.mlp.down_proj.qweight' has no "
+                                          "model.layers.0.mlp.down_proj.scales beside it"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_QUANTIZED)
+def test_serve_refuses_a_bad_quantized_checkpoint_before_listening(tmp_path, kind):
+    """Read from config.json and the safetensors headers before anything starts (issue 46)."""
+    config, scales, words = BAD_QUANTIZED[kind]
+    model = _quantized_folder(tmp_path / "q", config, scales)
+    line = _refused(["serve", "--model", str(model), "--grpc-port", "0", "--http-port", "0"], "--model")
+    assert words in line and str(model) in line
+
+
 def test_engine_refuses_a_bad_model_before_binding(tmp_path):
     model = _hf_folder(tmp_path / "gpt2", "gpt2")
     line = _refused(["engine", "--model", str(model), "--address", f"ipc://{tmp_path}/e", "--health-port", "0"],
