@@ -53,8 +53,11 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(path, tokenizer_path(config))
     try:
         core = EngineCore(config, eos_token_ids(tokenizer), log_stats=metrics_on, tokenizer=tokenizer)
-    except LoraError as e:  # a --lora-modules adapter that cannot run: one clear line, no traceback
-        logging.getLogger("pagedserve.engine").error("cannot start: %s", e)
+    except (LoraError, ValueError) as e:  # an adapter, or flags the model cannot take (a --max-model-len past
+        # its positions): one clear line, no traceback (--log-level debug shows it)
+        log = logging.getLogger("pagedserve.engine")
+        log.error("cannot start: %s", e)
+        log.debug("cannot start", exc_info=True)
         if health is not None:
             health.stop()
         return 2

@@ -169,3 +169,13 @@ def test_the_check_reads_headers_not_weights(tmp_path, bundled_path):
     writer.close()
     with pytest.raises(ModelError, match="'llama' with experts is not supported"):
         check_model(str(mixtral))
+
+
+def test_a_model_and_flags_that_do_not_fit_end_the_engine_in_one_line(tmp_path):
+    """Refused once the model is read (its positions): exit 2 and the reason, no traceback."""
+    run = subprocess.run([sys.executable, "-m", "pagedserve", "engine", "--max-model-len", "100000",
+                          "--address", f"ipc://{tmp_path}/e", "--num-threads", "1"],
+                         capture_output=True, text=True, timeout=REFUSAL_S * 4)
+    output = run.stdout + run.stderr
+    assert run.returncode == 2, output
+    assert "cannot start: max_model_len: 100000 exceeds the model's" in output and "Traceback" not in output, output
