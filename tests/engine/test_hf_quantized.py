@@ -28,7 +28,7 @@ from engine.layers.quantized import QuantLinear
 from engine.models.hf_quant import check_tensors, parse_quant_config
 from engine.models.hf_quant_weights import read_weight
 from engine.models.loader import iter_weights, linear_formats, read_arch_config, weight_format
-from pagedserve import LLM
+from pagedserve import LLM, SamplingParams
 from helpers import build_tiny_model, check_outputs_match, greedy_with_logprobs
 from quant_packing import KINDS, export, pack_awq, pack_int32, quantize_groups, quantize_layer
 from test_tiny_hf_equivalence import tiny_prompts
@@ -253,6 +253,23 @@ def test_model_matches_its_dequantized_reference(tmp_path, tiny_bases, arch, kin
         assert (qkv.perm is not None) == KINDS[kind].act_order and qkv.int8_inputs == (kind == "ct-w8a8")
     assert type(model.lm_head) is nn.Linear  # left in float by every quantizer
     assert weight_format(tmp_path / kind, None) == parse(KINDS[kind].config).label
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["gptq-actorder-asym", "fp8-block"])
+def test_speculation_on_a_quantized_model_changes_no_token(tmp_path, tiny_bases, kind):
+    """n-gram speculation's drafts are verified by the quantized layers (several positions a
+    row, act-order's gather and FP8 included): the greedy tokens are those of the same model
+    without it, on prompts that repeat themselves so that drafts are proposed and accepted."""
+    export(tiny_bases["llama"], tmp_path / kind, tmp_path / "reference", kind)
+    prompts = [list(range(5, 25)) * 3, [7, 8, 9, 10] * 8]
+    params = SamplingParams(temperature=0, max_tokens=2 * MAX_NEW, ignore_eos=True)
+    plain = LLM(str(tmp_path / kind), dtype="float32", **STRESS)
+    spec = LLM(str(tmp_path / kind), dtype="float32", speculative_method="ngram", num_speculative_tokens=3,
+               prompt_lookup_min=1, **STRESS)  # any token seen before proposes: drafts on a random model
+    tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)] for llm in (plain, spec)]
+    assert tokens[0] == tokens[1]
+    assert spec.engine.scheduler.spec_stats.num_draft_tokens > 0
 
 
 def assert_fp8_as_stored(model: nn.Module, kernel: bool) -> None:
