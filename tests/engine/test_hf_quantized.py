@@ -272,6 +272,29 @@ def test_speculation_on_a_quantized_model_changes_no_token(tmp_path, tiny_bases,
     assert spec.engine.scheduler.spec_stats.num_draft_tokens > 0
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", ["gptq-actorder-asym", "fp8-block"])
+def test_lora_on_a_quantized_base_equals_lora_on_its_float_weights(tmp_path, tiny_bases, kind):
+    """A peft adapter on every projection around the quantized layers (act-order's gather, FP8)
+    gives the tokens, and to the bound above the logprobs, of the same adapter on a float32
+    model of the dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    from bench.lora_adapters import save_random_adapter
+    export(tiny_bases["llama"], tmp_path / kind, tmp_path / "reference", kind)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "reference"), dtype=torch.float32)
+    adapter = save_random_adapter(hf, tmp_path / "adapter", 8, ["q_proj", "v_proj", "o_proj", "up_proj",
+                                                                  "down_proj"], seed=3)
+    runs = []
+    for folder in (tmp_path / kind, tmp_path / "reference"):
+        llm = LLM(str(folder), dtype="float32", enable_lora=True, lora_modules={"a": str(adapter)}, **STRESS)
+        params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+        outs = llm.generate(tiny_prompts(), params, lora_name="a")
+        runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
+    assert check_outputs_match(runs[0], runs[1]) == 0
+    assert max(logprob_gap(*pair) for pair in zip(*runs)) < LOGPROB_ATOL
+
+
 def assert_fp8_as_stored(model: nn.Module, kernel: bool) -> None:
     """Every linear layer but the head is an Fp8Linear holding one byte a weight (no float copy)
     where the FP8 kernel runs, else dense."""
