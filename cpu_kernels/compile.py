@@ -3,7 +3,7 @@
 A family is one `csrc/<family>.cpp` that registers its ops under `torch.ops.pagedserve_cpu`
 (TORCH_LIBRARY_FRAGMENT), so no pybind11 module is built. It is compiled with
 `-march=native`: the binary fits this CPU only, so the build folder is keyed by the
-source text, the torch version and the CPU's instruction-set flags (our VMs differ:
+source text (with csrc/*.h), the torch version and the CPU's instruction-set flags (our VMs differ:
 some have AVX-512, some only AVX2). A second process on the same machine loads the
 cached library in milliseconds.
 
@@ -65,7 +65,8 @@ def _load(family: str) -> str | None:
 def build_dir(family: str) -> Path:
     from common.paths import cache_dir
     import torch
-    source = (CSRC / f"{family}.cpp").read_bytes()
+    # The family's source and the headers it may include (csrc/*.h: bf16_tiles.h).
+    source = b"".join(path.read_bytes() for path in [CSRC / f"{family}.cpp", *sorted(CSRC.glob("*.h"))])
     key = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     return cache_dir() / "cpu_kernels" / f"{family}-{key}"

@@ -64,9 +64,8 @@
 #define PAGEDSERVE_FP8_BF16 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PAGEDSERVE_FP8_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
+#include "bf16_tiles.h"
 #endif
 #endif
 
@@ -184,12 +183,7 @@ inline bh pinned(bh v) {
 }
 
 #ifdef PAGEDSERVE_FP8_BF16
-// x[k], x[k+1] (bf16) in every lane.
-inline bh x_pair(const uint16_t* x) {
-  int32_t bits;
-  std::memcpy(&bits, x, 4);
-  return (bh)_mm512_set1_epi32(bits);
-}
+using pagedserve_bf16::x_pair;
 #endif
 
 // t[i] += x[row i, k 4u .. 4u+3] * the unit's weights, in k order: VDPBF16PS on the two pairs,
@@ -421,25 +415,8 @@ void rows_amx(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1) 
 // 16 pairs x 16 columns x 2 (the panel as it is). Tiles 4-7: the 16 x 16 fp32 sums of (row
 // tile, group) over one k block; stored at its end and scaled into `acc`.
 
-constexpr int64_t kTileRows = 16;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// LDTILECFG is per thread. The config is a static: GCC does not see LDTILECFG read its operand
-// and drops the stores that fill a local one (quant_linear_bf16.cpp).
-void configure_tiles() {
-  static const TileConfig config = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) c.rows[t] = kTileRows, c.colsb[t] = 64;
-    return c;
-  }();
-  _tile_loadconfig(&config);
-}
+using pagedserve_bf16::configure_tiles;
+using pagedserve_bf16::kTileRows;
 
 // One or two 16-row tiles of x (a0, a1: x itself or a zero-padded copy of its last rows;
 // stride Kp) x a strip of Count groups at g0 ([Count][Kp/2][32] words). Stores rows0 rows
@@ -559,15 +536,10 @@ bool fp8_bf16_supported() {
 }
 
 // Whether AMX tiles run here: built for them and the kernel granted this process the tile data
-// state (ARCH_REQ_XCOMP_PERM; asked once per process, as quant_linear_bf16.cpp's amx_ready:
-// a refusal means no AMX, never a SIGILL).
+// state (bf16_tiles.h: a refusal means no AMX, never a SIGILL).
 bool fp8_amx_ready() {
 #ifdef PAGEDSERVE_FP8_AMX
-  static const bool granted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
+  return pagedserve_bf16::amx_tiles_granted();
 #else
   return false;
 #endif

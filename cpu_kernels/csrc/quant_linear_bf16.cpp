@@ -59,9 +59,8 @@
 #include <immintrin.h>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define PAGEDSERVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
+#include "bf16_tiles.h"
 #endif
 
 namespace {
@@ -168,12 +167,7 @@ inline bh dequantize(bh q, __m512 scale, __m512 zero, bool int4) {
 // bottleneck (about 200 against 320 GFLOPS at 2,048 rows).
 inline void pin(bh& v) { asm("" : "+v"(v)); }
 
-// x[k], x[k+1] (bf16) in every lane.
-inline bh x_pair(const uint16_t* x) {
-  int32_t bits;
-  std::memcpy(&bits, x, 4);
-  return (bh)_mm512_set1_epi32(bits);
-}
+using pagedserve_bf16::x_pair;
 
 inline void store_row(const Problem& p, int64_t m, int64_t g, __m512 acc) {
   const __m256i y = (__m256i)_mm512_cvtneps_pbh(acc);
@@ -377,26 +371,8 @@ void many_rows(const Problem& p, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
 // strip's two groups (16 pairs x 16 columns x 2: the panel's layout as it is). Tiles 4-7: the
 // 16 x 16 fp32 sums of (row tile, group), kept in the tiles until the last block.
 
-constexpr int64_t kTileRows = 16;
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Per thread: the tile registers' shapes (LDTILECFG is per-thread state). The config is a
-// static: GCC does not see LDTILECFG read its operand, and dropped the stores that filled a
-// local one (the tiles then stayed unconfigured and the first TILELOADD trapped).
-void configure_tiles() {
-  static const TileConfig config = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) c.rows[t] = kTileRows, c.colsb[t] = 64;
-    return c;
-  }();
-  _tile_loadconfig(&config);
-}
+using pagedserve_bf16::configure_tiles;
+using pagedserve_bf16::kTileRows;
 
 // One or two 16-row tiles of x (a0, a1: x itself, or a zero-padded copy of its last rows;
 // stride K) x a strip of Count groups at g0 ([Count][K/2][32] words of dequantized weights).
@@ -747,17 +723,10 @@ bool bf16_supported() {
 }
 
 // Whether AMX tiles run here: built for them (-march=native on a CPU with AMX-BF16) and the
-// kernel granted this process the tile data state. Linux keeps that state off until a
-// process asks (ARCH_REQ_XCOMP_PERM); a tile instruction before then traps with SIGILL,
-// which is how llama.cpp's AMX path crashes on some of our VMs. Asked once per process; a
-// refusal (an old kernel, a seccomp filter) means no AMX, never a crash.
+// kernel granted this process the tile data state (bf16_tiles.h).
 bool amx_ready() {
 #ifdef PAGEDSERVE_AMX
-  static const bool granted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return granted;
+  return pagedserve_bf16::amx_tiles_granted();
 #else
   return false;
 #endif
