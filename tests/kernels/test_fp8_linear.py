@@ -14,6 +14,7 @@ import torch
 
 from cpu_kernels import fp8_format, ops, reference
 from cpu_kernels.fp8_format import Fp8Weight
+from test_quant_linear import assert_rows_do_not_depend_on_the_batch
 
 if not ops.fp8_supported():
     pytest.skip("the FP8 kernel needs AVX-512 F/BW/VBMI (or the kernels are unavailable)", allow_module_level=True)
@@ -112,16 +113,7 @@ def test_rows_do_not_depend_on_the_batch(kind, k, arithmetic):
     tiles from 2 rows, padded rows), and at one thread."""
     w = fp8_format.pack(random_fp8(328, k, kind))
     x = random_x(70, k, seed=2)
-    full = run(x, w, arithmetic)
-    for start, stop in [(0, 1), (5, 6), (3, 5), (3, 9), (0, 5), (4, 13), (64, 70), (1, 17), (1, 66), (0, 16), (2, 34)]:
-        assert torch.equal(run(x[start:stop], w, arithmetic), full[start:stop]), (start, stop)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(run(x, w, arithmetic), full)
-        assert torch.equal(run(x[:3], w, arithmetic), full[:3])
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_do_not_depend_on_the_batch(lambda rows: run(rows, w, arithmetic), x)
 
 
 @needs_bf16

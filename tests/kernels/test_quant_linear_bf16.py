@@ -15,7 +15,7 @@ import torch
 
 from cpu_kernels import ops, packing
 from cpu_kernels.quant_format import QuantizedTensor, quantize, reference_linear
-from test_quant_linear import random_weight
+from test_quant_linear import assert_rows_do_not_depend_on_the_batch, random_weight
 
 if not ops.bf16_dot_supported():
     pytest.skip("bf16 quantized kernels need AVX512-BF16 (or the kernels are unavailable)", allow_module_level=True)
@@ -60,17 +60,7 @@ def test_rows_do_not_depend_on_the_batch(fmt, amx):
     in AMX arithmetic: alone, the split register path; 2 rows on, tiles with padded rows)."""
     w = packing.pack(random_weight(fmt, 328, 576))
     x = bf16_input(70, 576, seed=2)
-    full = run(x, w, amx)
-    for start, stop in [(0, 1), (5, 6), (3, 5), (3, 9), (0, 5), (4, 13), (64, 70), (1, 17), (1, 66), (0, 16),
-                        (2, 34)]:
-        assert torch.equal(run(x[start:stop], w, amx), full[start:stop]), (start, stop)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        assert torch.equal(run(x, w, amx), full)
-        assert torch.equal(run(x[:3], w, amx), full[:3])
-    finally:
-        torch.set_num_threads(threads)
+    assert_rows_do_not_depend_on_the_batch(lambda rows: run(rows, w, amx), x)
 
 
 def amx_arithmetic(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
