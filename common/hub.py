@@ -50,7 +50,6 @@ _GGUF_SHARD = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")
 # configs of a sentence-transformers model's modules (1_Pooling/config.json).
 _SMALL_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
 _MODULE_CONFIG = re.compile(r"^\d+_\w+/config\.json$")
-KINDS = ("model", "tokenizer", "adapter")
 
 
 @dataclass(frozen=True)
@@ -68,6 +67,13 @@ def parse_hub_name(name: str | None) -> HubName | None:
         return None
     match = _REPO_ID.match(name)
     return HubName(match["repo"], match["tag"]) if match else None
+
+
+def hub_name(name: str | None) -> HubName | None:
+    """The Hub repo `name` names, unless a local file or folder of that name exists (it wins)."""
+    if name is None or Path(name).expanduser().exists():
+        return None
+    return parse_hub_name(name)
 
 
 @dataclass(frozen=True)
@@ -126,9 +132,8 @@ def _download(name: HubName, kind: str, options: HubOptions, commit: str, sizes:
         weights = _weight_files(name, kind, folder, sizes)
         if check is not None:
             check(folder)
-    _check_space(folder, {f: sizes.get(f, 0) for f in weights})
+    missing = _check_space(folder, {f: sizes.get(f, 0) for f in weights})
     start = time.monotonic()
-    missing = sum(sizes.get(f, 0) for f in weights if not (folder / f).exists())
     folder = _fetch(name, options, commit, weights)
     _write_ref(folder, options.revision or "main", commit)  # last: a failed download names no snapshot
     if missing:
@@ -240,12 +245,15 @@ def _with_shards(file: str, ggufs: list[str]) -> list[str]:
     return parts
 
 
-def _check_space(folder: Path, files: dict[str, int]) -> None:
+def _check_space(folder: Path, files: dict[str, int]) -> int:
+    """The bytes of `files` (name -> listed size) not in `folder` yet; ValueError if the disk
+    has less free."""
     needed = sum(size for f, size in files.items() if not (folder / f).exists())
     free = shutil.disk_usage(folder).free
     if needed > free:
         raise ValueError(f"the download needs {_size(needed)} and {folder} has {_size(free)} free: free some "
                          "space, or give --download-dir on a larger disk")
+    return needed
 
 
 def _from_cache(name: HubName, kind: str, options: HubOptions, reason: str = "HF_HUB_OFFLINE=1 forbids downloads"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from common.errors import ModelError
-from common.hub import HubOptions, hub_path, parse_hub_name
+from common.hub import HubOptions, hub_name, hub_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "chat_template.json",
                    "special_tokens_map.json")
@@ -23,10 +23,9 @@ def files_from_dir(path: str | Path) -> dict[str, bytes]:
 def resolve_tokenizer_dir(name: str, revision: str | None = None) -> Path:
     """A frontend's --tokenizer: a folder that exists, else a Hub repo id's tokenizer files in
     the Hub's cache (downloaded if missing: common/hub.py)."""
-    path = Path(name).expanduser()
-    hub = None if path.exists() else parse_hub_name(name)
+    hub = hub_name(name)
     if hub is None:
-        return path
+        return Path(name).expanduser()
     return hub_path(hub, "tokenizer", HubOptions(revision=revision), field="tokenizer")
 
 

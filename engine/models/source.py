@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 from common.errors import ModelError
-from common.hub import HubOptions, hub_path, parse_hub_name
+from common.hub import HubOptions, hub_name, hub_path, parse_hub_name
 from common.paths import cache_dir
 from engine.models.config import gguf_model_type
 from engine.models.gguf_header import GGUFHeaderError, gguf_split_parts, read_gguf_header
@@ -83,10 +83,9 @@ def hub_options(config, field: str = "model") -> HubOptions:
 def adapter_path(name: str, download_dir: str | None = None) -> Path:
     """A LoRA adapter's folder: a path, or a Hub repo of a PEFT adapter (adapter_config.json
     and adapter_model.safetensors). Whether it fits the model is the LoRA loader's to say."""
-    path = Path(name).expanduser()
-    hub = None if path.exists() else parse_hub_name(name)
+    hub = hub_name(name)
     if hub is None:
-        return path  # the loader names what is missing
+        return Path(name).expanduser()  # the loader names what is missing
     return hub_path(hub, "adapter", HubOptions(download_dir=download_dir), field="lora_modules")
 
 
@@ -145,7 +144,7 @@ def resolve_model_path(model: str | None, field: str = "model", options: HubOpti
 def served_model_name(name: str | None, path: Path) -> str:
     """The name the APIs serve a model by: its Hub repo id when it came from the Hub (as
     vLLM's is), else the GGUF file's stem or the folder's name."""
-    hub = None if name is None or Path(name).expanduser().exists() else parse_hub_name(name)
+    hub = hub_name(name)
     if hub is not None:
         return hub.repo_id
     return re.sub(r"-\d{5}-of-\d{5}$", "", path.stem) if path.suffix == ".gguf" else path.name  # a split's: its model
