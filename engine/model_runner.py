@@ -37,10 +37,11 @@ from engine.models.loader import DTYPES, linear_formats, load_model, read_arch_c
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.pooling import Pooler, pool
 from engine.request import Request
-from engine.sampler import NOT_EMITTED, Sampler, prompt_logprobs
-from engine.sampling_batch import SamplingBatch, rng_keys
+from engine.sampled_rows import group_by_request, sampling_rows
+from engine.sampler import Sampler, prompt_logprobs
+from engine.sampling_batch import SamplingBatch
 from engine.step_rows import (DecodeInputs, ForwardRow, SteadyRows, all_ahead, all_plain_greedy, as_decodes,
-                              forward_order, forward_row, num_leading_decodes, padded, prefill_inputs, request_of)
+                              forward_order, forward_row, num_leading_decodes, padded, prefill_inputs)
 
 log = logging.getLogger(__name__)
 
@@ -218,13 +219,13 @@ class ModelRunner:
                                      [[None]] * len(rest), prompt_lps, model_end - start,
                                      time.perf_counter() - model_end, steady_token_ids=tokens[:num_steady],
                                      pooled=self._pool(pooling, pooled_hidden))
-        rows, row_owner, logits_index = self._sampling_rows(sampling)
+        rows, row_owner, logits_index = sampling_rows(sampling)
         logits = logits[:logits_index[-1] + 1]
         model_end = time.perf_counter()
         if logits_index != list(range(len(logits))):  # forking prompts sample n tokens from one row
             logits = logits[torch.tensor(logits_index, device=logits.device)]
         sampled = self.sampler(logits, rows)
-        out = self._group(sampling, row_owner, sampled, num_steady)
+        out = group_by_request(sampling, row_owner, sampled, num_steady)
         out.prompt_logprobs = prompt_lps
         out.pooled = self._pool(pooling, pooled_hidden)
         out.model_s, out.sample_s = model_end - start, time.perf_counter() - model_end
@@ -463,55 +464,3 @@ class ModelRunner:
 
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(values).to(self.device, non_blocking=True)
-
-    @staticmethod
-    def _sampling_rows(sampling: list[ScheduledRequest]) -> tuple[SamplingBatch, list[int], list[int]]:
-        """Rows to sample (one per request, unless it forks or verifies drafts), the request
-        each belongs to, and the logits row each reads."""
-        if all(s.num_samples == 1 and not s.spec_token_ids for s in sampling):
-            rows = list(range(len(sampling)))
-            return SamplingBatch.of_requests(list(map(request_of, sampling))), rows, rows
-        params, prompts, outputs, seeds, positions, matchers, drafts = [], [], [], [], [], [], []
-        owner, logits_index = [], []
-        next_logits = 0
-        for i, s in enumerate(sampling):
-            r = s.request
-            matcher = None if r.structured is None else r.structured.matcher
-            spec = s.spec_token_ids
-            # Row j verifies spec[j] after spec[:j]; the last row follows them all. A forking
-            # prompt's n rows read one logits row and share sample 0's matcher (none has a
-            # token yet); sample k's seed is seed + k.
-            for j in range(len(spec) + 1 if spec else s.num_samples):
-                params.append(r.sampling_params)
-                prompts.append(r.prompt_token_ids)
-                outputs.append(r.output_token_ids + spec[:j] if spec else r.output_token_ids)
-                seeds.append(None if r.seed is None else r.seed + (0 if spec else j))
-                positions.append(r.num_output_tokens + (j if spec else 0))
-                matchers.append(matcher)
-                drafts.append(spec[j] if j < len(spec) else None)
-                owner.append(i)
-                logits_index.append(next_logits)
-                next_logits += 1 if spec else 0
-            next_logits += 0 if spec else 1
-        batch = SamplingBatch(params, prompts, outputs, rng_keys(seeds, np.array(positions, np.int64)),
-                              matchers if any(m is not None for m in matchers) else None,
-                              drafts if any(d is not None for d in drafts) else None)
-        return batch, owner, logits_index
-
-    @staticmethod
-    def _group(sampling: list[ScheduledRequest], row_owner: list[int], sampled, num_steady: int
-               ) -> ModelRunnerOutput:
-        """The sampled rows by request. The first `num_steady` requests are steady decodes,
-        which own the first `num_steady` rows, one each."""
-        rest = sampling[num_steady:]
-        out = ModelRunnerOutput(request_ids=[s.request.request_id for s in rest],
-                                token_ids=[[] for _ in rest], logprobs=[[] for _ in rest],
-                                steady_token_ids=sampled.token_ids[:num_steady],
-                                steady_logprobs=sampled.logprobs[:num_steady])
-        for owner, token, logprobs in zip(row_owner[num_steady:], sampled.token_ids[num_steady:],
-                                          sampled.logprobs[num_steady:]):
-            if token == NOT_EMITTED:  # a verification row past the accepted run
-                continue
-            out.token_ids[owner - num_steady].append(token)
-            out.logprobs[owner - num_steady].append(logprobs)
-        return out

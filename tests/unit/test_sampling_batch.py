@@ -7,9 +7,9 @@ import numpy as np
 
 from common.sampling_params import SamplingParams
 from engine.keyed_random import mix
-from engine.model_runner import ModelRunner
 from engine.outputs import ScheduledRequest
 from engine.request import Request
+from engine.sampled_rows import sampling_rows
 from engine.sampling_batch import (GREEDY, LOGPROBS, MIN_TOKENS, NUM_COLUMNS, PENALTIES, TEMPERATURE, TOP_K, TOP_P,
                                    UNSEEDED, SamplingBatch, rng_keys)
 
@@ -72,7 +72,7 @@ def test_forks_and_verifications_get_a_row_each():
     plain = Request("plain", [4], SamplingParams(temperature=0.0))
     sampling = [ScheduledRequest(fork, 2, [], 3), ScheduledRequest(spec, 3, [], 1, spec_token_ids=[4, 5]),
                 ScheduledRequest(plain, 1, [], 1)]
-    batch, owner, logits_index = ModelRunner._sampling_rows(sampling)
+    batch, owner, logits_index = sampling_rows(sampling)
     assert owner == [0, 0, 0, 1, 1, 1, 2]
     assert logits_index == [0, 0, 0, 1, 2, 3, 4]
     assert batch.rng_keys.tolist() == [mix(10, 0), mix(11, 0), mix(12, 0), mix(20, 1), mix(20, 2), mix(20, 3),
