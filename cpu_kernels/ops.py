@@ -69,35 +69,38 @@ def bf16_amx_ready() -> bool:
     return bf16_dot_supported() and bool(torch.ops.pagedserve_cpu.bf16_amx_ready())
 
 
-def bf16_quant_linear(x: torch.Tensor, fmt: str, records: torch.Tensor, n: int, amx: bool = False) -> torch.Tensor:
+def bf16_quant_linear(x: torch.Tensor, fmt: str, records: torch.Tensor, n: int, amx: bool = False,
+                      zero_units: bool = False) -> torch.Tensor:
     """x [M, K] bfloat16 (contiguous) @ W^T -> [M, n] bfloat16, W ("int4" | "int8") packed
     into `records` by `cpu_kernels.packing.pack`. `amx`: AMX arithmetic, x times the
     dequantized weights rounded to bf16, on tiles from 2 rows on (only where
     `bf16_amx_ready()`; a process picks one arithmetic for every call, see
-    csrc/quant_linear_bf16.cpp). The op checks shapes and dtypes itself (in C++): this sits
-    on every layer's hot path."""
+    csrc/quant_linear_bf16.cpp). `zero_units`: the packed weight's (PackedWeight.zero_units).
+    The op checks shapes and dtypes itself (in C++): this sits on every layer's hot path."""
     if fmt == "int4":
-        return torch.ops.pagedserve_cpu.bf16_int4_linear(x, records, n, amx)
+        return torch.ops.pagedserve_cpu.bf16_int4_linear(x, records, n, amx, zero_units)
     return torch.ops.pagedserve_cpu.bf16_int8_linear(x, records, n, amx)
 
 
-def bf16_unpack(fmt: str, records: torch.Tensor, n: int, k: int, amx: bool = False) -> torch.Tensor:
+def bf16_unpack(fmt: str, records: torch.Tensor, n: int, k: int, amx: bool = False,
+                zero_units: bool = False) -> torch.Tensor:
     """A packed weight's bf16 values, unpacked once for `bf16_quant_linear_unpacked`: the
     quantized values, or for AMX arithmetic the dequantized weights rounded to bf16."""
-    return torch.ops.pagedserve_cpu.bf16_unpack(records, n, k, fmt == "int4", amx)
+    return torch.ops.pagedserve_cpu.bf16_unpack(records, n, k, fmt == "int4", amx, zero_units)
 
 
 def bf16_quant_linear_unpacked(x: torch.Tensor, fmt: str, records: torch.Tensor, unpacked: torch.Tensor,
-                               n: int, amx: bool = False) -> torch.Tensor:
+                               n: int, amx: bool = False, zero_units: bool = False) -> torch.Tensor:
     """`bf16_quant_linear`, reading the weights from `bf16_unpack`'s copy (the scales still
     from `records`): bitwise the same result, without unpacking per call."""
-    return torch.ops.pagedserve_cpu.bf16_linear_unpacked(x, records, unpacked, n, fmt == "int4", amx)
+    return torch.ops.pagedserve_cpu.bf16_linear_unpacked(x, records, unpacked, n, fmt == "int4", amx, zero_units)
 
 
-def bf16_rows(fmt: str, records: torch.Tensor, n: int, k: int, ids: torch.Tensor) -> torch.Tensor:
+def bf16_rows(fmt: str, records: torch.Tensor, n: int, k: int, ids: torch.Tensor,
+              zero_units: bool = False) -> torch.Tensor:
     """Rows `ids` (int64 [T]) of a packed [n, k] weight, dequantized as
     QuantizedTensor.dequantize() does, in bfloat16 [T, k]: a tied embedding's lookup."""
-    return torch.ops.pagedserve_cpu.bf16_rows(records, ids, n, k, fmt == "int4")
+    return torch.ops.pagedserve_cpu.bf16_rows(records, ids, n, k, fmt == "int4", zero_units)
 
 
 # --- paged_attention: decode reading K/V blocks in place (csrc/paged_attention.cpp) ---------

@@ -17,8 +17,11 @@ sequential stream:
     (block 0, then block 1, ...; super-group after super-group)
 
 int4 scales and zeros are stored as fp16, exactly as GGUF's Q4_0/Q4_1 store them (and as
-`quantize` rounds them): `pack` refuses others. `unpack` is the exact inverse, and
-`unpack_rows` reads a few rows (an embedding lookup) without unpacking the rest.
+`quantize` rounds them). A GPTQ/AWQ zero, -scale * z for an integer z, has up to 15
+significant bits, which fp16 cannot hold: such a layer stores -z instead (`zero_units`), and
+the kernels multiply it by the scale in fp32, exactly (see `zero_encoding`). `pack` refuses
+what neither holds. `unpack` is the exact inverse, and `unpack_rows` reads a few rows (an
+embedding lookup) without unpacking the rest.
 """
 
 from __future__ import annotations
@@ -42,16 +45,44 @@ class PackedWeight:
     data: torch.Tensor  # uint8 [ceil(n / 16) * k/32 * (32 * vectors + 64)]
     n: int
     k: int
+    zero_units: bool = False  # int4: zeros stored as multiples of the scale (see zero_encoding)
 
 
-def pack(weight: QuantizedTensor) -> PackedWeight:
+def zero_encoding(weight: QuantizedTensor) -> str | None:
+    """How the bf16 kernels hold an int4 weight's float32 scales and zeros exactly: "fp16"
+    (both are fp16 values: GGUF), "units" (the scales are, and each zero is the scale times an
+    integer -15..0, exact in fp32: GPTQ and AWQ), or None (neither: the float32 kernels run it).
+    int8 weights (fp32 scales, no zeros) are always "fp16"."""
+    if weight.format != "int4":
+        return "fp16"
+    scales, zeros = weight.scales, weight.zeros
+    if not torch.equal(scales.half().float(), scales):
+        return None
+    if torch.equal(zeros.half().float(), zeros):
+        return "fp16"
+    units = torch.where(scales != 0, zeros / scales, torch.zeros_like(zeros)).round()
+    if bool(((units < -15) | (units > 0)).any()) or not torch.equal(units * scales, zeros):
+        return None
+    return "units"
+
+
+def pack(weight: QuantizedTensor, encoding: str | None = None) -> PackedWeight:
+    """`encoding`: of the int4 zeros, "fp16" or "units" (default: `zero_encoding`'s choice;
+    where both hold a weight exactly, the kernels give the same bits with either)."""
     n, k = weight.shape
     groups, blocks = -(-n // GROUP), k // BLOCK
+    encoding = encoding or zero_encoding(weight)
+    if encoding is None:
+        raise ValueError("int4 scales and zeros must be exact in fp16, as GGUF stores them (quantize() rounds "
+                         "them), or zeros integer multiples of the scales (GPTQ, AWQ)")
     if weight.format == "int4":
         v = _pad_rows(unpack_int4(weight.qweight), groups).view(groups, GROUP, blocks, 8, 2, 2)
         v = v.permute(0, 2, 3, 4, 1, 5).reshape(groups, blocks, 8, 2, 2 * GROUP)  # [g, b, quad, half, i]
         vectors = v[:, :, :, 0] | (v[:, :, :, 1] << 4)  # [g, b, 8, 32]
-        scales = torch.cat([_fp16_columns(weight.scales, groups), _fp16_columns(weight.zeros, groups)], -1)
+        zeros = weight.zeros
+        if encoding == "units":
+            zeros = torch.where(weight.scales != 0, zeros / weight.scales, torch.zeros_like(zeros)).round()
+        scales = torch.cat([_fp16_columns(weight.scales, groups), _fp16_columns(zeros, groups)], -1)
     else:
         v = _pad_rows(weight.qweight, groups).view(groups, GROUP, blocks, 16, 2)
         vectors = v.permute(0, 2, 3, 1, 4).reshape(groups, blocks, 16, 32).view(torch.uint8)
@@ -65,7 +96,7 @@ def pack(weight: QuantizedTensor) -> PackedWeight:
         halves = 2 if weight.format == "int4" else 1
         part_s = scales[sg].view(w, blocks, halves, -1).permute(1, 2, 0, 3).reshape(blocks, -1)
         parts.append(torch.cat([part_v, part_s], dim=1).reshape(-1))
-    return PackedWeight(weight.format, torch.cat(parts), n, k)
+    return PackedWeight(weight.format, torch.cat(parts), n, k, encoding == "units")
 
 
 def unpack(packed: PackedWeight) -> QuantizedTensor:
@@ -105,7 +136,8 @@ def unpack_rows(packed: PackedWeight, rows: torch.Tensor) -> QuantizedTensor:
         zeros = chunks[scale_start + width[:, None] + offset[:, None]]
         halves = torch.stack([values & 15, values >> 4], dim=3).view(len(rows), blocks, 8, 2, GROUP, 2)
         q = halves.permute(0, 4, 1, 2, 3, 5)[pick, lane].reshape(len(rows), packed.k)
-        return QuantizedTensor("int4", pack_int4(q), per_lane(scales, torch.float16), per_lane(zeros, torch.float16))
+        scales, zeros = per_lane(scales, torch.float16), per_lane(zeros, torch.float16)
+        return QuantizedTensor("int4", pack_int4(q), scales, zeros * scales if packed.zero_units else zeros)
     scales = torch.cat([chunks[scale_start + 2 * offset[:, None]], chunks[scale_start + 2 * offset[:, None] + 1]], -1)
     q = values.view(torch.int8).view(len(rows), blocks, 16, GROUP, 2).permute(0, 3, 1, 2, 4)[pick, lane]
     return QuantizedTensor("int8", q.reshape(len(rows), packed.k).contiguous(), per_lane(scales, torch.float32))
@@ -122,8 +154,5 @@ def _columns(part: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _fp16_columns(part: torch.Tensor, groups: int) -> torch.Tensor:
-    """[N, K/32] -> [G, K/32, 32] bytes of fp16."""
-    half = part.to(torch.float16)
-    if not torch.equal(half.float(), part):
-        raise ValueError("int4 scales and zeros must be exact in fp16, as GGUF stores them (quantize() rounds them)")
-    return _columns(half, groups).view(torch.uint8)
+    """[N, K/32] (exact in fp16: `zero_encoding` checked) -> [G, K/32, 32] bytes of fp16."""
+    return _columns(part.to(torch.float16), groups).view(torch.uint8)

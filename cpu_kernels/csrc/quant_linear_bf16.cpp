@@ -17,6 +17,10 @@
 //
 //   w = scale * q (+ zero)       y[m, n] = sum_b scale[n,b] * dot_b(x[m], q[n]) + zero[n,b] * xsum[m,b]
 //
+// An int4 layer's zeros are either fp16 values (GGUF) or, for checkpoints whose zero is
+// -scale * z with an integer z (GPTQ, AWQ; `zero_units`), the fp16 integers -z, multiplied
+// by the scale in fp32 (exact) where they are read: see zeros_of.
+//
 // Quantized values 0..15 and -127..127 are exact in bf16 and bf16 x bf16 products are exact
 // in fp32, so every term is exact and only the fp32 accumulation rounds: this is the product
 // of the bf16 activations with the effective weights, computed in fp32 (up to one rounding
@@ -103,6 +107,7 @@ struct Problem {
   int64_t M, N, K, G, blocks;
   bool int4;
   bool amx = false;  // AMX arithmetic (see the top of the file)
+  bool zero_units = false;  // int4 zeros stored in units of the scale (see zeros_of)
 
   int64_t group_block_bytes() const { return bytes_per_group_block(int4); }
 
@@ -120,8 +125,14 @@ inline __m512 scales_of(const Slice& s, bool int4) {
   return _mm512_loadu_ps(reinterpret_cast<const float*>(s.scales));
 }
 
-inline __m512 zeros_of(const Slice& s) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.zeros)));
+// A block's int4 zero points in fp32. Stored as fp16 values (GGUF: zero = m, or -8 d), or
+// with `units` as fp16 multiples of the scale (GPTQ/AWQ: zero = scale * -z, whose 15
+// significant bits fp16 cannot hold, but -z (0..-15) it can): then zero = scale * (-z),
+// exact in fp32, the same float32 zero QuantizedTensor holds, so every sum below is the one
+// an fp32-zero layout would give, for the same bytes as GGUF's.
+inline __m512 zeros_of(const Slice& s, __m512 scale, bool units) {
+  const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.zeros)));
+  return units ? _mm512_mul_ps(z, scale) : z;
 }
 
 // bf16 bit patterns of 0..15 (the rest of the 32-entry table is unused).
@@ -186,7 +197,7 @@ inline void finish_block(const Problem& p, int64_t m0, int64_t g0, int64_t b, __
     const __m512 s = scales_of(r, p.int4);
     for (int i = 0; i < R; ++i) acc[i][j] = _mm512_fmadd_ps(t[i][j], s, acc[i][j]);
     if (p.int4) {
-      const __m512 z = zeros_of(r);
+      const __m512 z = zeros_of(r, s, p.zero_units);
       for (int i = 0; i < R; ++i)
         acc[i][j] = _mm512_fmadd_ps(z, _mm512_set1_ps(p.xsum[(m0 + i) * p.blocks + b]), acc[i][j]);
     }
@@ -266,7 +277,7 @@ void row_amx_arithmetic(const Problem& p, int64_t m, int64_t g0, const int32_t* 
     const int32_t* o = xo + 16 * b;
     for (int j = 0; j < G; ++j) {
       const Slice r = p.slice(g0 + j, b);
-      const __m512 s = scales_of(r, p.int4), z = p.int4 ? zeros_of(r) : _mm512_setzero_ps();
+      const __m512 s = scales_of(r, p.int4), z = p.int4 ? zeros_of(r, s, p.zero_units) : _mm512_setzero_ps();
       __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
       auto dot = [&](int pair, bh q) {
         const bh w = dequantize(q, s, z, p.int4);
@@ -295,7 +306,7 @@ void unpack_group(const Problem& p, int64_t g, uint16_t* dst) {
   const __m512i table = nibble_table();
   for (int64_t b = 0; b < p.blocks; ++b) {
     const Slice r = p.slice(g, b);
-    const __m512 s = scales_of(r, p.int4), z = p.int4 ? zeros_of(r) : _mm512_setzero_ps();
+    const __m512 s = scales_of(r, p.int4), z = p.int4 ? zeros_of(r, s, p.zero_units) : _mm512_setzero_ps();
     auto put = [&](uint16_t* out, bh q) {
       _mm512_storeu_si512(out, (__m512i)(p.amx ? dequantize(q, s, z, p.int4) : q));
     };
@@ -552,8 +563,8 @@ bool amx_ready();
 
 // Checks x and the packed weights, allocates `out` [M, N] and, for int4, fills `xsum`: what
 // both entry points need before their tiles run.
-Problem linear_problem(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4, bool amx, at::Tensor& out,
-                       std::vector<float>& xsum) {
+Problem linear_problem(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4, bool amx, bool zero_units,
+                       at::Tensor& out, std::vector<float>& xsum) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous 2-D bfloat16 tensor");
   const int64_t M = x.size(0), K = x.size(1), G = (N + 15) / 16, blocks = K / kBlock,
@@ -566,15 +577,15 @@ Problem linear_problem(const at::Tensor& x, const at::Tensor& w, int64_t N, bool
   const bool sums = int4 && !amx;  // AMX arithmetic folds the zero point into the weights
   xsum.assign(sums ? M * blocks : 0, 0.f);
   const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), w.data_ptr<uint8_t>(), xsum.data(),
-                  reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, G, blocks, int4, amx};
+                  reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, G, blocks, int4, amx, zero_units};
   if (sums && M > 0) block_sums(p, xsum.data());
   return p;
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4, bool amx) {
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4, bool amx, bool zero_units) {
   at::Tensor out;
   std::vector<float> xsum;
-  const Problem p = linear_problem(x, w, N, int4, amx, out, xsum);
+  const Problem p = linear_problem(x, w, N, int4, amx, zero_units, out, xsum);
   const int64_t M = p.M, K = p.K, G = p.G;
   if (M == 0) return out;
 #ifdef PAGEDSERVE_AMX
@@ -602,12 +613,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool
 // them, [G][K/2][32] words. Unpacking int8 costs more than the dot products it feeds, so for
 // a few rows (speculative decoding's verification, 2-15 rows) a layer that keeps this copy
 // (twice its int8 bytes) runs the panel tiles straight from it. Same op sequence per element.
-at::Tensor bf16_unpack(const at::Tensor& w, int64_t N, int64_t K, bool int4, bool amx) {
+at::Tensor bf16_unpack(const at::Tensor& w, int64_t N, int64_t K, bool int4, bool amx, bool zero_units) {
   const int64_t G = (N + 15) / 16, blocks = K / kBlock;
   TORCH_CHECK(K % kBlock == 0 && K > 0 && w.scalar_type() == at::kByte && w.is_contiguous() &&
               w.numel() == G * blocks * bytes_per_group_block(int4), "packed weights: wrong size for N, K");
   at::Tensor out = at::empty({G * K / 2 * 32}, at::TensorOptions().dtype(at::kBFloat16));
-  const Problem p{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, 0, N, K, G, blocks, int4, amx};
+  const Problem p{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, 0, N, K, G, blocks, int4, amx, zero_units};
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) unpack_group(p, g, dst + g * (K / 2 * 32));
@@ -616,10 +627,10 @@ at::Tensor bf16_unpack(const at::Tensor& w, int64_t N, int64_t K, bool int4, boo
 }
 
 at::Tensor bf16_linear_unpacked(const at::Tensor& x, const at::Tensor& w, const at::Tensor& unpacked,
-                                int64_t N, bool int4, bool amx) {
+                                int64_t N, bool int4, bool amx, bool zero_units) {
   at::Tensor out;
   std::vector<float> xsum;
-  const Problem p = linear_problem(x, w, N, int4, amx, out, xsum);
+  const Problem p = linear_problem(x, w, N, int4, amx, zero_units, out, xsum);
   const int64_t M = p.M, K = p.K, G = p.G;
   TORCH_CHECK(unpacked.scalar_type() == at::kBFloat16 && unpacked.is_contiguous() &&
               unpacked.numel() == G * K / 2 * 32, "unpacked weights: wrong size for N, K");
@@ -654,7 +665,7 @@ at::Tensor bf16_linear_unpacked(const at::Tensor& x, const at::Tensor& w, const 
 
 // Rows `ids` of a packed weight as bf16: w = q * scale (+ zero) in fp32, as
 // QuantizedTensor.dequantize() computes it, then rounded. A tied embedding's lookup.
-at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int64_t K, bool int4) {
+at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int64_t K, bool int4, bool zero_units) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: contiguous int64 [T]");
   const int64_t G = (N + 15) / 16, blocks = K / kBlock;
   TORCH_CHECK(K % kBlock == 0 && K > 0 && w.scalar_type() == at::kByte && w.is_contiguous() &&
@@ -674,6 +685,7 @@ at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int6
         if (int4) {
           scale = static_cast<float>(reinterpret_cast<const at::Half*>(s.scales)[lane]);
           zero = static_cast<float>(reinterpret_cast<const at::Half*>(s.zeros)[lane]);
+          if (zero_units) zero *= scale;
         } else {
           scale = reinterpret_cast<const float*>(s.scales)[lane];
         }
@@ -696,19 +708,19 @@ at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int6
 
 #else  // no AVX512-BF16: the Python side checks `bf16_supported` and never calls these
 
-at::Tensor bf16_unpack(const at::Tensor&, int64_t, int64_t, bool, bool) {
+at::Tensor bf16_unpack(const at::Tensor&, int64_t, int64_t, bool, bool, bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
 
-at::Tensor bf16_linear_unpacked(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool, bool) {
+at::Tensor bf16_linear_unpacked(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool, bool, bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
 
-at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, bool, bool) {
+at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, bool, bool, bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
 
-at::Tensor bf16_rows(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool) {
+at::Tensor bf16_rows(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool, bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
 
@@ -732,12 +744,12 @@ bool amx_ready() {
 #endif
 }
 
-at::Tensor bf16_int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool amx) {
-  return bf16_linear(x, w, n, true, amx);
+at::Tensor bf16_int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool amx, bool zero_units) {
+  return bf16_linear(x, w, n, true, amx, zero_units);
 }
 
 at::Tensor bf16_int8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool amx) {
-  return bf16_linear(x, w, n, false, amx);
+  return bf16_linear(x, w, n, false, amx, false);
 }
 
 }  // namespace
@@ -745,10 +757,12 @@ at::Tensor bf16_int8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n,
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("bf16_supported() -> bool", &bf16_supported);
   m.def("bf16_amx_ready() -> bool", &amx_ready);
-  m.def("bf16_int4_linear(Tensor x, Tensor w, int n, bool amx=False) -> Tensor", &bf16_int4_linear);
+  m.def("bf16_int4_linear(Tensor x, Tensor w, int n, bool amx=False, bool zero_units=False) -> Tensor",
+        &bf16_int4_linear);
   m.def("bf16_int8_linear(Tensor x, Tensor w, int n, bool amx=False) -> Tensor", &bf16_int8_linear);
-  m.def("bf16_rows(Tensor w, Tensor ids, int n, int k, bool int4) -> Tensor", &bf16_rows);
-  m.def("bf16_unpack(Tensor w, int n, int k, bool int4, bool amx=False) -> Tensor", &bf16_unpack);
-  m.def("bf16_linear_unpacked(Tensor x, Tensor w, Tensor unpacked, int n, bool int4, bool amx=False) -> Tensor",
-        &bf16_linear_unpacked);
+  m.def("bf16_rows(Tensor w, Tensor ids, int n, int k, bool int4, bool zero_units=False) -> Tensor", &bf16_rows);
+  m.def("bf16_unpack(Tensor w, int n, int k, bool int4, bool amx=False, bool zero_units=False) -> Tensor",
+        &bf16_unpack);
+  m.def("bf16_linear_unpacked(Tensor x, Tensor w, Tensor unpacked, int n, bool int4, bool amx=False, "
+        "bool zero_units=False) -> Tensor", &bf16_linear_unpacked);
 }

@@ -60,6 +60,7 @@ class QuantLinear(Layer):
                              if fmt == "int4" else None)
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed = False  # True after pack(): qweight holds the bf16 kernels' records
+        self.zero_units = False  # packed int4: zeros as multiples of the scales (cpu_kernels/packing.py)
         self.amx = False  # packed: AMX arithmetic (cpu_kernels.dispatch chooses it per machine)
         self.unpacked_from_rows = UNPACKED_FROM_ROWS  # calls of this many rows on read `unpacked`
         self.unpacked: torch.Tensor | None = None  # packed int8 (or AMX with copies): bf16 values (see pack)
@@ -90,13 +91,15 @@ class QuantLinear(Layer):
         (AMX): also keep the weights dequantized to bf16 (2 bytes a weight) and run every
         call from them: no dequantizing per call, which at one row (decoding) doubles the time."""
         from cpu_kernels.packing import pack
-        self.qweight = pack(self.weight).data
+        packed = pack(self.weight)
+        self.qweight, self.zero_units = packed.data, packed.zero_units
         self.scales = self.zeros = None
         self.packed = True
         self.amx = amx
         self.unpacked_from_rows = UNPACKED_FROM_ROWS
         if amx and dequantized_copy:
-            self.unpacked = ops.bf16_unpack(self.format, self.qweight, self.out_features, self.in_features, True)
+            self.unpacked = ops.bf16_unpack(self.format, self.qweight, self.out_features, self.in_features, True,
+                                            self.zero_units)
             self.unpacked_from_rows = 1
         elif self.format == "int8":
             # Unpacking int8 to bf16 costs more than the dot products it feeds: from
@@ -108,7 +111,7 @@ class QuantLinear(Layer):
 
     def _packed(self):
         from cpu_kernels.packing import PackedWeight
-        return PackedWeight(self.format, self.qweight, self.out_features, self.in_features)
+        return PackedWeight(self.format, self.qweight, self.out_features, self.in_features, self.zero_units)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
@@ -120,9 +123,10 @@ class QuantLinear(Layer):
             flat = x.reshape(-1, self.in_features).contiguous()
             if self.unpacked is not None and flat.shape[0] >= self.unpacked_from_rows:
                 y = ops.bf16_quant_linear_unpacked(flat, self.format, self.qweight, self.unpacked,
-                                                   self.out_features, self.amx)
+                                                   self.out_features, self.amx, self.zero_units)
             else:
-                y = ops.bf16_quant_linear(flat, self.format, self.qweight, self.out_features, self.amx)
+                y = ops.bf16_quant_linear(flat, self.format, self.qweight, self.out_features, self.amx,
+                                          self.zero_units)
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         flat = x.reshape(-1, self.in_features).float().contiguous()
@@ -160,11 +164,12 @@ class QuantLinear(Layer):
             if part is not None:
                 getattr(self, name).narrow(0, offset, rows).copy_(part)
 
-    def fp16_exact(self) -> bool:
-        """Whether the bf16 kernels' fp16 scales and zeros hold this layer's exactly (GGUF's
-        do; a GPTQ/AWQ zero -scale * z rarely does: 15 significant bits)."""
-        parts = [p for p in (self.scales, self.zeros) if p is not None and self.format == "int4"]
-        return all(torch.equal(p.half().float(), p) for p in parts)
+    def bf16_kernels_exact(self) -> bool:
+        """Whether the bf16 kernels hold this layer's scales and zeros exactly: as fp16 values
+        (GGUF's) or as fp16 multiples of the scale (GPTQ's and AWQ's -scale * z; see
+        cpu_kernels/packing.py). A bf16 scale too small for fp16 does not fit."""
+        from cpu_kernels.packing import zero_encoding
+        return self.packed or zero_encoding(self.weight) is not None
 
     def _load_perm(self, perm: torch.Tensor | None) -> None:
         """A fused layer's parts share one input, so they must share its permutation (GPTQ's
@@ -188,7 +193,7 @@ class QuantEmbedding(Layer):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.table.packed and self.out_dtype == torch.bfloat16:
             rows = ops.bf16_rows(self.table.format, self.table.qweight, self.table.out_features,
-                                 self.table.in_features, ids.flatten().contiguous())
+                                 self.table.in_features, ids.flatten().contiguous(), self.table.zero_units)
             return rows.view(*ids.shape, -1)
         return self.table.rows(ids).dequantize().to(self.out_dtype).view(*ids.shape, -1)
 

@@ -157,8 +157,9 @@ def _runnable_fp8(formats: dict[str, str], path: Path, cfg: ModelArchConfig, dty
 def _prepare_quantized(model: nn.Module, dtype: str, device: str, amx: bool = False, exact: bool = False) -> None:
     """bfloat16 on a CPU with AVX512-BF16: the blocks are repacked for the bf16 kernels (in
     AMX arithmetic if `amx`). Their fp16 scales and zeros round GGUF's Q4_K ones; `exact`
-    (HF checkpoints): a layer they would round stays on the float32 kernels instead (a GPTQ
-    or AWQ zero point, -scale * z, needs up to 15 significant bits). Without the kernels,
+    (HF checkpoints): a layer they would round stays on the float32 kernels instead (GPTQ and
+    AWQ zero points, -scale * z, they hold exactly as multiples of the scale; a bf16 scale
+    below fp16's range they cannot). Without the kernels,
     layers loaded as blocks become dense layers of the same weights. FP8 layers (kept only
     where their kernel runs) are packed for it, in AMX arithmetic if `amx` and a bf16 model."""
     from cpu_kernels import ops
@@ -177,12 +178,12 @@ def _prepare_quantized(model: nn.Module, dtype: str, device: str, amx: bool = Fa
 
 
 def _keep_inexact_on_fp32(model: nn.Module) -> None:
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and not m.fp16_exact()]
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and not m.bf16_kernels_exact()]
     for layer in layers:
         layer.fp32_kernels = True
     if layers:
-        log.info("%d quantized layers run on the float32 kernels: their scales or zeros are not exact "
-                 "in the bf16 kernels' fp16", len(layers))
+        log.info("%d quantized layers run on the float32 kernels: the bf16 kernels' fp16 cannot hold their "
+                 "scales or zeros exactly", len(layers))
 
 
 @torch.no_grad()

@@ -138,15 +138,15 @@ def quant_linear(weight: QuantizedTensor) -> QuantLinear:
 @needs_kernels
 def test_act_order_permutation_in_both_kernels():
     """A permuted layer gathers its inputs: the float32 kernels, and the bf16 ones once packed
-    (a symmetric GPTQ zero, -8 * scale, is exact in their fp16; an asymmetric one is not, and
-    that layer stays on the float32 kernels)."""
+    (a symmetric GPTQ zero, -8 * scale, is exact in their fp16; an asymmetric one they hold as
+    the integer -z, in units of the scale)."""
     torch.manual_seed(0)
     w, order = torch.randn(48, 128), torch.randperm(128)
     grouped = quantize_groups(w, 4, 32, True, order)
     q = parse(KINDS["gptq-int8"].config | {"bits": 4})
     from quant_packing import gptq_tensors
     layer = quant_linear(read_weight(q, q.schemes[0].weights, gptq_tensors(grouped, 4)))
-    assert layer.perm is not None and layer.fp16_exact()
+    assert layer.perm is not None and layer.bf16_kernels_exact()
     x = torch.randn(5, 128)
     reference = x.double() @ grouped.dequantize().t()
     assert torch.allclose(layer(x).double(), reference, atol=1e-4)
@@ -156,8 +156,12 @@ def test_act_order_permutation_in_both_kernels():
         exact = (xb.double() @ grouped.dequantize().t()).float()
         assert torch.allclose(layer(xb).float(), exact, rtol=2**-7, atol=1e-2)
         assert torch.equal(layer.weight.dequantize(), grouped.dequantize().float())
-    asym = quantize_groups(w, 4, 32, False)
-    assert not quant_linear(read_weight(q, q.schemes[0].weights, gptq_tensors(asym, 4))).fp16_exact()
+    asym = quant_linear(read_weight(q, q.schemes[0].weights, gptq_tensors(quantize_groups(w, 4, 32, False), 4)))
+    assert asym.bf16_kernels_exact() and not torch.equal(asym.zeros.half().float(), asym.zeros)
+    if ops.bf16_dot_supported():
+        weights = asym.weight.dequantize()
+        asym.pack()
+        assert asym.zero_units and torch.equal(asym.weight.dequantize(), weights)
 
 
 def fake_quantized_inputs(x: torch.Tensor) -> torch.Tensor:
@@ -345,17 +349,18 @@ class ExactLinear(nn.Module):
 
 @pytest.mark.skipif(not (cpu_kernels.available("quant_linear") and ops.bf16_dot_supported()),
                     reason="the bf16 quantized kernels need AVX512-BF16")
-@pytest.mark.parametrize("kind,packed", [("gptq-int8", True), ("awq", False)])
-def test_bfloat16_packs_the_layers_fp16_holds(tmp_path, tiny_bases, kind, packed):
-    """int8 blocks (fp32 scales) and act-order pack for the bf16 kernels; AWQ's zeros, -s * z,
-    are not exact in their fp16, so its layers stay on the float32 kernels. Either way the
-    outputs are those of the exact weights on bf16 inputs (bf16 logits tie often: a prompt may
-    diverge once at a near-tie, and logprobs agree to a logit's ulp or two)."""
+@pytest.mark.parametrize("kind", ["gptq-int8", "awq"])
+def test_bfloat16_packs_the_layers_fp16_holds(tmp_path, tiny_bases, kind):
+    """int8 blocks (fp32 scales) and AWQ's int4 (zeros -s * z, held as -z in units of the
+    scale) pack for the bf16 kernels, and the outputs are those of the exact weights on bf16
+    inputs (bf16 logits tie often: a prompt may diverge once at a near-tie, and logprobs agree
+    to a logit's ulp or two)."""
     export(tiny_bases["llama"], tmp_path / kind, tmp_path / "reference", kind)
     llm = LLM(str(tmp_path / kind), dtype="bfloat16", **STRESS)
     model = llm.engine.model_runner.model
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    assert len(layers) == 8 and all(m.packed == packed and m.fp32_kernels != packed for m in layers.values())
+    assert len(layers) == 8 and all(m.packed and not m.fp32_kernels for m in layers.values())
+    assert all(m.zero_units for m in layers.values()) == (kind == "awq")
     prompts = tiny_prompts()
     ours = greedy_with_logprobs(llm, prompts, MAX_NEW)
     for name, layer in layers.items():

@@ -165,3 +165,62 @@ def test_amx_refused_where_it_cannot_run():
     packed = packing.pack(random_weight("int4", 32, 64))
     with pytest.raises(RuntimeError, match="AMX"):
         ops.bf16_quant_linear(torch.zeros(2, 64, dtype=torch.bfloat16), "int4", packed.data, 32, True)
+
+
+def gptq_like_weight(n: int, k: int, seed: int = 0) -> QuantizedTensor:
+    """int4 groups of 128 as GPTQ/AWQ hold them: fp16 scales s, integer zero points z in 0..15,
+    zero = -s * z in float32 (mostly not exact in fp16)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // 128
+    scales = (torch.rand(n, groups, generator=g) * 0.02 + 1e-3).half().float()
+    z = torch.randint(0, 16, (n, groups), generator=g).float()
+    values = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    return QuantizedTensor.from_groups("int4", values, scales, -scales * z)
+
+
+def test_gptq_zeros_are_held_in_scale_units():
+    """-s * z needs 15 significant bits: the packed layer holds -z and restores the same floats."""
+    w = gptq_like_weight(200, 256)
+    assert not torch.equal(w.zeros.half().float(), w.zeros)
+    assert packing.zero_encoding(w) == "units"
+    packed = packing.pack(w)
+    assert packed.zero_units and torch.equal(packing.unpack(packed).dequantize(), w.dequantize())
+    bad = QuantizedTensor("int4", w.qweight, w.scales, w.zeros + 1e-4)  # not a multiple of the scale
+    assert packing.zero_encoding(bad) is None
+    tiny = QuantizedTensor("int4", w.qweight, w.scales * 2**-20, w.zeros * 2**-20)  # below fp16's range
+    assert packing.zero_encoding(tiny) is None
+
+
+@pytest.mark.parametrize("amx", ARITHMETICS)
+def test_zero_encodings_give_the_same_bits(amx):
+    """Zeros that both encodings hold (-8 * s: symmetric GPTQ) give bitwise the same outputs,
+    rows and unpacked copies either way: scale units change the bytes, never the arithmetic."""
+    w = gptq_like_weight(130, 256)
+    w = QuantizedTensor("int4", w.qweight, w.scales, -8 * w.scales)
+    fp16, units = packing.pack(w, "fp16"), packing.pack(w, "units")
+    assert not units.zero_units or not torch.equal(fp16.data, units.data)
+    for m in (1, 3, 16, 40):
+        x = bf16_input(m, 256, seed=m)
+        ours = ops.bf16_quant_linear(x, "int4", units.data, 130, amx, zero_units=True)
+        assert torch.equal(ours, run(x, fp16, amx))
+        copy = ops.bf16_unpack("int4", units.data, 130, 256, amx, zero_units=True)
+        same = ops.bf16_quant_linear_unpacked(x, "int4", units.data, copy, 130, amx, zero_units=True)
+        assert torch.equal(same, ours)
+    ids = torch.tensor([0, 129, 7])
+    assert torch.equal(ops.bf16_rows("int4", units.data, 130, 256, ids, zero_units=True),
+                       ops.bf16_rows("int4", fp16.data, 130, 256, ids))
+
+
+@pytest.mark.parametrize("amx", ARITHMETICS)
+def test_gptq_zeros_match_the_reference(amx):
+    """Asymmetric GPTQ/AWQ weights on the kernels: within one bf16 rounding of the exact
+    product, and each row the same alone or in a batch."""
+    w = gptq_like_weight(328, 512, seed=2)
+    packed = packing.pack(w)
+    x = bf16_input(40, 512)
+    out = ops.bf16_quant_linear(x, "int4", packed.data, 328, amx, zero_units=True).float()
+    ref = (x.double() @ w.dequantize().bfloat16().double().t()).float() if amx else reference_linear(x.float(), w)
+    assert ((out - ref).abs() <= ref.abs() * 2.0 ** -8 + 1e-6 * ref.abs().max()).all()
+    for m in (1, 5):
+        alone = ops.bf16_quant_linear(x[:m].contiguous(), "int4", packed.data, 328, amx, zero_units=True)
+        assert torch.equal(alone, out[:m].bfloat16())
