@@ -175,6 +175,10 @@ def iter_gguf_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = F
             else:
                 weight = _unpermute_rotary(weight, heads)
         yield name, weight
+    # Every weight above is a copy: let the file's mapping go (the pages read stay in the
+    # process's RSS while it is mapped: SmolLM2's 112 MB beside its loaded weights).
+    del file
+    _gguf.cache_clear()
 
 
 def _blocks(raw: np.ndarray, kind: str) -> QuantizedTensor:

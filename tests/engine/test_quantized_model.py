@@ -85,6 +85,8 @@ def test_bundled_gguf_runs_as_stored_and_matches_its_reference(bundled_path, bun
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.format == "int4" and layer.mlp.down_proj.format == "int4"  # Q4_1
     assert model.lm_head.format == "int8" and isinstance(model.model.embed_tokens, QuantEmbedding)  # Q8_0, tied
+    with open("/proc/self/maps") as maps:  # the weights are copies: the file is no longer mapped
+        assert str(bundled_path.resolve()) not in maps.read()
     ours = greedy(llm, prompts)
     assert_no_leak(llm)
     assert use_reference(llm) == 4 * len(model.model.layers) + 1
