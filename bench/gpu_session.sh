@@ -107,7 +107,7 @@ PYTEST="$PY -m pytest -q -rfE -p no:cacheprovider --timeout 300"
 step warm 120 /tmp/pagedserve-warm.log $PY -m cupy_kernels.warm --jobs 16
 # The GPU kernel tests only: the CPU kernels' tests (and their C++ builds) run in CI.
 step kernel-tests 240 "$OUT/kernel_tests.log" $PYTEST $XDIST --maxfail 40 \
-  tests/kernels/test_{cache_kernel,decode_kernel,prefill_kernel,cupy_backend,gpu_flags,plan,reference}.py
+  tests/kernels/test_{cache_kernel,decode_kernel,prefill_kernel,cupy_backend,gpu_flags,plan,reference,cuda_quant}.py
 step e2e 150 "$OUT/e2e.log" $PYTEST tests/kernels/test_gpu_e2e.py tests/kernels/test_gpu_families.py
 step bench 180 "$OUT/bench.log" $PY -m bench.kernels --output-dir "$OUT"
 # One cudaMalloc per tensor, so that an out-of-bounds access lands outside any allocation.

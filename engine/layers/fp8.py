@@ -45,7 +45,7 @@ class Fp8Linear(Layer):
         k_block = weight.block[1] if weight.kind == "block" else self.in_features
         if self.scales is None:
             self.k_block = k_block
-            self.scales = torch.empty(self.out_features, -(-self.in_features // k_block))
+            self.scales = torch.empty(self.out_features, -(-self.in_features // k_block), device=self.qweight.device)
         elif k_block != self.k_block:
             raise ValueError(f"the parts of a fused FP8 layer ({self.out_features} x {self.in_features}) have "
                              f"different scale blocks ({self.k_block} and {k_block} columns)")

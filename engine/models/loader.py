@@ -155,17 +155,22 @@ def use_layer_kernels(model: nn.Module, device: str, dtype: str) -> bool:
 
 def _runnable_fp8(formats: dict[str, str], path: Path, cfg: ModelArchConfig, dtype: str, device: str
                   ) -> dict[str, str]:
-    """`formats` less its FP8 layers where the FP8 kernel cannot run them (not a CPU with
-    AVX-512 VBMI, or AVX512-BF16 for a bfloat16 model) or a tied embedding reads the head:
-    those are dequantized at load."""
+    """`formats` less its FP8 layers where no FP8 kernel can run them (a CPU without AVX-512
+    VBMI, or AVX512-BF16 for a bfloat16 model; CUDA in anything but bfloat16) or a tied
+    embedding reads the head: those are dequantized at load. (On CUDA, engine/layers/cuda_quant.py
+    decides per layer.)"""
     fp8 = [layer for layer, fmt in formats.items() if fmt == "fp8"]
     if not fp8:
         return formats
     from cpu_kernels import ops
-    runs = device == "cpu" and ops.fp8_supported() and (dtype != "bfloat16" or ops.fp8_bf16_supported())
+    if device.startswith("cuda"):
+        runs = dtype == "bfloat16"
+    else:
+        runs = device == "cpu" and ops.fp8_supported() and (dtype != "bfloat16" or ops.fp8_bf16_supported())
     if not runs:
         log.info("%s: %d FP8 layers are dequantized to %s at load (the FP8 kernel needs a CPU with "
-                 "AVX-512 VBMI, and AVX512-BF16 for bfloat16 models)", path.name, len(fp8), dtype)
+                 "AVX-512 VBMI, and AVX512-BF16 for bfloat16 models; on CUDA, a bfloat16 model)",
+                 path.name, len(fp8), dtype)
     drop = fp8 if not runs else ["lm_head"] if cfg.tie_word_embeddings else []  # tied: QuantEmbedding reads int only
     return {layer: fmt for layer, fmt in formats.items() if layer not in drop}
 
@@ -177,8 +182,13 @@ def _prepare_quantized(model: nn.Module, dtype: str, device: str, amx: bool = Fa
     AWQ zero points, -scale * z, they hold exactly as multiples of the scale; a bf16 scale
     below fp16's range they cannot). Without the kernels,
     layers loaded as blocks become dense layers of the same weights. FP8 layers (kept only
-    where their kernel runs) are packed for it, in AMX arithmetic if `amx` and a bf16 model."""
+    where their kernel runs) are packed for it, in AMX arithmetic if `amx` and a bf16 model.
+    On CUDA, engine/layers/cuda_quant.py runs int4 and per-channel FP8 as stored."""
     from cpu_kernels import ops
+    if device.startswith("cuda"):
+        from engine.layers.cuda_quant import prepare_cuda
+        prepare_cuda(model, DTYPES[dtype])
+        return
     fp8_amx = amx and dtype == "bfloat16" and ops.fp8_amx_ready()
     for module in model.modules():
         if isinstance(module, Fp8Linear):

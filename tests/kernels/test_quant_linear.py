@@ -28,6 +28,17 @@ def random_weight(fmt: str, n: int, k: int, seed: int = 0) -> QuantizedTensor:
     return QuantizedTensor("int8", torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), scales)
 
 
+def gptq_like_weight(n: int, k: int, seed: int = 0) -> QuantizedTensor:
+    """int4 groups of 128 as GPTQ/AWQ hold them: fp16 scales s, integer zero points z in 0..15,
+    zero = -s * z in float32 (mostly not exact in fp16)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = k // 128
+    scales = (torch.rand(n, groups, generator=g) * 0.02 + 1e-3).half().float()
+    z = torch.randint(0, 16, (n, groups), generator=g).float()
+    values = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    return QuantizedTensor.from_groups("int4", values, scales, -scales * z)
+
+
 def run(x: torch.Tensor, w: QuantizedTensor) -> torch.Tensor:
     if w.format == "int4":
         return ops.int4_linear(x, w.qweight, w.scales, w.zeros)

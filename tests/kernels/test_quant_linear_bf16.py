@@ -15,7 +15,7 @@ import torch
 
 from cpu_kernels import ops, packing
 from cpu_kernels.quant_format import QuantizedTensor, quantize, reference_linear
-from test_quant_linear import assert_rows_do_not_depend_on_the_batch, random_weight
+from test_quant_linear import assert_rows_do_not_depend_on_the_batch, gptq_like_weight, random_weight
 
 if not ops.bf16_dot_supported():
     pytest.skip("bf16 quantized kernels need AVX512-BF16 (or the kernels are unavailable)", allow_module_level=True)
@@ -165,17 +165,6 @@ def test_amx_refused_where_it_cannot_run():
     packed = packing.pack(random_weight("int4", 32, 64))
     with pytest.raises(RuntimeError, match="AMX"):
         ops.bf16_quant_linear(torch.zeros(2, 64, dtype=torch.bfloat16), "int4", packed.data, 32, True)
-
-
-def gptq_like_weight(n: int, k: int, seed: int = 0) -> QuantizedTensor:
-    """int4 groups of 128 as GPTQ/AWQ hold them: fp16 scales s, integer zero points z in 0..15,
-    zero = -s * z in float32 (mostly not exact in fp16)."""
-    g = torch.Generator().manual_seed(seed)
-    groups = k // 128
-    scales = (torch.rand(n, groups, generator=g) * 0.02 + 1e-3).half().float()
-    z = torch.randint(0, 16, (n, groups), generator=g).float()
-    values = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    return QuantizedTensor.from_groups("int4", values, scales, -scales * z)
 
 
 def test_gptq_zeros_are_held_in_scale_units():
