@@ -73,6 +73,26 @@ class Fp8Weight:
             return self.scale.reshape(n, 1)
         return self.scale.repeat_interleave(self.block[0], dim=0)[:n]
 
+    def rows(self, start: int, count: int) -> Fp8Weight:
+        """Output rows start..start+count, the same values and scales (block scales become
+        each row's own, blocks of (1, bk): a shard need not start on a block of rows)."""
+        data = self.data.narrow(0, start, count)
+        if self.kind == "tensor":
+            return Fp8Weight(data, self.scale, "tensor")
+        if self.kind == "channel":
+            return Fp8Weight(data, self.scale.reshape(-1).narrow(0, start, count), "channel")
+        return Fp8Weight(data, self.column_scales().narrow(0, start, count).contiguous(), "block", (1, self.block[1]))
+
+    def columns(self, start: int, count: int) -> Fp8Weight:
+        """Input columns start..start+count; block scales need the slice on their column blocks."""
+        data = self.data.narrow(1, start, count).contiguous()
+        if self.kind != "block":
+            return Fp8Weight(data, self.scale, self.kind)
+        bk = self.block[1]
+        if start % bk or (count % bk and start + count != self.shape[1]):
+            raise ValueError(f"FP8 blocks of {bk} columns cannot be cut at columns {start}..{start + count}")
+        return Fp8Weight(data, self.scale[:, start // bk:-(-(start + count) // bk)].contiguous(), "block", self.block)
+
     def dequantize(self) -> torch.Tensor:
         """The effective float32 weights: fp8 * scale, one float32 product per weight."""
         n, k = self.shape

@@ -18,7 +18,8 @@ The layers themselves stay `nn.Linear` / `QuantLinear` / `nn.Embedding` of the l
 shape (so quantization and the attention backends see ordinary layers of fewer heads);
 this module says which slice of each checkpoint tensor a rank keeps, and holds the
 collective steps the model calls. A quantized weight is sliced in its blocks where that
-is exact: any rows, and input columns on 32-value block boundaries.
+is exact: any rows, and input columns on 32-value block boundaries; FP8 any rows, and
+input columns anywhere (block scales: on their column blocks).
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cpu_kernels.fp8_format import Fp8Weight
 from engine.distributed.state import SINGLE, TPShard, all_reduce, gather_vocab
 from engine.layers.quantized import BLOCK, QuantizedTensor
 
 if TYPE_CHECKING:  # type hints only: engine.models builds on these layers, not the reverse
     from engine.models.config import ModelArchConfig
 
-Weight = torch.Tensor | QuantizedTensor
+Weight = torch.Tensor | QuantizedTensor | Fp8Weight
 ROW_PARALLEL = ("o_proj", "down_proj")  # layers whose input columns are split
 
 
@@ -95,6 +97,8 @@ def shard_checkpoint_tensor(name: str, part: int | None, tensor: Weight, cfg: Mo
 
 
 def shard_rows(t: Weight, start: int, count: int) -> Weight:
+    if isinstance(t, Fp8Weight):
+        return t.rows(start, count)
     if isinstance(t, QuantizedTensor):
         return t.map_rows(lambda p: p.narrow(0, start, count).contiguous())
     return t.narrow(0, start, count).contiguous()
@@ -104,7 +108,11 @@ def shard_cols(t: Weight, start: int, count: int) -> Weight:
     """Columns start..start+count. A quantized weight keeps its blocks when the slice falls
     on block boundaries; otherwise, or when act-order scattered its groups over the columns
     (`perm`), it is dequantized (the layer then runs dense: see `quantize_modules`, which
-    keeps such layers dense, and loader.linear_formats)."""
+    keeps such layers dense, and loader.linear_formats). FP8 keeps its bytes: per-tensor and
+    per-channel scales for any slice, block scales on their column blocks (linear_formats
+    keeps a layer whose rank width is not a multiple of them dense)."""
+    if isinstance(t, Fp8Weight):
+        return t.columns(start, count)
     if not isinstance(t, QuantizedTensor):
         return t.narrow(1, start, count).contiguous()
     if start % BLOCK or count % BLOCK or t.perm is not None:

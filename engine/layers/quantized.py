@@ -175,8 +175,8 @@ class QuantLinear(Layer):
         """A fused layer's parts share one input, so they must share its permutation (GPTQ's
         act-order derives it from that input's statistics: q, k and v get the same)."""
         if not self.perm_loaded:
-            self.perm, self.perm_loaded = perm, True
-        elif (perm is None) != (self.perm is None) or (perm is not None and not torch.equal(perm, self.perm)):
+            self.perm, self.perm_loaded = None if perm is None else perm.to(self.qweight.device), True
+        elif (perm is None) != (self.perm is None) or (perm is not None and not torch.equal(perm.cpu(), self.perm.cpu())):
             raise ValueError(f"the parts of a fused layer ({self.out_features} x {self.in_features}) have "
                              "different act-order permutations (g_idx): they cannot share one input order")
 

@@ -227,7 +227,8 @@ def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None, t
                    ) -> dict[str, str]:
     """Linear layer name -> "int4" | "int8" | "fp8" for the layers to keep quantized: a GGUF's
     Q4_0/Q4_1/Q8_0/Q5_0/Q4_K tensors in blocks, a quantized HF checkpoint's int4/int8/FP8 layers
-    (FP8 not under tensor parallelism; load_model drops it where its kernel does not run)
+    (load_model drops FP8 where its kernel does not run; under tensor parallelism, a
+    row-parallel layer whose rank width cuts its FP8 column blocks stays dense)
     (unless quantization is "none"), or every linear layer of a float checkpoint with
     quantization int4/int8. Fused layers stay dense when their parts are stored differently;
     layers whose input width is not a multiple of 32 stay dense, and so do row-parallel
@@ -240,7 +241,7 @@ def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None, t
         if quantization is not None:
             what = "a GGUF file's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K weights" if quant is None else f"{quant.label} weights"
             raise ValueError(f"quantization {quantization!r}: {what} run as stored; use 'none' to dequantize them instead")
-        stored = _stored_formats(path, quant, tp_size)
+        stored = _stored_formats(path, quant, cfg, tp_size)
     elif quantization is None:
         return {}
     else:
@@ -253,7 +254,7 @@ def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None, t
     return formats
 
 
-def _stored_formats(path: Path, quant: HFQuantConfig | None, tp_size: int) -> dict[str, str]:
+def _stored_formats(path: Path, quant: HFQuantConfig | None, cfg: ModelArchConfig, tp_size: int) -> dict[str, str]:
     """HF tensor name -> block format, for a GGUF file or a quantized HF folder (`quant`)."""
     if quant is None:
         from engine.models.gguf_loader import gguf_block_formats
@@ -263,8 +264,13 @@ def _stored_formats(path: Path, quant: HFQuantConfig | None, tp_size: int) -> di
     if tp_size > 1 and any(s.int8_inputs for s in quant.schemes):
         raise ValueError(f"{quant.label}: int8 activations (W8A8) under tensor parallelism are not supported "
                          "yet (each token's scale spans every rank's columns); use tensor_parallel_size 1")
-    if tp_size > 1:  # FP8 is not sharded as stored yet: dequantized
-        stored = {name: fmt for name, fmt in stored.items() if fmt != "fp8"}
+    fp8_block = next((s.weights.block_structure[1] for s in quant.schemes
+                      if s.weights.type == "float" and s.weights.strategy == "block"), None)
+    widths = {"o_proj": cfg.num_heads * cfg.head_dim, "down_proj": cfg.intermediate_size}
+    uncut = [layer for layer, width in widths.items() if fp8_block and width // tp_size % fp8_block]
+    if tp_size > 1 and uncut:  # a rank's columns would cut FP8 column blocks: dense there
+        stored = {name: fmt for name, fmt in stored.items()
+                  if not (fmt == "fp8" and name.endswith(tuple(f".{layer}.weight" for layer in uncut)))}
     if tp_size > 1 and any(s.weights.actorder == "group" for s in quant.schemes):
         stored = {name: fmt for name, fmt in stored.items()
                   if not name.endswith(tuple(f".{layer}.weight" for layer in ROW_PARALLEL))}

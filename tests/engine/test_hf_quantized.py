@@ -327,12 +327,28 @@ def test_fp8_bfloat16_runs_as_stored(tmp_path, tiny_bases):
     assert check_outputs_match(ours, greedy_with_logprobs(llm, prompts, MAX_NEW)) < len(prompts) // 2
 
 
-def test_fp8_under_tensor_parallelism_is_dequantized(tmp_path, tiny_bases):
-    """FP8 layers are not sharded as stored yet: under TP they load dense."""
+def test_fp8_under_tensor_parallelism_runs_as_stored(tmp_path, tiny_bases):
+    """Block FP8 shards as stored: column-parallel rows take their own block scales, row-parallel
+    columns split on their blocks; TP=2 gives TP=1's tokens. A rank width that would cut a
+    column block keeps that row-parallel layer dense (blocks of 32, 4 ranks: o_proj's 16)."""
     export(tiny_bases["llama"], tmp_path / "q", tmp_path / "reference", "fp8-block")
     cfg = read_arch_config(tmp_path / "q")
-    assert set(linear_formats(tmp_path / "q", cfg, None).values()) == {"fp8"}
-    assert linear_formats(tmp_path / "q", cfg, None, tp_size=2) == {}
+    assert set(linear_formats(tmp_path / "q", cfg, None, tp_size=2).values()) == {"fp8"}
+    four = linear_formats(tmp_path / "q", cfg, None, tp_size=4)
+    assert not any(name.endswith("o_proj") for name in four) and any(name.endswith("qkv_proj") for name in four)
+    engine = dict(dtype="float32", num_kv_blocks=96, num_threads=2, max_num_batched_tokens=48)
+    prompts = tiny_prompts()
+    one = greedy_with_logprobs(LLM(str(tmp_path / "q"), **engine), prompts, MAX_NEW)
+    llm = LLM(str(tmp_path / "q"), tensor_parallel_size=2, **engine)
+    try:
+        layer = llm.engine.model_runner.model.model.layers[0]
+        kernel = cpu_kernels.available("fp8_linear") and ops.fp8_supported()
+        assert all(isinstance(m, Fp8Linear) == kernel for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+        two = greedy_with_logprobs(llm, prompts, MAX_NEW)
+    finally:
+        llm.engine.model_runner.close()
+    assert check_outputs_match(two, one) == 0
+    assert max(logprob_gap(*pair) for pair in zip(two, one)) < LOGPROB_ATOL
 
 
 class ExactLinear(nn.Module):

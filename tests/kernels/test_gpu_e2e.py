@@ -187,3 +187,25 @@ def test_auto_device_and_a_gpu_share_size_the_pool(tiny_llama, caplog):
         assert_greedy_match(out.outputs[0].token_ids, ref, i)
     with pytest.raises(ValueError, match="leaves no room for the KV cache"):
         LLM(str(folder), dtype="float32", gpu_memory_utilization=1e-6, max_model_len=512, max_num_seqs=8)
+
+
+@pytest.mark.parametrize("kind,layer", [("gptq-actorder-asym", "TinyGemmInt4Linear"), ("awq", "TinyGemmInt4Linear"),
+                                        ("ct-fp8", "ScaledMmFp8Linear")])
+def test_quantized_checkpoint_on_cuda_runs_as_stored(tiny_llama, tmp_path, kind, layer):
+    """A GPTQ (act-order, asymmetric), AWQ or FP8 checkpoint on CUDA keeps its layers as stored
+    (engine/layers/cuda_quant.py) and its first greedy token is the float model of its
+    dequantized weights' for most prompts (tinygemm's bf16 scales, FP8's quantized activations
+    and bf16 itself may each move a near tie)."""
+    from pagedserve import LLM, SamplingParams
+    from quant_packing import export
+    folder, prompts, _ = tiny_llama
+    export(folder, tmp_path / kind, tmp_path / "reference", kind)
+    engine = dict(device="cuda", dtype="bfloat16", num_kv_blocks=256, max_model_len=512, max_num_seqs=8)
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4)
+    llm = LLM(str(tmp_path / kind), **engine)
+    kinds = {type(m).__name__ for m in llm.engine.model_runner.model.modules()}
+    assert layer in kinds or (layer == "ScaledMmFp8Linear" and torch.cuda.get_device_capability() < (8, 9))
+    ours = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
+    del llm
+    ref = [out.outputs[0].token_ids for out in LLM(str(tmp_path / "reference"), **engine).generate(prompts, params)]
+    assert sum(a[0] == b[0] for a, b in zip(ours, ref)) >= len(prompts) - 2
