@@ -125,11 +125,15 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.formats import add_arguments as add_formats
     add_formats(bench_kinds.add_parser(
         "formats", help="each weight format's speed beside its perplexity (CPU, in-process)",
-        description="Weight formats of one GGUF model, in-process on CPU: float32 and bfloat16 "
-                    "(dequantized), int8 and int4 (quantized at load from its float export), and the "
-                    "GGUF's own blocks run as stored. For each: perplexity on a fixed text of our own, "
-                    "time per output token of one stream, output tok/s of a batch, and prefill tok/s "
-                    "of a long prompt, with ratios to float32 from the same run. Writes JSON and a PNG."))
+        description="Weight formats of one GGUF model's weights, in-process on CPU: float32 and bfloat16 "
+                    "(dequantized), int8 and int4 (quantized at load from its float export), the "
+                    "GGUF's own blocks, GGUF Q4_0 and Q8_0 (requantized by gguf-py), and checkpoints "
+                    "made by the quantizers users run (GPTQModel's GPTQ int4, AWQ, llm-compressor's "
+                    "W4A16, W8A16 and FP8, block FP8; minutes to make the first time, then cached). "
+                    "For each: perplexity on a fixed text of our own, time per output token of one "
+                    "stream, output tok/s of a batch, prefill tok/s of a long prompt and the RSS the "
+                    "load adds, with ratios to float32 and the quantized checkpoints' targets against "
+                    "their baselines from the same run. Writes JSON and a PNG."))
     from bench.lora import add_arguments as add_lora
     add_lora(bench_kinds.add_parser(
         "lora", help="multi-LoRA throughput: 1, 4, 16 adapters in the mix against the base model",
