@@ -109,11 +109,13 @@ ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, window: int | None = None) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """out [B, Hq, D] (q's dtype): q [B, Hq, D] attends to its sequence's context_lens[b]
     cached tokens, found through block_tables [B, W] int64 in kv_cache [2, Hkv, N, bs, D];
     with a sliding `window`, to the last `window` of them only (earlier table entries are
-    never read).
+    never read). `sinks` (float32 [Hq]): a logit per head that joins each softmax's
+    denominator and adds no value (gpt-oss).
     q's rows may be strided (a view of the fused qkv); its heads must be D apart."""
     _ensure("paged_attention")
     if q.dim() != 3 or q.dtype not in ATTENTION_DTYPES or q.device.type != "cpu":
@@ -139,7 +141,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     if window is not None and window < 1:
         raise ValueError(f"window: want a positive number of tokens or None, got {window}")
     return torch.ops.pagedserve_cpu.paged_decode(q, kv_cache, block_tables, context_lens, float(scale),
-                                                 window or 0)
+                                                 window or 0, sinks)
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

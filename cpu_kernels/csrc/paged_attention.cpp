@@ -4,6 +4,9 @@
 //   q             [B, Hq, D]  rows may be strided (a view of the fused qkv); heads D apart
 //   block_tables  [B, W] int64, context_lens [B] int64 (>= 1)
 //   window        0, or a sliding window: row b sees positions [len - window, len) only
+//   sinks         none, or float32 [Hq]: a learned logit per query head that joins every
+//                 softmax's denominator (gpt-oss's attention sinks) and adds no value:
+//                 p_t = exp(s_t) / (sum_t exp(s_t) + exp(sink))
 //
 // A windowed row's key loop starts at its window's first position (mid-block if need
 // be): blocks before it are neither read nor checked, so the block manager may have
@@ -28,6 +31,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #ifdef __AVX2__
@@ -265,9 +269,22 @@ void attend_range(const Shape& sh, const T* cache, const int64_t* table, int64_t
   }
 }
 
+// The softmax's denominator given the keys' running max m and sum l (relative to m), and the
+// factor the values' sums (relative to m) take: (l, 1) alone; with a sink, relative to
+// m' = max(m, sink): (l e^(m - m') + e^(sink - m'), e^(m - m')). A sink of -inf gives (l, 1)
+// exactly, so the output keeps its bits: acc * 1 / l.
+struct Denominator {
+  float sum, rescale;
+};
+inline Denominator denominator(float m, float l, const float* sink) {
+  if (sink == nullptr) return {l, 1.f};
+  const float m2 = std::max(m, *sink), rescale = std::exp(m - m2);
+  return {l * rescale + std::exp(*sink - m2), rescale};
+}
+
 template <typename T>
 void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                 const at::Tensor& context_lens, double scale, int64_t window, at::Tensor& out) {
+                 const at::Tensor& context_lens, double scale, int64_t window, const float* sinks, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   Shape sh{Hq / kv_cache.size(1), D, kv_cache.size(1), kv_cache.size(2), kv_cache.size(3),
            block_tables.size(1), 0};
@@ -330,7 +347,8 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
       if (it.slot < 0) {  // the whole context in one item: finish here
         T* o = op + (it.b * sh.Hkv + it.head) * G * D;
         for (int64_t g = 0; g < G; ++g) {
-          const float inv = 1.f / sc.l[g];
+          const Denominator d = denominator(sc.m[g], sc.l[g], sinks ? sinks + it.head * G + g : nullptr);
+          const float inv = d.rescale / d.sum;
           for (int64_t c = 0; c < D; ++c) o[g * D + c] = static_cast<T>(sc.acc[g * D + c] * inv);
         }
       } else {
@@ -366,14 +384,16 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
           l += part[G * D + G + g] * w;
           for (int64_t c = 0; c < D; ++c) acc[c] += part[g * D + c] * w;
         }
-        for (int64_t c = 0; c < D; ++c) o[g * D + c] = static_cast<T>(acc[c] / l);
+        const Denominator d = denominator(m, l, sinks ? sinks + h * G + g : nullptr);
+        for (int64_t c = 0; c < D; ++c) o[g * D + c] = static_cast<T>(acc[c] * d.rescale / d.sum);
       }
     }
   }
 }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                        const at::Tensor& context_lens, double scale, int64_t window) {
+                        const at::Tensor& context_lens, double scale, int64_t window,
+                        const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
               "paged_decode: want q [B, Hq, D], kv_cache [2, Hkv, N, bs, D], block_tables [B, W], "
               "context_lens [B]");
@@ -389,13 +409,19 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
               block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0),
               "paged_decode: block_tables [B, W] and context_lens [B] must be contiguous int64");
   TORCH_CHECK(window >= 0, "paged_decode: window must be >= 0 (0: the whole context)");
+  const float* sink = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->dim() == 1 &&
+                sinks->size(0) == q.size(1), "paged_decode: sinks must be contiguous float32 [Hq]");
+    sink = sinks->data_ptr<float>();
+  }
   at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
   if (q.scalar_type() == at::kFloat) {
-    decode_impl<float>(q, kv_cache, block_tables, context_lens, scale, window, out);
+    decode_impl<float>(q, kv_cache, block_tables, context_lens, scale, window, sink, out);
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_decode: float32 or bfloat16 only");
-    decode_impl<at::BFloat16>(q, kv_cache, block_tables, context_lens, scale, window, out);
+    decode_impl<at::BFloat16>(q, kv_cache, block_tables, context_lens, scale, window, sink, out);
   }
   return out;
 }
@@ -431,6 +457,7 @@ void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()", &reshape_and_cache);
-  m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale, int window=0) -> Tensor");
+  m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_tables, Tensor context_lens, float scale, "
+        "int window=0, Tensor? sinks=None) -> Tensor");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
 }

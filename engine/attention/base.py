@@ -76,7 +76,8 @@ class AttentionBackend(Protocol):
         ...
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write k/v ([T, Hkv, D]) into the cache, then attend q ([T, Hq, D]) -> [T, Hq, D].
         `sliding_window` W (None: full attention): a query at position i sees keys j with
         i - W < j <= i, and table entries for blocks wholly before i - W + 1 are never read."""

@@ -14,6 +14,8 @@ caches; a float16 cache runs the torch path.
 Sliding windows: `paged_decode` takes the layer's window and starts each row's key loop
 at the window's first position, so it never reads the blocks before it; prefill chunks
 take the torch backend's windowed path (their tables sliced at the first visible block).
+Attention sinks (gpt-oss): `paged_decode` adds each head's sink to its denominator; prefill
+chunks take the torch backend's path with sinks.
 """
 
 from __future__ import annotations
@@ -39,32 +41,40 @@ class CpuAttentionBackend(TorchAttentionBackend):
                                             meta.decode_context_lens.contiguous())
         meta.backend_state["prefill_masks"] = self._prefill_masks(meta)
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if kv_cache.dtype not in ops.ATTENTION_DTYPES:
             if "decode_plan" not in meta.backend_state:  # once per step: all layers share it
                 self._prepare_decode(meta)
-            return super()._decode(q, kv_cache, meta)
+            return super()._decode(q, kv_cache, meta, sinks)
         tables, lens = meta.backend_state["decode"]
-        return ops.paged_decode(q, kv_cache, tables, lens, self.scale)
+        return ops.paged_decode(q, kv_cache, tables, lens, self.scale, sinks=_float32(sinks))
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if window is None or kv_cache.dtype not in ops.ATTENTION_DTYPES:
-            return super()._attend(q, kv_cache, meta, window)
+            return super()._attend(q, kv_cache, meta, window, sinks)
         num_decode = meta.num_decode_tokens
         prefills = AttentionMetadata(meta.slot_mapping, 0, None, None, meta.prefills, meta.backend_state)
-        out = super()._attend(q, kv_cache, prefills, window)  # decode rows left as they came
+        out = super()._attend(q, kv_cache, prefills, window, sinks)  # decode rows left as they came
         if num_decode:
             tables, lens = meta.backend_state["decode"]
-            out[:num_decode] = ops.paged_decode(q[:num_decode], kv_cache, tables, lens, self.scale, window)
+            out[:num_decode] = ops.paged_decode(q[:num_decode], kv_cache, tables, lens, self.scale, window,
+                                                _float32(sinks))
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if kv_cache.dtype not in ops.ATTENTION_DTYPES:
-            return super().forward(q, k, v, kv_cache, meta, sliding_window)
+            return super().forward(q, k, v, kv_cache, meta, sliding_window, sinks)
         ops.reshape_and_cache(k, v, kv_cache, meta.slot_mapping)
         if meta.prefills or meta.num_decode_tokens != q.shape[0]:  # chunks, or padding rows
-            return self._attend(q, kv_cache, meta, sliding_window)
+            return self._attend(q, kv_cache, meta, sliding_window, sinks)
         tables, lens = meta.backend_state["decode"]
-        return ops.paged_decode(q, kv_cache, tables, lens, self.scale, sliding_window)
+        return ops.paged_decode(q, kv_cache, tables, lens, self.scale, sliding_window, _float32(sinks))
+
+
+def _float32(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernel's sinks: contiguous float32 (a bfloat16 model's parameter is widened, exactly)."""
+    return None if sinks is None else sinks.float().contiguous()

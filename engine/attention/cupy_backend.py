@@ -88,9 +88,12 @@ class CupyAttentionBackend:
             state["prefill"] = plan
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if sliding_window is not None:  # get_attention_backend refuses windowed models first
             raise ValueError("attention_backend 'cupy' does not implement sliding-window attention; use 'torch'")
+        if sinks is not None:  # gpt-oss: windowed too, so refused first as well
+            raise ValueError("attention_backend 'cupy' does not implement attention sinks; use 'torch'")
         from cupy_kernels import ops
         state = meta.backend_state
         ops.reshape_and_cache(k, v, kv_cache, state["slot_mapping"])

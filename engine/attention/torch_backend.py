@@ -14,6 +14,10 @@ A windowed layer (`sliding_window=W`) reads only the blocks its queries' windows
 each row's table is sliced from the block holding its first visible key (position
 i - W + 1 for a query at i), so entries before it, which the block manager may have
 released (FREED_BLOCK), are never read, and a long context costs O(W), not O(context).
+
+Attention sinks (gpt-oss: `sinks`, a logit per query head): each softmax's denominator
+gains exp(sink), which carries no value. Decode adds it as one more column of the scores;
+prefill, which SDPA cannot give a sink, writes attention out, SINK_QUERY_ROWS rows at a time.
 """
 
 from __future__ import annotations
@@ -23,6 +27,17 @@ import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata, PrefillChunk
 from engine.cpu_tuning import bucket
+
+SINK_QUERY_ROWS = 128  # prefill with sinks: query rows per scores tensor ([H, rows, keys] float32)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dimension; `sinks` (broadcast to scores[..., :1]) join each
+    denominator as one more logit, whose probability is dropped."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 class TorchAttentionBackend:
@@ -94,17 +109,17 @@ class TorchAttentionBackend:
         return masks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, sliding_window: int | None = None
-                ) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
         flat = kv_cache.view(2, self.num_kv_heads, num_blocks * block_size, self.head_dim)
         num_tokens = meta.slot_mapping.numel()  # rows past it are padding
         flat[0].index_copy_(1, meta.slot_mapping, k[:num_tokens].transpose(0, 1))
         flat[1].index_copy_(1, meta.slot_mapping, v[:num_tokens].transpose(0, 1))
-        return self._attend(q, kv_cache, meta, sliding_window)
+        return self._attend(q, kv_cache, meta, sliding_window, sinks)
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q's rows (decodes, then prefill chunks, then padding) to the cache."""
         num_tokens = meta.slot_mapping.numel()
         out = torch.empty_like(q)
@@ -114,18 +129,20 @@ class TorchAttentionBackend:
         if window is not None:
             plan, masks = self._window_state(meta, window)
             if num_decode:
-                out[:num_decode] = self._decode_with(q[:num_decode], kv_cache, plan)
+                out[:num_decode] = self._decode_with(q[:num_decode], kv_cache, plan, sinks)
         elif num_decode:
-            out[:num_decode] = self._decode(q[:num_decode], kv_cache, meta)
+            out[:num_decode] = self._decode(q[:num_decode], kv_cache, meta, sinks)
         for chunk, (first_block, mask) in zip(meta.prefills, masks):
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = self._prefill(q[rows], kv_cache, chunk, mask, first_block)
+            out[rows] = self._prefill(q[rows], kv_cache, chunk, mask, first_block, sinks)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self._decode_with(q, kv_cache, meta.backend_state["decode_plan"])
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return self._decode_with(q, kv_cache, meta.backend_state["decode_plan"], sinks)
 
-    def _decode_with(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: tuple) -> torch.Tensor:
+    def _decode_with(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: tuple,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
         blocks, shape, mask = plan
         num_decode = q.shape[0]
         batch = shape[0]
@@ -137,7 +154,8 @@ class TorchAttentionBackend:
         q = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale  # [Hkv, B, G, L]
         scores.masked_fill_(mask, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        heads = None if sinks is None else sinks.view(self.num_kv_heads, 1, self.group, 1)
+        probs = softmax_with_sinks(scores.float(), heads).to(v.dtype)
         out = torch.matmul(probs, v)  # [Hkv, B, G, D]
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)[:num_decode]
 
@@ -149,15 +167,37 @@ class TorchAttentionBackend:
         return both[:heads], both[heads:]
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
-                 mask: torch.Tensor | None, first_block: int = 0) -> torch.Tensor:
+                 mask: torch.Tensor | None, first_block: int = 0, sinks: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         """`mask` [num_tokens, keys], None for plain causal; keys start at `first_block`."""
         n = chunk.context_len - first_block * kv_cache.shape[3]
         k, v = self._gather(kv_cache, chunk.block_table[first_block:])
         k, v = k.flatten(1, 2)[:, :n], v.flatten(1, 2)[:, :n]  # [Hkv, n, D]
+        if sinks is not None:
+            return self._prefill_with_sinks(q, k, v, mask, sinks)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
             attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+    def _prefill_with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                            sinks: torch.Tensor) -> torch.Tensor:
+        """q [nq, Hq, D] attends to k, v [Hkv, n, D] (`mask` as in `_prefill`; None: causal,
+        the queries being the last nq keys), each softmax with its head's sink."""
+        nq, n = q.shape[0], k.shape[1]
+        heads = q.reshape(nq, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)  # [Hkv, G, nq, D]
+        keys, values = k.unsqueeze(1).transpose(-1, -2), v.unsqueeze(1)  # [Hkv, 1, D, n], [Hkv, 1, n, D]
+        if mask is None:
+            mask = torch.ones(nq, n, dtype=torch.bool, device=q.device).tril(n - nq)
+        sink = sinks.view(self.num_kv_heads, self.group, 1, 1)
+        out = torch.empty_like(q)
+        for start in range(0, nq, SINK_QUERY_ROWS):
+            rows = slice(start, min(nq, start + SINK_QUERY_ROWS))
+            scores = torch.matmul(heads[:, :, rows], keys).float() * self.scale  # [Hkv, G, rows, n]
+            scores.masked_fill_(~mask[rows], float("-inf"))
+            probs = softmax_with_sinks(scores, sink).to(v.dtype)
+            out[rows] = torch.matmul(probs, values).permute(2, 0, 1, 3).flatten(1, 2)
+        return out
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
         copy_kv_blocks(kv_caches, pairs)

@@ -2,7 +2,8 @@
 
 The cos/sin table is computed once for every position up to the model's
 length, in fp32, the same way HF computes it on the fly, so results match.
-Supported scalings: default, linear, llama3, longrope (Phi-3; see `longrope_params`).
+Supported scalings: default, linear, llama3, longrope (Phi-3; see `longrope_params`), yarn
+(gpt-oss; `yarn_params`).
 
 Each step the model asks the embedding once for a `Rope` (this step's positions), which
 every layer then applies to its q and k heads: in place through the fused op of
@@ -28,7 +29,8 @@ def compute_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope scaling {rope_type!r} is not supported (supported: default, linear, llama3, longrope)")
+    raise ValueError(f"rope scaling {rope_type!r} is not supported (supported: default, linear, llama3, longrope, "
+                     "yarn)")
 
 
 def rope_tables_params(head_dim: int, theta: float, scaling: dict | None, max_positions: int
@@ -37,7 +39,40 @@ def rope_tables_params(head_dim: int, theta: float, scaling: dict | None, max_po
     rope_type = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
     if rope_type == "longrope":
         return longrope_params(head_dim, theta, scaling, max_positions)
+    if rope_type == "yarn":
+        return yarn_params(head_dim, theta, scaling)
     return compute_inv_freq(head_dim, theta, scaling), 1.0
+
+
+def yarn_params(head_dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
+    """YaRN, as transformers' `_compute_yarn_parameters`: each frequency blended between itself
+    (extrapolation, the fast ones) and itself / factor (interpolation, the slow ones) by a
+    linear ramp over the dimensions whose wavelengths fall between beta_fast and beta_slow
+    rotations of the original context; cos and sin scaled by 0.1 ln(factor) + 1 (or the
+    config's attention_factor, or DeepSeek's mscale ratio)."""
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        def mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
 def longrope_params(head_dim: int, theta: float, s: dict, max_positions: int) -> tuple[torch.Tensor, float]:

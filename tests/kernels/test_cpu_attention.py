@@ -117,6 +117,29 @@ def test_sliding_window_reads_only_the_window(dtype, window):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5, 600])
+@pytest.mark.parametrize("group", [1, 4])
+def test_sinks_join_each_denominator(dtype, window, group):
+    """gpt-oss's sinks: a logit per head in every softmax's denominator, in whole contexts and
+    in partitions combined (past 512 tokens), with and without a window; large sinks (which
+    take most of the mass) and very negative ones (none). Without sinks: the old bits."""
+    from cpu_kernels import ops, reference
+    lens = [1, 9, 16, 300, 513, 1500]
+    paged = PagedCache(lens, 2, 64, 16, dtype, seed=group)
+    q = paged.queries(len(lens), 2 * group, 2, 64)
+    args = (paged.kv_cache, paged.block_tables, paged.context_lens, 0.125, window)
+    sinks = torch.linspace(-30.0, 6.0, 2 * group)
+    out = ops.paged_decode(q, *args, sinks=sinks)
+    assert_close(out, reference.paged_decode(q, *args, sinks=sinks), dtype, f"window {window}")
+    plain = ops.paged_decode(q, *args)
+    assert not torch.equal(out, plain)
+    assert torch.equal(ops.paged_decode(q, *args, sinks=torch.full((2 * group,), float("-inf"))), plain)
+    with pytest.raises(RuntimeError, match="sinks"):
+        ops.paged_decode(q, *args, sinks=sinks[:1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch_invariance(dtype):
     """A sequence's output is bitwise the same alone, in any batch, at any thread count."""
     from cpu_kernels import ops
@@ -162,9 +185,12 @@ def test_bad_inputs_raise_clear_errors():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("block_size", [16, 32])
-def test_backend_matches_torch_backend(dtype, block_size):
+@pytest.mark.parametrize("block_size,sinks", [(16, False), (32, False), (16, True)])
+def test_backend_matches_torch_backend(dtype, block_size, sinks):
+    """Decodes and prefill chunks of one step (with gpt-oss's sinks too: the torch backend's
+    decode adds a score column, the kernel a term; both prefill paths write attention out)."""
     heads, kv_heads, dim, num_blocks, padding = 12, 4, 64, 100, 3
+    sink = torch.linspace(-2.0, 3.0, heads) if sinks else None
     outs, caches = [], []
     for name in ("torch", "cpu"):
         backend = get_attention_backend(name, heads, kv_heads, dim, "cpu")
@@ -176,7 +202,7 @@ def test_backend_matches_torch_backend(dtype, block_size):
         fused = torch.randn(num_tokens, heads + 2 * kv_heads, dim).to(dtype)
         q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
         backend.prepare(meta)
-        outs.append(backend.forward(q, k, v, cache, meta).float())
+        outs.append(backend.forward(q, k, v, cache, meta, sinks=sink).float())
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])
     assert relative_error(outs[1], outs[0]) <= 2 * TOLERANCE[dtype]  # both round to dtype
