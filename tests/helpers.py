@@ -87,6 +87,12 @@ def tiny_hf_config(model_type: str, **overrides):
         # one dense layer (mlp_only_layers), 8 experts of width 32, top-2 not renormalised
         "qwen3_moe": dict(tie_word_embeddings=False, head_dim=32, num_experts=8, num_experts_per_tok=2,
                           moe_intermediate_size=32, mlp_only_layers=[0], norm_topk_prob=False),
+        # 4 layers alternating an 8-token window and full attention, 4 experts of width 32
+        # (top 2), YaRN around a 64-token original length; sinks and biases set by the caller
+        "gpt_oss": dict(tie_word_embeddings=False, num_hidden_layers=4, head_dim=16, intermediate_size=32,
+                        num_local_experts=4, num_experts_per_tok=2, sliding_window=8, rope_parameters={
+                            "rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                            "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0}),
     }[model_type]
     return AutoConfig.for_model(model_type, **{**TINY_COMMON, **extra, **overrides})
 

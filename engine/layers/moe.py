@@ -31,16 +31,18 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                    ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+                    b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, where expert e is
     down(act(gate_up(x))): x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
-    weights, ids [T, k]. `act` maps [N, 2I] -> [N, I] (SiLU of gate times up). A product in
-    float32 weights is cast to x's dtype after weighting, as HF does."""
+    weights, ids [T, k]; biases b13 [E, 2I], b2 [E, H] where the experts have them (gpt-oss).
+    `act` maps [N, 2I] -> [N, I] (SiLU of gate times up). A product in float32 weights is cast
+    to x's dtype after weighting, as HF does."""
     num_tokens, top_k = ids.shape
     if num_tokens == 0:
         return torch.zeros_like(x)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        return _every_expert(x, w13, w2, weights, ids, act)
+        return _every_expert(x, w13, w2, weights, ids, act, b13, b2)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept
     tokens = order // top_k
@@ -52,15 +54,23 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         if count == 0:
             continue
         rows = slice(start, start + count)
-        out[rows] = F.linear(act(F.linear(gathered[rows], w13[expert])), w2[expert])
+        out[rows] = _expert(gathered[rows], expert, w13, w2, act, b13, b2)
         start += count
     weighted = (out * weights.reshape(-1)[order].unsqueeze(1)).to(x.dtype)
     # index_add_ adds each token's pairs in expert order: HF's order of summation.
     return torch.zeros_like(x).index_add_(0, tokens, weighted)
 
 
+def _expert(x: torch.Tensor, e: int, w13: torch.Tensor, w2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+            b13: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
+    """Expert e on rows x: down(act(gate_up(x)))."""
+    hidden = act(F.linear(x, w13[e], None if b13 is None else b13[e]))
+    return F.linear(hidden, w2[e], None if b2 is None else b2[e])
+
+
 def _every_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                  ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+                  b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
     """The same sum with no data-dependent shapes, for CUDA-graph capture (decode batches):
     every expert runs on every token, unchosen ones weighted by exactly 0 (adding 0 leaves
     a token's sum, taken in expert order, unchanged)."""
@@ -68,18 +78,19 @@ def _every_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     combine.scatter_(1, ids, weights)
     out = torch.zeros_like(x)
     for expert in range(w13.shape[0]):
-        y = F.linear(act(F.linear(x, w13[expert])), w2[expert])
+        y = _expert(x, expert, w13, w2, act, b13, b2)
         out += (y * combine[:, expert:expert + 1]).to(x.dtype)
     return out
 
 
 def reference_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                      ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+                      b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
     """The same sum, one token and one expert at a time: the slow reference for tests."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(ids.shape[1]):
             e = int(ids[t, j])
-            y = F.linear(act(F.linear(x[t:t + 1], w13[e])), w2[e])
+            y = _expert(x[t:t + 1], e, w13, w2, act, b13, b2)
             out[t] += (y[0] * weights[t, j]).to(x.dtype)
     return out

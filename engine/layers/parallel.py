@@ -88,8 +88,10 @@ def shard_checkpoint_tensor(name: str, part: int | None, tensor: Weight, cfg: Mo
         return shard_rows(tensor, *shard.split(cfg.intermediate_size))
     if name.endswith(tuple(f"{layer}.weight" for layer in ROW_PARALLEL)):
         return shard_cols(tensor, *shard.split(tensor.shape[1]))
-    if name.endswith("down_proj.bias"):  # added once, after the all-reduce sums the ranks
+    if name.endswith(("down_proj.bias", "o_proj.bias")):  # added once, after the all-reduce sums the ranks
         return tensor if shard.rank == 0 else torch.zeros_like(tensor)
+    if name.endswith("self_attn.sinks"):  # one per query head: this rank's heads
+        return tensor.narrow(0, shard.rank * (cfg.num_heads // shard.size), cfg.num_heads // shard.size)
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         first, rows = shard.vocab(cfg.vocab_size)
         return pad_rows(shard_rows(tensor, first, min(rows, cfg.vocab_size - first)), rows)

@@ -16,6 +16,8 @@ SUPPORTED = {
     "mixtral": {"moe": True, "gguf": False},
     "qwen3_moe": {"qk_norm": True, "moe": True, "gguf": False},
     "gemma3_text": {"qk_norm": True},  # the rest of Gemma 3 lives in engine/models/gemma3.py
+    # engine/models/gpt_oss.py: attention sinks, biased attention and experts, alternating windows.
+    "gpt_oss": {"moe": True, "gguf": False, "attention_sinks": True},
     # Encoders (engine/models/bert.py): bidirectional, no KV cache, served for embed / score.
     "bert": {"encoder": True, "gguf": False},
 }
@@ -56,6 +58,8 @@ class ModelArchConfig:
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k before RoPE
     mlp_bias: bool = False
+    o_proj_bias: bool = False  # HF's attention_bias: o_proj has one too (gpt-oss)
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in every softmax's denominator
     sliding_window: int | None = None  # tokens a windowed layer attends to (itself included)
     # Per layer "sliding_attention" or "full_attention" (Gemma 3's 5:1 pattern); None: every
     # layer is windowed when sliding_window is set (Mistral), else full.
@@ -66,6 +70,8 @@ class ModelArchConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0  # each expert's width (dense layers use intermediate_size)
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    swiglu_alpha: float = 0.0  # gpt-oss's clamped SwiGLU: gate * sigmoid(alpha * gate) * (up + 1)
+    swiglu_limit: float = 0.0  # ... with gate <= limit and |up| <= limit
     rope_local_theta: float | None = None  # Gemma 3: the windowed layers' rotary base
     query_pre_attn_scalar: float | None = None  # Gemma 3: scores scale by its **-0.5, not head_dim's
     encoder: bool = False  # BERT: bidirectional attention, learned positions, no KV cache
@@ -114,6 +120,8 @@ class ModelArchConfig:
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             qkv_bias=flags.get("qkv_bias", False) or bool(getattr(c, "attention_bias", False)),
             qk_norm=flags.get("qk_norm", False), mlp_bias=bool(getattr(c, "mlp_bias", False)),
+            o_proj_bias=bool(getattr(c, "attention_bias", False)) and model_type == "gpt_oss",
+            attention_sinks=flags.get("attention_sinks", False),
             sliding_window=window, layer_types=_layer_types(c) if window else None,
             **_moe_from_hf(c) if flags.get("moe") else {})
         if model_type == "gemma3_text":
@@ -140,7 +148,12 @@ def _moe_from_hf(c) -> dict:
     renormalised. Qwen3-MoE: layer i is sparse unless listed in `mlp_only_layers` or
     (i + 1) is not a multiple of `decoder_sparse_step`; experts `moe_intermediate_size`."""
     num_experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", 0)
-    if c.model_type == "mixtral":
+    extra = {}
+    if c.model_type == "gpt_oss":  # every layer sparse; softmax over the top-k logits
+        layers = range(c.num_hidden_layers)
+        width, renormalise = c.intermediate_size, True
+        extra = dict(swiglu_alpha=float(c.swiglu_alpha), swiglu_limit=float(c.swiglu_limit))
+    elif c.model_type == "mixtral":
         layers = range(c.num_hidden_layers)
         width, renormalise = c.intermediate_size, True
     else:
@@ -151,7 +164,7 @@ def _moe_from_hf(c) -> dict:
     if not 0 < c.num_experts_per_tok <= max(num_experts, 1):
         raise ValueError(f"num_experts_per_tok {c.num_experts_per_tok} must be in 1..{num_experts}")
     return dict(moe_layers=tuple(layers), num_experts=num_experts, num_experts_per_tok=c.num_experts_per_tok,
-                moe_intermediate_size=width, norm_topk_prob=renormalise)
+                moe_intermediate_size=width, norm_topk_prob=renormalise, **extra)
 
 
 def _layer_types(c) -> tuple[str, ...] | None:

@@ -53,7 +53,9 @@ class Attention(Layer):
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # gpt-oss: this rank's heads' sink logits (float32 in the backends)
+        self.sinks = nn.Parameter(torch.empty(self.num_heads), requires_grad=False) if cfg.attention_sinks else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -70,7 +72,7 @@ class Attention(Layer):
         # q and k rotate together: one pass instead of two.
         q, k = rope.rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.meta,
-                                  sliding_window=self.sliding_window)
+                                  sliding_window=self.sliding_window, sinks=self.sinks)
         return row_parallel(self.o_proj, out.reshape(-1, self.q_size), self.shard)
 
 

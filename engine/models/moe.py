@@ -42,12 +42,15 @@ _FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 class Experts(nn.Module):
-    """The experts' weights (no forward: SparseMoeBlock runs them grouped)."""
+    """The experts' weights (no forward: SparseMoeBlock runs them grouped), and biases where
+    they have them (gpt-oss)."""
 
-    def __init__(self, num_experts: int, hidden: int, width: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, width: int, bias: bool = False) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * width), requires_grad=False) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False) if bias else None
 
 
 class SparseMoeBlock(Layer):
@@ -125,8 +128,13 @@ class MoeForCausalLM(LlamaForCausalLM):
         source = tensor
         if part is not None:
             target = target.narrow(0, part * count, count)
-        if self.shard.size > 1 and source.dim() == 2:
-            source = source.narrow(0 if part is not None else 1, start, count)
+        if self.shard.size > 1:
+            if part is not None:  # gate or up rows (or their biases)
+                source = source.narrow(0, start, count)
+            elif source.dim() == 2:  # down's columns
+                source = source.narrow(1, start, count)
+            elif self.shard.rank:  # down's bias: added once, before the ranks' sum
+                source = torch.zeros_like(source)
         if source.shape != target.shape:
             raise ValueError(f"shape mismatch for expert {expert} of {name!r}: checkpoint "
                              f"{tuple(tensor.shape)} vs parameter {tuple(target.shape)}")
@@ -136,7 +144,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def _check_all_loaded(self, names: list[str], loaded: set[str]) -> None:
         experts = [n for n in names if ".mlp.experts." in n]
         missing = [f"{n}[{e}]" for n in experts for e in range(self.config.num_experts)
-                   for part in ((None,) if n.endswith("down_proj") else (0, 1))
+                   for part in ((None,) if n.endswith(("down_proj", "down_proj_bias")) else (0, 1))
                    if (n, e, part) not in self._experts_loaded]
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} expert matrices, e.g. {missing[:3]}")

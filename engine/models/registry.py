@@ -17,6 +17,7 @@ _CLASSES = {
     "mixtral": ("engine.models.moe", "MoeForCausalLM"),
     "qwen3_moe": ("engine.models.moe", "MoeForCausalLM"),
     "gemma3_text": ("engine.models.gemma3", "Gemma3ForCausalLM"),
+    "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),
     "bert": ("engine.models.bert", "BertModel"),
 }
 

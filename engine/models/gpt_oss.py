@@ -1,0 +1,102 @@
+"""OpenAI's gpt-oss (GptOssForCausalLM), following transformers' implementation.
+
+It is the Llama decoder with:
+- attention biases on q, k, v and o, and a learned sink logit per head that joins every
+  softmax's denominator without adding a value (`Attention.sinks`, passed to the backend);
+  layers alternate a 128-token sliding window and full attention; YaRN rotary;
+- every MLP a sparse block: a biased router, a softmax over the top-k logits (in their own
+  dtype, as HF), experts with biases and a clamped SwiGLU:
+
+      gate = min(gate, limit);  up = clamp(up, -limit, limit)
+      out  = (up + 1) * gate * sigmoid(alpha * gate)
+
+The checkpoint keeps each layer's experts fused and transposed against nn.Linear, gate and
+up interleaved column by column:
+
+    mlp.router.weight [E, H], .bias [E]
+    mlp.experts.gate_up_proj [E, H, 2I] (gate = [..., ::2], up = [..., 1::2]), gate_up_proj_bias [E, 2I]
+    mlp.experts.down_proj [E, I, H], down_proj_bias [E, H]
+    self_attn.sinks [Hq]
+
+which the loader turns into the grouped experts' [E, 2I, H] (gate rows, then up rows) and
+[E, H, I]. Under tensor parallelism each rank keeps its heads' sinks and its share of each
+expert's width, as for the other MoE models.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from engine.distributed.state import all_reduce
+from engine.layers import Layer
+from engine.layers.moe import grouped_experts
+from engine.layers.parallel import SINGLE, TPShard
+from engine.models.config import ModelArchConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.models.moe import Experts, MoeForCausalLM, Weight
+
+_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
+
+
+class ClampedSwiGLU(Layer):
+    """gpt-oss's activation on [N, 2I] (gate columns, then up): [N, I]."""
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+class GptOssMoeBlock(Layer):
+    def __init__(self, cfg: ModelArchConfig, shard: TPShard = SINGLE) -> None:
+        super().__init__()
+        if cfg.moe_intermediate_size % shard.size:
+            raise ValueError(f"tensor_parallel_size {shard.size}: the experts' width "
+                             f"{cfg.moe_intermediate_size} does not divide by {shard.size}")
+        self.shard, self.top_k = shard, cfg.num_experts_per_tok
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // shard.size, bias=True)
+        self.act = ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1, dtype=top.dtype)
+        e = self.experts
+        out = grouped_experts(x, e.gate_up_proj, e.down_proj, weights, ids, self.act, e.gate_up_proj_bias,
+                              e.down_proj_bias)
+        return all_reduce(out, self.shard)
+
+
+class GptOssForCausalLM(MoeForCausalLM):
+    def __init__(self, cfg: ModelArchConfig, max_positions: int, shard: TPShard = SINGLE) -> None:
+        LlamaForCausalLM.__init__(self, cfg, max_positions, shard)  # not MoeForCausalLM's blocks
+        for layer in self.model.layers:  # on the meta device (see loader) the dense MLPs cost nothing
+            layer.mlp = GptOssMoeBlock(cfg, shard)
+
+    def _take_experts(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+        """The fused, transposed, interleaved experts (see the top) into the grouped layout;
+        everything else on to the Llama loader."""
+        params = dict(self.named_parameters())
+        for name, tensor in weights:
+            m = _EXPERTS.match(name)
+            if m is None:
+                yield name, tensor
+                continue
+            prefix, kind, bias = m.group(1), m.group(2), m.group(3) or ""
+            target = f"{prefix}.{kind}{bias}"
+            for expert in range(tensor.shape[0]):
+                t = tensor[expert]
+                if kind == "down_proj":
+                    self._load_expert(params, target, expert, None, t if bias else t.t())
+                    continue
+                for part, values in enumerate((t[..., ::2], t[..., 1::2])):  # gate, up
+                    self._load_expert(params, target, expert, part, values if bias else values.t())

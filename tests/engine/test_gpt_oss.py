@@ -1,0 +1,73 @@
+"""gpt-oss (engine/models/gpt_oss.py) against transformers on a tiny random-weight config:
+4 layers alternating an 8-token window and full attention, sinks and every bias random,
+4 experts (top 2) with the clamped SwiGLU, YaRN rotary. Greedy tokens equal HF's under
+batching, chunked prefill across the window's edge, prefix caching and preemption, with
+prompts much longer than the window; tensor parallel 2 equals 1."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.rotary import yarn_params
+from pagedserve import LLM
+from helpers import assert_matches_hf, hf_greedy, tiny_hf_config
+from test_tiny_hf_equivalence import CONFIGS, tiny_prompts
+
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory, bundled_tokenizer):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config("gpt_oss"), dtype=torch.float32,
+                                             attn_implementation="eager").eval()
+    with torch.no_grad():  # HF starts biases and sinks at zero: random ones test their loading
+        for name, param in model.named_parameters():
+            if name.endswith(("bias", "sinks")):
+                param.normal_(0.0, 1.0)
+    folder = tmp_path_factory.mktemp("gpt_oss")
+    model.save_pretrained(str(folder), safe_serialization=True)
+    bundled_tokenizer.save_pretrained(str(folder))
+    prompts = tiny_prompts()
+    return folder, prompts, hf_greedy(model, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_matches_hf(gpt_oss, config):
+    folder, prompts, reference = gpt_oss
+    llm = LLM(str(folder), dtype="float32", **CONFIGS[config])
+    assert llm.engine.model_runner.model.model.layers[0].self_attn.sliding_window == 8
+    assert llm.engine.model_runner.model.model.layers[1].self_attn.sliding_window is None
+    assert_matches_hf(llm, prompts, reference, MAX_NEW, preempted="num_kv_blocks" in CONFIGS[config])
+
+
+def test_torch_backend_matches_hf(gpt_oss):
+    """The reference backend's sinks (a score column in decode, attention written out in prefill)."""
+    folder, prompts, reference = gpt_oss
+    llm = LLM(str(folder), dtype="float32", attention_backend="torch", max_num_batched_tokens=24)
+    assert_matches_hf(llm, prompts, reference, MAX_NEW, preempted=False)
+
+
+def test_tensor_parallel_two_equals_one(gpt_oss):
+    """Each rank: its heads' sinks, its share of every expert's width; o_proj's and the experts'
+    down biases added once."""
+    folder, prompts, reference = gpt_oss
+    llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, num_threads=2)
+    try:
+        assert_matches_hf(llm, prompts, reference, MAX_NEW, preempted=False)
+    finally:
+        llm.engine.model_runner.close()
+
+
+def test_yarn_equals_transformers():
+    """gpt-oss's own YaRN (factor 32 around 4,096, truncate off) and the truncated default."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    for truncate in (False, True):
+        config = GptOssConfig(num_hidden_layers=2)
+        config.rope_parameters["truncate"] = truncate
+        expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+        ours, our_factor = yarn_params(config.head_dim, config.rope_parameters["rope_theta"], config.rope_parameters)
+        assert torch.equal(ours, expected) and our_factor == factor
