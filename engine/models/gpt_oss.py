@@ -19,8 +19,15 @@ up interleaved column by column:
     self_attn.sinks [Hq]
 
 which the loader turns into the grouped experts' [E, 2I, H] (gate rows, then up rows) and
-[E, H, I]. Under tensor parallelism each rank keeps its heads' sinks and its share of each
-expert's width, as for the other MoE models.
+[E, H, I]. OpenAI's checkpoints store the two experts' matrices in MXFP4 instead
+(`quantization_config.quant_method: mxfp4`; cpu_kernels/mxfp4_format.py):
+
+    mlp.experts.gate_up_proj_blocks [E, 2I, H/32, 16], gate_up_proj_scales [E, 2I, H/32]
+    mlp.experts.down_proj_blocks [E, H, I/32, 16], down_proj_scales [E, H, I/32]
+
+(rows = output features, not transposed), which are dequantized at load, exactly (every
+MXFP4 value is exact in bfloat16). Under tensor parallelism each rank keeps its heads' sinks
+and its share of each expert's width, as for the other MoE models.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from cpu_kernels import mxfp4_format
 from engine.distributed.state import all_reduce
 from engine.layers import Layer
 from engine.layers.moe import grouped_experts
@@ -40,6 +48,7 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import Experts, MoeForCausalLM, Weight
 
 _EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
+_MXFP4 = re.compile(r"(.*\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
 
 
 class ClampedSwiGLU(Layer):
@@ -86,7 +95,7 @@ class GptOssForCausalLM(MoeForCausalLM):
         """The fused, transposed, interleaved experts (see the top) into the grouped layout;
         everything else on to the Llama loader."""
         params = dict(self.named_parameters())
-        for name, tensor in weights:
+        for name, tensor in self._dequantized_mxfp4(weights):
             m = _EXPERTS.match(name)
             if m is None:
                 yield name, tensor
@@ -100,3 +109,22 @@ class GptOssForCausalLM(MoeForCausalLM):
                     continue
                 for part, values in enumerate((t[..., ::2], t[..., 1::2])):  # gate, up
                     self._load_expert(params, target, expert, part, values if bias else values.t())
+
+    @staticmethod
+    def _dequantized_mxfp4(weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
+        """MXFP4 experts' blocks and scales (in either order) as the float matrices the fused
+        checkpoint would hold ([E, in, out]); everything else as it comes."""
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            m = _MXFP4.match(name)
+            if m is None:
+                yield name, tensor
+                continue
+            parts = pending.setdefault(m.group(1), {})
+            parts[m.group(2)] = tensor
+            if len(parts) == 2:
+                del pending[m.group(1)]
+                mxfp4_format.check(parts["blocks"], parts["scales"], m.group(1))
+                yield m.group(1), mxfp4_format.dequantize(parts["blocks"], parts["scales"]).transpose(1, 2)
+        if pending:
+            raise ValueError(f"mxfp4 checkpoint lacks the other half of {sorted(pending)[0]}'s blocks and scales")

@@ -1,5 +1,6 @@
 """A HF checkpoint's `quantization_config` (config.json), parsed and checked before any weight
-is read: GPTQ, AWQ (GEMM), compressed-tensors (llm-compressor's int4/int8/FP8) and block FP8.
+is read: GPTQ, AWQ (GEMM), compressed-tensors (llm-compressor's int4/int8/FP8), block FP8 and
+MXFP4 (gpt-oss's experts: no linear layer is quantized; engine/models/gpt_oss.py reads them).
 
 Each becomes one `HFQuantConfig` whose schemes say, per linear layer, how its weights (and
 activations) are quantized, in compressed-tensors' terms; engine/models/hf_quant_weights.py
@@ -18,7 +19,7 @@ CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quant
 GPTQ_FORMATS = ("gptq", "gptq_v2")  # v1 stores each zero point minus 1
 SUPPORTED = ("gptq (4 or 8 bit, checkpoint_format gptq or gptq_v2), awq (4 bit, version gemm), "
              f"compressed-tensors ({', '.join(CT_FORMATS)}: int4/int8 weights, int8 dynamic per-token "
-             "activations, FP8), fp8 (weight_block_size)")
+             "activations, FP8), fp8 (weight_block_size), mxfp4 (gpt-oss's experts)")
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Scheme:
 
 @dataclass(frozen=True)
 class HFQuantConfig:
-    method: str  # gptq | awq | compressed-tensors | fp8
+    method: str  # gptq | awq | compressed-tensors | fp8 | mxfp4
     format: str  # gptq: gptq | gptq_v2; awq: gemm; compressed-tensors: CT_FORMATS; fp8: fp8
     schemes: tuple[Scheme, ...]
     ignore: tuple[str, ...] = ()  # modules left in float (lm_head, a MoE router)
@@ -58,7 +59,9 @@ class HFQuantConfig:
     @property
     def label(self) -> str:
         """What /v1/models and GetModelInfo report: gptq-int4, awq-int4, fp8,
-        compressed-tensors-w4a16 (-w8a16, -w8a8, -fp8)."""
+        compressed-tensors-w4a16 (-w8a16, -w8a8, -fp8), mxfp4."""
+        if self.method == "mxfp4":
+            return "mxfp4"
         w = self.schemes[0].weights
         if self.method in ("gptq", "awq"):
             return f"{self.method}-int{w.num_bits}"
@@ -99,7 +102,8 @@ def parse_quant_config(config: dict) -> HFQuantConfig | None:
         raise ValueError("its config.json's quantization_config is not an object")
     named = q.get("quant_method") or q.get("method")  # GPTQModel 5+ writes `method`
     method = str(named or "").lower().replace("_", "-")
-    parse = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "fp8": _fp8}.get(method)
+    parse = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "fp8": _fp8,
+             "mxfp4": _mxfp4}.get(method)
     if parse is None:
         raise ValueError(f"quantization_config: quant_method {named!r} is not supported (supported: {SUPPORTED})")
     try:
@@ -161,6 +165,12 @@ def _fp8(q: dict) -> HFQuantConfig:
     inputs = QuantArgs(8, type="float", strategy="token", dynamic=q.get("activation_scheme", "dynamic") == "dynamic")
     ignore = tuple(q.get("modules_to_not_convert") or ())
     return HFQuantConfig("fp8", "fp8", (Scheme(("Linear",), args, inputs),), ignore)
+
+
+def _mxfp4(q: dict) -> HFQuantConfig:
+    """gpt-oss's MXFP4: the MoE experts' `*_blocks` and `*_scales` (cpu_kernels/mxfp4_format.py);
+    every linear layer (modules_to_not_convert: attention, router, embedding, head) in float."""
+    return HFQuantConfig("mxfp4", "mxfp4", (), tuple(q.get("modules_to_not_convert") or ()))
 
 
 def _compressed_tensors(q: dict) -> HFQuantConfig:
@@ -277,7 +287,11 @@ def read_dtypes(path: Path) -> dict[str, str]:
 
 def quantized_modules(dtypes: dict[str, str], q: HFQuantConfig) -> dict[str, QuantArgs]:
     """Module name -> its weights' quantization, for every module stored quantized (one with
-    its method's scale tensor); a ValueError naming the first whose tensors are incomplete."""
+    its method's scale tensor); a ValueError naming the first whose tensors are incomplete.
+    MXFP4 quantizes no linear layer: its expert tensors come in pairs, checked here."""
+    if q.method == "mxfp4":
+        _check_mxfp4_pairs(dtypes)
+        return {}
     scale = PARTS[q.method][0]
     modules = {name.rpartition(".")[0] for name in dtypes if name.endswith(f".{scale}")}
     for name, dtype in dtypes.items():  # quantized values whose scale is missing
@@ -296,6 +310,13 @@ def quantized_modules(dtypes: dict[str, str], q: HFQuantConfig) -> dict[str, Qua
                 raise ValueError(f"{q.method} checkpoint lacks {module}.{part} (next to {module}.{scale})")
         out[module] = scheme.weights
     return out
+
+
+def _check_mxfp4_pairs(dtypes: dict[str, str]) -> None:
+    for name in dtypes:
+        for have, want in (("_blocks", "_scales"), ("_scales", "_blocks")):
+            if name.endswith(have) and name.removesuffix(have) + want not in dtypes:
+                raise ValueError(f"mxfp4 checkpoint tensor {name!r} has no {name.removesuffix(have) + want} beside it")
 
 
 def _required(q: HFQuantConfig, w: QuantArgs) -> tuple[str, ...]:

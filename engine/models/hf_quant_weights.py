@@ -76,7 +76,7 @@ def iter_quantized_weights(path: Path, q: HFQuantConfig, keep_quantized: bool, k
     """(HF name, tensor) for every tensor of the folder; each quantized module's parts become
     one `{module}.weight`: int blocks with `keep_quantized` (where they re-block exactly), FP8
     as stored for the names in `keep_fp8`, else its float32 values."""
-    scale, others = PARTS[q.method]
+    scale, others = PARTS.get(q.method, (None, ()))  # mxfp4: no linear layer (gpt_oss.py reads its experts)
     with Checkpoint(path) as ckpt:
         modules = quantized_modules(ckpt.dtypes, q)
         dense_fp8 = [m for m, w in modules.items() if w.type == "float" and f"{m}.weight" not in keep_fp8]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine.layers.rotary import yarn_params
+from engine.models.loader import weight_format
 from pagedserve import LLM
 from helpers import assert_matches_hf, hf_greedy, tiny_hf_config
 from test_tiny_hf_equivalence import CONFIGS, tiny_prompts
@@ -71,3 +72,60 @@ def test_yarn_equals_transformers():
         expected, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
         ours, our_factor = yarn_params(config.head_dim, config.rope_parameters["rope_theta"], config.rope_parameters)
         assert torch.equal(ours, expected) and our_factor == factor
+
+
+# -- MXFP4 experts (OpenAI's checkpoints) ----------------------------------------------------
+
+def test_mxfp4_dequantizes_as_transformers_does():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from cpu_kernels import mxfp4_format
+    from quant_packing import mxfp4_quantize
+    w = torch.randn(3, 40, 96, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 2, 96)
+    blocks, scales = mxfp4_quantize(w)
+    ours = mxfp4_format.dequantize(blocks, scales)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    assert torch.equal(ours.transpose(1, 2), theirs)
+    assert torch.equal(ours.bfloat16().float(), ours)  # every value exact in bf16
+    assert (ours - w).abs().max() <= (w.abs().reshape(3, 40, 3, 32).amax(-1) / 4).repeat_interleave(32, -1).max()
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4(gpt_oss, tmp_path_factory):
+    """The tiny model with MXFP4 experts, and HF's greedy run of that checkpoint (transformers
+    dequantizes MXFP4 on a CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from quant_packing import export_mxfp4_experts
+    folder = tmp_path_factory.mktemp("gpt_oss_mxfp4") / "model"
+    export_mxfp4_experts(gpt_oss[0], folder)
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation="eager").eval()
+    assert hf.model.layers[0].mlp.experts.down_proj.dtype == torch.float32  # dequantized, exactly
+    prompts = gpt_oss[1]
+    return folder, prompts, hf_greedy(hf, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("config", ["batched", "all_at_once"])
+def test_mxfp4_checkpoint_matches_hf(gpt_oss_mxfp4, config):
+    folder, prompts, reference = gpt_oss_mxfp4
+    llm = LLM(str(folder), dtype="float32", **CONFIGS[config])
+    assert weight_format(folder, None) == "mxfp4"  # what /v1/models and GetModelInfo report
+    assert_matches_hf(llm, prompts, reference, MAX_NEW, preempted="num_kv_blocks" in CONFIGS[config])
+
+
+def test_mxfp4_bad_checkpoints_are_refused(gpt_oss_mxfp4, tmp_path):
+    """A missing *_scales, or blocks of the wrong shape: one clear error, before serving."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    folder = gpt_oss_mxfp4[0]
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.down_proj"
+    cases = {"missing": {k: v for k, v in tensors.items() if k != f"{name}_scales"},
+             "shape": {**tensors, f"{name}_blocks": tensors[f"{name}_blocks"][..., :8].contiguous()}}
+    for case, stored in cases.items():
+        bad = tmp_path / case
+        shutil.copytree(folder, bad, ignore=shutil.ignore_patterns("*.safetensors"))
+        save_file(stored, str(bad / "model.safetensors"))
+        with pytest.raises(ValueError, match="down_proj"):
+            LLM(str(bad), dtype="float32")
