@@ -92,39 +92,38 @@ class GptOssForCausalLM(MoeForCausalLM):
             layer.mlp = GptOssMoeBlock(cfg, shard)
 
     def _take_experts(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
-        """The fused, transposed, interleaved experts (see the top) into the grouped layout;
-        everything else on to the Llama loader."""
+        """The fused, transposed, interleaved experts (see the top) into the grouped layout,
+        MXFP4 ones dequantized an expert at a time; everything else on to the Llama loader."""
         params = dict(self.named_parameters())
-        for name, tensor in self._dequantized_mxfp4(weights):
-            m = _EXPERTS.match(name)
-            if m is None:
-                yield name, tensor
-                continue
-            prefix, kind, bias = m.group(1), m.group(2), m.group(3) or ""
-            target = f"{prefix}.{kind}{bias}"
-            for expert in range(tensor.shape[0]):
-                t = tensor[expert]
-                if kind == "down_proj":
-                    self._load_expert(params, target, expert, None, t if bias else t.t())
-                    continue
-                for part, values in enumerate((t[..., ::2], t[..., 1::2])):  # gate, up
-                    self._load_expert(params, target, expert, part, values if bias else values.t())
-
-    @staticmethod
-    def _dequantized_mxfp4(weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
-        """MXFP4 experts' blocks and scales (in either order) as the float matrices the fused
-        checkpoint would hold ([E, in, out]); everything else as it comes."""
-        pending: dict[str, dict[str, torch.Tensor]] = {}
+        pending: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4: blocks or scales waiting for the other
         for name, tensor in weights:
-            m = _MXFP4.match(name)
-            if m is None:
+            if m := _MXFP4.match(name):
+                parts = pending.setdefault(m.group(1), {})
+                parts[m.group(2)] = tensor
+                if len(parts) == 2:
+                    self._load_mxfp4(params, m.group(1), pending.pop(m.group(1)))
+            elif m := _EXPERTS.match(name):
+                prefix, kind, bias = m.group(1), m.group(2), m.group(3) or ""
+                for expert in range(tensor.shape[0]):
+                    # [in, out] (a bias: [out]) -> rows of out
+                    self._load_rows(params, f"{prefix}.{kind}{bias}", expert, tensor[expert] if bias else tensor[expert].t())
+            else:
                 yield name, tensor
-                continue
-            parts = pending.setdefault(m.group(1), {})
-            parts[m.group(2)] = tensor
-            if len(parts) == 2:
-                del pending[m.group(1)]
-                mxfp4_format.check(parts["blocks"], parts["scales"], m.group(1))
-                yield m.group(1), mxfp4_format.dequantize(parts["blocks"], parts["scales"]).transpose(1, 2)
         if pending:
             raise ValueError(f"mxfp4 checkpoint lacks the other half of {sorted(pending)[0]}'s blocks and scales")
+
+    def _load_mxfp4(self, params: dict, name: str, parts: dict[str, torch.Tensor]) -> None:
+        """One MXFP4 matrix of every expert ([E, out, in/32, 16] blocks, [E, out, in/32] scales),
+        dequantized exactly, one expert at a time."""
+        mxfp4_format.check(parts["blocks"], parts["scales"], name)
+        for expert in range(parts["blocks"].shape[0]):
+            self._load_rows(params, name, expert, mxfp4_format.dequantize(parts["blocks"][expert], parts["scales"][expert]))
+
+    def _load_rows(self, params: dict, name: str, expert: int, rows: torch.Tensor) -> None:
+        """One expert's matrix (or bias) with its output features first: gate_up's interleaved
+        gate and up rows split into parts 0 and 1, down's as it is."""
+        if name.rpartition(".")[2].startswith("down_proj"):
+            self._load_expert(params, name, expert, None, rows)
+        else:
+            for part, values in enumerate((rows[0::2], rows[1::2])):  # gate, up
+                self._load_expert(params, name, expert, part, values)
