@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpu_kernels.compile import unavailable_reason
+from cpu_kernels.quant_format import NIBBLE_FORMATS
 
 if TYPE_CHECKING:
     from cpu_kernels.fp8_format import PackedFp8
@@ -71,14 +72,14 @@ def bf16_amx_ready() -> bool:
 
 def bf16_quant_linear(x: torch.Tensor, fmt: str, records: torch.Tensor, n: int, amx: bool = False,
                       zero_units: bool = False) -> torch.Tensor:
-    """x [M, K] bfloat16 (contiguous) @ W^T -> [M, n] bfloat16, W ("int4" | "int8") packed
+    """x [M, K] bfloat16 (contiguous) @ W^T -> [M, n] bfloat16, W ("int4" | "int8" | "fp4") packed
     into `records` by `cpu_kernels.packing.pack`. `amx`: AMX arithmetic, x times the
     dequantized weights rounded to bf16, on tiles from 2 rows on (only where
     `bf16_amx_ready()`; a process picks one arithmetic for every call, see
     csrc/quant_linear_bf16.cpp). `zero_units`: the packed weight's (PackedWeight.zero_units).
     The op checks shapes and dtypes itself (in C++): this sits on every layer's hot path."""
-    if fmt == "int4":
-        return torch.ops.pagedserve_cpu.bf16_int4_linear(x, records, n, amx, zero_units)
+    if fmt in NIBBLE_FORMATS:
+        return torch.ops.pagedserve_cpu.bf16_int4_linear(x, records, n, amx, zero_units, fmt == "fp4")
     return torch.ops.pagedserve_cpu.bf16_int8_linear(x, records, n, amx)
 
 
@@ -86,21 +87,22 @@ def bf16_unpack(fmt: str, records: torch.Tensor, n: int, k: int, amx: bool = Fal
                 zero_units: bool = False) -> torch.Tensor:
     """A packed weight's bf16 values, unpacked once for `bf16_quant_linear_unpacked`: the
     quantized values, or for AMX arithmetic the dequantized weights rounded to bf16."""
-    return torch.ops.pagedserve_cpu.bf16_unpack(records, n, k, fmt == "int4", amx, zero_units)
+    return torch.ops.pagedserve_cpu.bf16_unpack(records, n, k, fmt in NIBBLE_FORMATS, amx, zero_units, fmt == "fp4")
 
 
 def bf16_quant_linear_unpacked(x: torch.Tensor, fmt: str, records: torch.Tensor, unpacked: torch.Tensor,
                                n: int, amx: bool = False, zero_units: bool = False) -> torch.Tensor:
     """`bf16_quant_linear`, reading the weights from `bf16_unpack`'s copy (the scales still
     from `records`): bitwise the same result, without unpacking per call."""
-    return torch.ops.pagedserve_cpu.bf16_linear_unpacked(x, records, unpacked, n, fmt == "int4", amx, zero_units)
+    return torch.ops.pagedserve_cpu.bf16_linear_unpacked(x, records, unpacked, n, fmt in NIBBLE_FORMATS, amx,
+                                                         zero_units, fmt == "fp4")
 
 
 def bf16_rows(fmt: str, records: torch.Tensor, n: int, k: int, ids: torch.Tensor,
               zero_units: bool = False) -> torch.Tensor:
     """Rows `ids` (int64 [T]) of a packed [n, k] weight, dequantized as
     QuantizedTensor.dequantize() does, in bfloat16 [T, k]: a tied embedding's lookup."""
-    return torch.ops.pagedserve_cpu.bf16_rows(records, ids, n, k, fmt == "int4", zero_units)
+    return torch.ops.pagedserve_cpu.bf16_rows(records, ids, n, k, fmt in NIBBLE_FORMATS, zero_units, fmt == "fp4")
 
 
 # --- paged_attention: decode reading K/V blocks in place (csrc/paged_attention.cpp) ---------

@@ -30,18 +30,18 @@ from dataclasses import dataclass
 
 import torch
 
-from cpu_kernels.quant_format import BLOCK, QuantizedTensor, pack_int4, unpack_int4
+from cpu_kernels.quant_format import BLOCK, NIBBLE_FORMATS, QuantizedTensor, pack_int4, unpack_int4
 
 GROUP = 16  # columns per vector
 SUPER_GROUP = 8  # groups interleaved vector by vector
-VECTORS = {"int4": 8, "int8": 16}  # weight vectors per group and block
+VECTORS = {"int4": 8, "fp4": 8, "int8": 16}  # weight vectors per group and block
 
 
 @dataclass
 class PackedWeight:
     """An [n, k] weight in the bf16 kernels' layout, flat in `data`."""
 
-    format: str  # "int4" | "int8"
+    format: str  # "int4" | "int8" | "fp4" (int4's layout, e2m1 codes)
     data: torch.Tensor  # uint8 [ceil(n / 16) * k/32 * (32 * vectors + 64)]
     n: int
     k: int
@@ -53,7 +53,7 @@ def zero_encoding(weight: QuantizedTensor) -> str | None:
     (both are fp16 values: GGUF), "units" (the scales are, and each zero is the scale times an
     integer -15..0, exact in fp32: GPTQ and AWQ), or None (neither: the float32 kernels run it).
     int8 weights (fp32 scales, no zeros) are always "fp16"."""
-    if weight.format != "int4":
+    if weight.format not in NIBBLE_FORMATS:
         return "fp16"
     scales, zeros = weight.scales, weight.zeros
     if not torch.equal(scales.half().float(), scales):
@@ -75,7 +75,7 @@ def pack(weight: QuantizedTensor, encoding: str | None = None) -> PackedWeight:
     if encoding is None:
         raise ValueError("int4 scales and zeros must be exact in fp16, as GGUF stores them (quantize() rounds "
                          "them), or zeros integer multiples of the scales (GPTQ, AWQ)")
-    if weight.format == "int4":
+    if weight.format in NIBBLE_FORMATS:
         v = _pad_rows(unpack_int4(weight.qweight), groups).view(groups, GROUP, blocks, 8, 2, 2)
         v = v.permute(0, 2, 3, 4, 1, 5).reshape(groups, blocks, 8, 2, 2 * GROUP)  # [g, b, quad, half, i]
         vectors = v[:, :, :, 0] | (v[:, :, :, 1] << 4)  # [g, b, 8, 32]
@@ -93,7 +93,7 @@ def pack(weight: QuantizedTensor, encoding: str | None = None) -> PackedWeight:
         w = vectors[sg].shape[0]
         # [w, b, vectors, 32] -> [b, vectors, w, 32]; scales [w, b, 64] -> [b, 2 or 1, w, 32 or 64]
         part_v = vectors[sg].permute(1, 2, 0, 3).reshape(blocks, -1)
-        halves = 2 if weight.format == "int4" else 1
+        halves = 2 if weight.format in NIBBLE_FORMATS else 1
         part_s = scales[sg].view(w, blocks, halves, -1).permute(1, 2, 0, 3).reshape(blocks, -1)
         parts.append(torch.cat([part_v, part_s], dim=1).reshape(-1))
     return PackedWeight(weight.format, torch.cat(parts), n, k, encoding == "units")
@@ -115,7 +115,7 @@ def unpack(packed: PackedWeight) -> QuantizedTensor:
 def unpack_rows(packed: PackedWeight, rows: torch.Tensor) -> QuantizedTensor:
     """Rows `rows` of a packed weight, in the row layout: their 32-byte vectors gathered."""
     rows = rows.flatten().to(torch.long)
-    groups, blocks, vectors = -(-packed.n // GROUP), packed.k // BLOCK, VECTORS[packed.format]
+    groups, blocks, vectors = -(-packed.n // GROUP), packed.k // BLOCK, VECTORS[packed.format]  # fp4: int4's
     group, lane = rows // GROUP, rows % GROUP
     first = group // SUPER_GROUP * SUPER_GROUP
     width = (groups - first).clamp(max=SUPER_GROUP)
@@ -131,13 +131,13 @@ def unpack_rows(packed: PackedWeight, rows: torch.Tensor) -> QuantizedTensor:
     def per_lane(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [rows, blocks, bytes] -> [rows, blocks]
         return part.contiguous().view(dtype)[pick, :, lane].float()
 
-    if packed.format == "int4":
+    if packed.format in NIBBLE_FORMATS:
         scales = chunks[scale_start + offset[:, None]]
         zeros = chunks[scale_start + width[:, None] + offset[:, None]]
         halves = torch.stack([values & 15, values >> 4], dim=3).view(len(rows), blocks, 8, 2, GROUP, 2)
         q = halves.permute(0, 4, 1, 2, 3, 5)[pick, lane].reshape(len(rows), packed.k)
         scales, zeros = per_lane(scales, torch.float16), per_lane(zeros, torch.float16)
-        return QuantizedTensor("int4", pack_int4(q), scales, zeros * scales if packed.zero_units else zeros)
+        return QuantizedTensor(packed.format, pack_int4(q), scales, zeros * scales if packed.zero_units else zeros)
     scales = torch.cat([chunks[scale_start + 2 * offset[:, None]], chunks[scale_start + 2 * offset[:, None] + 1]], -1)
     q = values.view(torch.int8).view(len(rows), blocks, 16, GROUP, 2).permute(0, 3, 1, 2, 4)[pick, lane]
     return QuantizedTensor("int8", q.reshape(len(rows), packed.k).contiguous(), per_lane(scales, torch.float32))

@@ -3,6 +3,10 @@ them (engine/layers/quantized.py runs them; cpu_kernels/packing.py repacks them)
 
     int4: w = scale * q + zero, q in 0..15   (GGUF Q4_1: zero = m; Q4_0: zero = -8 * d)
     int8: w = scale * q, q in -128..127      (GGUF Q8_0: -127..127)
+    fp4:  w = scale * E2M1[q], zero 0        (MXFP4: scale a power of two; `from_mxfp4`)
+
+fp4 is int4's layout with the nibbles read as e2m1 codes (the bf16 kernels take a different
+table); it is a format of checkpoints (gpt-oss), not one `quantize` makes.
 
 Checkpoints quantized in groups of 32 * m values (GPTQ, AWQ, compressed-tensors) become m
 blocks sharing their group's scale and zero (`from_groups`); act-order's scattered groups are
@@ -16,18 +20,21 @@ from dataclasses import dataclass
 
 import torch
 
+from cpu_kernels.mxfp4_format import E2M1
+
 BLOCK = 32
-FORMATS = ("int4", "int8")
+FORMATS = ("int4", "int8")  # what `quantize` makes (--quantization)
+NIBBLE_FORMATS = ("int4", "fp4")  # 4-bit layouts: packed two a byte, a scale and a zero per block
 
 
 @dataclass
 class QuantizedTensor:
     """A [N, K] weight in blocks of 32 along K."""
 
-    format: str  # "int4" | "int8"
-    qweight: torch.Tensor  # int4: uint8 [N, K/2], GGUF nibble order; int8: int8 [N, K]
+    format: str  # "int4" | "int8" | "fp4"
+    qweight: torch.Tensor  # int4, fp4: uint8 [N, K/2], GGUF nibble order; int8: int8 [N, K]
     scales: torch.Tensor  # float32 [N, K/32]
-    zeros: torch.Tensor | None = None  # int4: float32 [N, K/32]
+    zeros: torch.Tensor | None = None  # int4, fp4: float32 [N, K/32]
     # int64 [K]: stored column i holds input channel perm[i] (act-order); None: the identity.
     perm: torch.Tensor | None = None
 
@@ -38,7 +45,9 @@ class QuantizedTensor:
     def dequantize(self) -> torch.Tensor:
         """The effective float32 weights: scale * q (+ zero), computed as gguf-py does."""
         n, k = self.shape
-        values = unpack_int4(self.qweight) if self.format == "int4" else self.qweight
+        values = unpack_int4(self.qweight) if self.format in NIBBLE_FORMATS else self.qweight
+        if self.format == "fp4":
+            values = torch.tensor(E2M1)[values.long()]
         w = values.view(n, k // BLOCK, BLOCK).float() * self.scales[..., None]
         if self.zeros is not None:
             w = w + self.zeros[..., None]
@@ -69,6 +78,19 @@ class QuantizedTensor:
             zeros = zeros.float().repeat_interleave(per, dim=1).contiguous()
             return cls("int4", pack_int4(values), scales, zeros, perm)
         return cls("int8", values.to(torch.int8).contiguous(), scales, None, perm)
+
+
+def from_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedTensor:
+    """An MXFP4 matrix (blocks uint8 [N, K/32, 16], value 2j in byte j's low nibble; scales
+    uint8 [N, K/32], e8m0) as an fp4 weight: the same codes in our nibble order, each block's
+    scale 2^(byte - 127) in float32, zeros 0. Dequantizes to mxfp4_format.dequantize's values."""
+    from cpu_kernels import mxfp4_format
+    mxfp4_format.check(blocks, scales, "weight")
+    n = blocks.shape[0]
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(n, -1)  # [N, K] in order
+    exponents = scales.to(torch.int32) - mxfp4_format.SCALE_BIAS
+    block_scales = torch.ldexp(torch.ones(exponents.shape), exponents)
+    return QuantizedTensor("fp4", pack_int4(codes), block_scales, torch.zeros_like(block_scales))
 
 
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,10 @@
 //
 //   w = scale * q (+ zero)       y[m, n] = sum_b scale[n,b] * dot_b(x[m], q[n]) + zero[n,b] * xsum[m,b]
 //
+// fp4 (MXFP4's e2m1, gpt-oss's experts): the int4 layout whose nibbles index the e2m1 values
+// (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) instead of 0..15, with zeros 0 and the
+// block's power-of-two scale: every product stays exact, the same sums as for int4.
+//
 // An int4 layer's zeros are either fp16 values (GGUF) or, for checkpoints whose zero is
 // -scale * z with an integer z (GPTQ, AWQ; `zero_units`), the fp16 integers -z, multiplied
 // by the scale in fp32 (exact) where they are read: see zeros_of.
@@ -108,6 +112,7 @@ struct Problem {
   bool int4;
   bool amx = false;  // AMX arithmetic (see the top of the file)
   bool zero_units = false;  // int4 zeros stored in units of the scale (see zeros_of)
+  bool fp4 = false;  // int4 nibbles are e2m1 codes (see the top of the file)
 
   int64_t group_block_bytes() const { return bytes_per_group_block(int4); }
 
@@ -135,12 +140,18 @@ inline __m512 zeros_of(const Slice& s, __m512 scale, bool units) {
   return units ? _mm512_mul_ps(z, scale) : z;
 }
 
-// bf16 bit patterns of 0..15 (the rest of the 32-entry table is unused).
-inline __m512i nibble_table() {
-  alignas(64) static const uint16_t table[32] = {
+// bf16 bit patterns of 0..15, or (fp4) of the e2m1 values (the rest of the 32-entry table is unused).
+constexpr uint16_t kE2M1Bits[16] = {0x0000, 0x3F00, 0x3F80, 0x3FC0, 0x4000, 0x4040, 0x4080, 0x40C0,
+                                    0x8000, 0xBF00, 0xBF80, 0xBFC0, 0xC000, 0xC040, 0xC080, 0xC0C0};
+inline __m512i nibble_table(bool fp4) {
+  alignas(64) static const uint16_t ints[32] = {
       0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
       0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-  return _mm512_load_si512(table);
+  alignas(64) static const uint16_t e2m1[32] = {
+      kE2M1Bits[0], kE2M1Bits[1], kE2M1Bits[2], kE2M1Bits[3], kE2M1Bits[4], kE2M1Bits[5], kE2M1Bits[6],
+      kE2M1Bits[7], kE2M1Bits[8], kE2M1Bits[9], kE2M1Bits[10], kE2M1Bits[11], kE2M1Bits[12], kE2M1Bits[13],
+      kE2M1Bits[14], kE2M1Bits[15]};
+  return _mm512_load_si512(fp4 ? e2m1 : ints);
 }
 
 // 32 packed bytes -> two vectors of 16 columns x 2 k, as bf16: pairs 2t and 2t+1 of a quad.
@@ -224,7 +235,7 @@ void tile_registers(const Problem& p, int64_t m0, int64_t g0) {
   __m512 acc[R][G];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
-  const __m512i table = nibble_table();
+  const __m512i table = nibble_table(p.fp4);
   for (int64_t b = 0; b < p.blocks; ++b) {
     prefetch_block<G>(p, g0, b + kPrefetchBlocks);
     const uint8_t* v[G];  // each group's first weight vector of the block
@@ -270,7 +281,7 @@ template <int G>
 void row_amx_arithmetic(const Problem& p, int64_t m, int64_t g0, const int32_t* xe, const int32_t* xo) {
   __m512 acc[G];
   for (auto& a : acc) a = _mm512_setzero_ps();
-  const __m512i table = nibble_table();
+  const __m512i table = nibble_table(p.fp4);
   for (int64_t b = 0; b < p.blocks; ++b) {
     prefetch_block<G>(p, g0, b + kPrefetchBlocks);
     const int32_t* e = xe + 16 * b;
@@ -303,7 +314,7 @@ void row_amx_arithmetic(const Problem& p, int64_t m, int64_t g0, const int32_t* 
 // A group's weights as bf16 vectors, pair after pair: [K/2][32] words: the quantized values,
 // or in AMX arithmetic (p.amx) the dequantized weights rounded to bf16.
 void unpack_group(const Problem& p, int64_t g, uint16_t* dst) {
-  const __m512i table = nibble_table();
+  const __m512i table = nibble_table(p.fp4);
   for (int64_t b = 0; b < p.blocks; ++b) {
     const Slice r = p.slice(g, b);
     const __m512 s = scales_of(r, p.int4), z = p.int4 ? zeros_of(r, s, p.zero_units) : _mm512_setzero_ps();
@@ -564,7 +575,7 @@ bool amx_ready();
 // Checks x and the packed weights, allocates `out` [M, N] and, for int4, fills `xsum`: what
 // both entry points need before their tiles run.
 Problem linear_problem(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4, bool amx, bool zero_units,
-                       at::Tensor& out, std::vector<float>& xsum) {
+                       bool fp4, at::Tensor& out, std::vector<float>& xsum) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous 2-D bfloat16 tensor");
   const int64_t M = x.size(0), K = x.size(1), G = (N + 15) / 16, blocks = K / kBlock,
@@ -577,15 +588,16 @@ Problem linear_problem(const at::Tensor& x, const at::Tensor& w, int64_t N, bool
   const bool sums = int4 && !amx;  // AMX arithmetic folds the zero point into the weights
   xsum.assign(sums ? M * blocks : 0, 0.f);
   const Problem p{reinterpret_cast<const uint16_t*>(x.data_ptr()), w.data_ptr<uint8_t>(), xsum.data(),
-                  reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, G, blocks, int4, amx, zero_units};
+                  reinterpret_cast<uint16_t*>(out.data_ptr()), M, N, K, G, blocks, int4, amx, zero_units, fp4};
   if (sums && M > 0) block_sums(p, xsum.data());
   return p;
 }
 
-at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4, bool amx, bool zero_units) {
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool int4, bool amx, bool zero_units,
+                       bool fp4) {
   at::Tensor out;
   std::vector<float> xsum;
-  const Problem p = linear_problem(x, w, N, int4, amx, zero_units, out, xsum);
+  const Problem p = linear_problem(x, w, N, int4, amx, zero_units, fp4, out, xsum);
   const int64_t M = p.M, K = p.K, G = p.G;
   if (M == 0) return out;
 #ifdef PAGEDSERVE_AMX
@@ -613,12 +625,12 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, bool
 // them, [G][K/2][32] words. Unpacking int8 costs more than the dot products it feeds, so for
 // a few rows (speculative decoding's verification, 2-15 rows) a layer that keeps this copy
 // (twice its int8 bytes) runs the panel tiles straight from it. Same op sequence per element.
-at::Tensor bf16_unpack(const at::Tensor& w, int64_t N, int64_t K, bool int4, bool amx, bool zero_units) {
+at::Tensor bf16_unpack(const at::Tensor& w, int64_t N, int64_t K, bool int4, bool amx, bool zero_units, bool fp4) {
   const int64_t G = (N + 15) / 16, blocks = K / kBlock;
   TORCH_CHECK(K % kBlock == 0 && K > 0 && w.scalar_type() == at::kByte && w.is_contiguous() &&
               w.numel() == G * blocks * bytes_per_group_block(int4), "packed weights: wrong size for N, K");
   at::Tensor out = at::empty({G * K / 2 * 32}, at::TensorOptions().dtype(at::kBFloat16));
-  const Problem p{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, 0, N, K, G, blocks, int4, amx, zero_units};
+  const Problem p{nullptr, w.data_ptr<uint8_t>(), nullptr, nullptr, 0, N, K, G, blocks, int4, amx, zero_units, fp4};
   auto* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) unpack_group(p, g, dst + g * (K / 2 * 32));
@@ -627,10 +639,10 @@ at::Tensor bf16_unpack(const at::Tensor& w, int64_t N, int64_t K, bool int4, boo
 }
 
 at::Tensor bf16_linear_unpacked(const at::Tensor& x, const at::Tensor& w, const at::Tensor& unpacked,
-                                int64_t N, bool int4, bool amx, bool zero_units) {
+                                int64_t N, bool int4, bool amx, bool zero_units, bool fp4) {
   at::Tensor out;
   std::vector<float> xsum;
-  const Problem p = linear_problem(x, w, N, int4, amx, zero_units, out, xsum);
+  const Problem p = linear_problem(x, w, N, int4, amx, zero_units, fp4, out, xsum);
   const int64_t M = p.M, K = p.K, G = p.G;
   TORCH_CHECK(unpacked.scalar_type() == at::kBFloat16 && unpacked.is_contiguous() &&
               unpacked.numel() == G * K / 2 * 32, "unpacked weights: wrong size for N, K");
@@ -663,9 +675,19 @@ at::Tensor bf16_linear_unpacked(const at::Tensor& x, const at::Tensor& w, const 
   return out;
 }
 
+// A nibble's value: itself, or (fp4) its e2m1 value.
+inline float nibble_value(int nibble, bool fp4) {
+  if (!fp4) return static_cast<float>(nibble);
+  uint32_t bits = static_cast<uint32_t>(kE2M1Bits[nibble]) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+
 // Rows `ids` of a packed weight as bf16: w = q * scale (+ zero) in fp32, as
 // QuantizedTensor.dequantize() computes it, then rounded. A tied embedding's lookup.
-at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int64_t K, bool int4, bool zero_units) {
+at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int64_t K, bool int4, bool zero_units,
+                     bool fp4) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1 && ids.is_contiguous(), "ids: contiguous int64 [T]");
   const int64_t G = (N + 15) / 16, blocks = K / kBlock;
   TORCH_CHECK(K % kBlock == 0 && K > 0 && w.scalar_type() == at::kByte && w.is_contiguous() &&
@@ -693,8 +715,8 @@ at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int6
           const uint8_t* bytes = s.values + v * s.stride + 2 * lane;
           for (int kk = 0; kk < 2; ++kk) {
             if (int4) {
-              row[b * kBlock + 4 * v + kk] = static_cast<at::BFloat16>((bytes[kk] & 15) * scale + zero);
-              row[b * kBlock + 4 * v + 2 + kk] = static_cast<at::BFloat16>((bytes[kk] >> 4) * scale + zero);
+              row[b * kBlock + 4 * v + kk] = static_cast<at::BFloat16>(nibble_value(bytes[kk] & 15, fp4) * scale + zero);
+              row[b * kBlock + 4 * v + 2 + kk] = static_cast<at::BFloat16>(nibble_value(bytes[kk] >> 4, fp4) * scale + zero);
             } else {
               row[b * kBlock + 2 * v + kk] = static_cast<at::BFloat16>(static_cast<int8_t>(bytes[kk]) * scale);
             }
@@ -708,19 +730,20 @@ at::Tensor bf16_rows(const at::Tensor& w, const at::Tensor& ids, int64_t N, int6
 
 #else  // no AVX512-BF16: the Python side checks `bf16_supported` and never calls these
 
-at::Tensor bf16_unpack(const at::Tensor&, int64_t, int64_t, bool, bool, bool) {
+at::Tensor bf16_unpack(const at::Tensor&, int64_t, int64_t, bool, bool, bool, bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
 
-at::Tensor bf16_linear_unpacked(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool, bool, bool) {
+at::Tensor bf16_linear_unpacked(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool, bool, bool,
+                                bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
 
-at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, bool, bool, bool) {
+at::Tensor bf16_linear(const at::Tensor&, const at::Tensor&, int64_t, bool, bool, bool, bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
 
-at::Tensor bf16_rows(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool, bool) {
+at::Tensor bf16_rows(const at::Tensor&, const at::Tensor&, int64_t, int64_t, bool, bool, bool) {
   TORCH_CHECK(false, "bf16 quantized linear layers need AVX512-BF16, which this build lacks");
 }
 
@@ -744,12 +767,12 @@ bool amx_ready() {
 #endif
 }
 
-at::Tensor bf16_int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool amx, bool zero_units) {
-  return bf16_linear(x, w, n, true, amx, zero_units);
+at::Tensor bf16_int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool amx, bool zero_units, bool fp4) {
+  return bf16_linear(x, w, n, true, amx, zero_units, fp4);
 }
 
 at::Tensor bf16_int8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n, bool amx) {
-  return bf16_linear(x, w, n, false, amx, false);
+  return bf16_linear(x, w, n, false, amx, false, false);
 }
 
 }  // namespace
@@ -757,12 +780,13 @@ at::Tensor bf16_int8_linear(const at::Tensor& x, const at::Tensor& w, int64_t n,
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("bf16_supported() -> bool", &bf16_supported);
   m.def("bf16_amx_ready() -> bool", &amx_ready);
-  m.def("bf16_int4_linear(Tensor x, Tensor w, int n, bool amx=False, bool zero_units=False) -> Tensor",
+  m.def("bf16_int4_linear(Tensor x, Tensor w, int n, bool amx=False, bool zero_units=False, bool fp4=False) -> Tensor",
         &bf16_int4_linear);
   m.def("bf16_int8_linear(Tensor x, Tensor w, int n, bool amx=False) -> Tensor", &bf16_int8_linear);
-  m.def("bf16_rows(Tensor w, Tensor ids, int n, int k, bool int4, bool zero_units=False) -> Tensor", &bf16_rows);
-  m.def("bf16_unpack(Tensor w, int n, int k, bool int4, bool amx=False, bool zero_units=False) -> Tensor",
-        &bf16_unpack);
+  m.def("bf16_rows(Tensor w, Tensor ids, int n, int k, bool int4, bool zero_units=False, bool fp4=False) -> Tensor",
+        &bf16_rows);
+  m.def("bf16_unpack(Tensor w, int n, int k, bool int4, bool amx=False, bool zero_units=False, bool fp4=False) -> "
+        "Tensor", &bf16_unpack);
   m.def("bf16_linear_unpacked(Tensor x, Tensor w, Tensor unpacked, int n, bool int4, bool amx=False, "
-        "bool zero_units=False) -> Tensor", &bf16_linear_unpacked);
+        "bool zero_units=False, bool fp4=False) -> Tensor", &bf16_linear_unpacked);
 }

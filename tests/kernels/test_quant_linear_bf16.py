@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cpu_kernels import ops, packing
-from cpu_kernels.quant_format import QuantizedTensor, quantize, reference_linear
+from cpu_kernels.quant_format import QuantizedTensor, from_mxfp4, quantize, reference_linear
 from test_quant_linear import assert_rows_do_not_depend_on_the_batch, gptq_like_weight, random_weight
 
 if not ops.bf16_dot_supported():
@@ -213,3 +213,44 @@ def test_gptq_zeros_match_the_reference(amx):
     for m in (1, 5):
         alone = ops.bf16_quant_linear(x[:m].contiguous(), "int4", packed.data, 328, amx, zero_units=True)
         assert torch.equal(alone, out[:m].bfloat16())
+
+
+def mxfp4_weight(n: int, k: int, seed: int = 0) -> QuantizedTensor:
+    """MXFP4 as gpt-oss ships it, random codes and exponents 2^-12..2^1, as an fp4 weight."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(127 - 12, 127 + 2, (n, k // 32), dtype=torch.uint8, generator=g)
+    return from_mxfp4(blocks, scales)
+
+
+def test_fp4_is_mxfp4_in_our_nibble_order():
+    from cpu_kernels import mxfp4_format
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (24, 3, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(127 - 24, 127 + 15, (24, 3), dtype=torch.uint8, generator=g)  # fp16's powers of two
+    w = from_mxfp4(blocks, scales)
+    assert torch.equal(w.dequantize(), mxfp4_format.dequantize(blocks, scales))
+    tiny = from_mxfp4(blocks, torch.full_like(scales, 127 - 25))  # 2^-25: below fp16, not packable
+    assert packing.zero_encoding(tiny) is None
+    packed = packing.pack(w)
+    assert packed.format == "fp4" and not packed.zero_units
+    assert torch.equal(packing.unpack(packed).dequantize(), w.dequantize())
+
+
+@pytest.mark.parametrize("amx", ARITHMETICS)
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_fp4_matches_the_reference_and_the_batch(amx, m):
+    """e2m1 codes through the int4 kernels' other table: within one bf16 rounding of the exact
+    product (every e2m1 x bf16 product is exact), each row the same alone as in the batch,
+    the unpacked copy and the rows op bitwise what they are for int4."""
+    w = mxfp4_weight(200, 576, seed=m)
+    packed = packing.pack(w)
+    x = bf16_input(m, 576, seed=m)
+    out = run(x, packed, amx).float()
+    ref = (x.double() @ w.dequantize().bfloat16().double().t()).float() if amx else reference_linear(x.float(), w)
+    assert ((out - ref).abs() <= ref.abs() * 2.0 ** -8 + 1e-6 * ref.abs().max()).all()
+    assert torch.equal(run(x[:1].contiguous(), packed, amx), out[:1].bfloat16())
+    copy = ops.bf16_unpack("fp4", packed.data, 200, 576, amx)
+    assert torch.equal(ops.bf16_quant_linear_unpacked(x, "fp4", packed.data, copy, 200, amx), out.bfloat16())
+    ids = torch.tensor([0, 199, 57])
+    assert torch.equal(ops.bf16_rows("fp4", packed.data, 200, 576, ids), w.dequantize()[ids].bfloat16())
