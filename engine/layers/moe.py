@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from cpu_kernels import ops
+
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] float32, expert ids [T, k]) as Mixtral and Qwen3-MoE route in HF: a
@@ -36,6 +38,7 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, where expert e is
     down(act(gate_up(x))): x [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I];
     weights, ids [T, k]; biases b13 [E, 2I], b2 [E, H] where the experts have them (gpt-oss).
+    w13 and w2 may instead be `PackedExperts` (quantized experts, their own kernels).
     `act` maps [N, 2I] -> [N, I] (SiLU of gate times up). A product in float32 weights is cast
     to x's dtype after weighting, as HF does."""
     num_tokens, top_k = ids.shape
@@ -46,7 +49,7 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs grouped by expert, token order kept
     tokens = order // top_k
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # one sync per layer
+    counts = torch.bincount(flat, minlength=len(w13)).tolist()  # one sync per layer
     gathered = x.index_select(0, tokens)
     out = torch.empty_like(gathered)
     start = 0
@@ -64,8 +67,36 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
 def _expert(x: torch.Tensor, e: int, w13: torch.Tensor, w2: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
             b13: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
     """Expert e on rows x: down(act(gate_up(x)))."""
-    hidden = act(F.linear(x, w13[e], None if b13 is None else b13[e]))
-    return F.linear(hidden, w2[e], None if b2 is None else b2[e])
+    return _linear(act(_linear(x, e, w13, b13)), e, w2, b2)
+
+
+def _linear(x: torch.Tensor, e: int, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if not isinstance(w, torch.Tensor):  # PackedExperts
+        return w.linear(e, x, b)
+    return F.linear(x, w[e], None if b is None else b[e])
+
+
+class PackedExperts:
+    """One matrix of every expert ([out, in] each) in the bf16 kernels' layout
+    (cpu_kernels.packing), `format` "int4" | "int8" | "fp4": what grouped_experts takes in place
+    of a dense [E, out, in] tensor. bfloat16 activations."""
+
+    def __init__(self, packed: list) -> None:
+        self.format = packed[0].format
+        self.data = [p.data for p in packed]
+        self.zero_units = [p.zero_units for p in packed]
+        self.out_features, self.in_features = packed[0].n, packed[0].k
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def linear(self, e: int, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        y = ops.bf16_quant_linear(x.contiguous(), self.format, self.data[e], self.out_features,
+                                  zero_units=self.zero_units[e])
+        return y if b is None else y + b[e]
+
+    def nbytes(self) -> int:
+        return sum(d.numel() for d in self.data)
 
 
 def _every_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -74,10 +105,10 @@ def _every_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     """The same sum with no data-dependent shapes, for CUDA-graph capture (decode batches):
     every expert runs on every token, unchosen ones weighted by exactly 0 (adding 0 leaves
     a token's sum, taken in expert order, unchanged)."""
-    combine = torch.zeros(ids.shape[0], w13.shape[0], dtype=weights.dtype, device=x.device)
+    combine = torch.zeros(ids.shape[0], len(w13), dtype=weights.dtype, device=x.device)
     combine.scatter_(1, ids, weights)
     out = torch.zeros_like(x)
-    for expert in range(w13.shape[0]):
+    for expert in range(len(w13)):
         y = _expert(x, expert, w13, w2, act, b13, b2)
         out += (y * combine[:, expert:expert + 1]).to(x.dtype)
     return out

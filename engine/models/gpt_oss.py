@@ -25,7 +25,11 @@ which the loader turns into the grouped experts' [E, 2I, H] (gate rows, then up 
     mlp.experts.gate_up_proj_blocks [E, 2I, H/32, 16], gate_up_proj_scales [E, 2I, H/32]
     mlp.experts.down_proj_blocks [E, H, I/32, 16], down_proj_scales [E, H, I/32]
 
-(rows = output features, not transposed), which are dequantized at load, exactly (every
+(rows = output features, not transposed). A bfloat16 model on a CPU with the bf16 kernels
+keeps them as stored: each expert's matrix becomes fp4 blocks (the int4 kernels' layout with
+e2m1 codes, cpu_kernels/quant_format.py `from_mxfp4`; 5 bits a weight with the layout's scale
+and zero) run by `PackedExperts`, the dense copy never written. Elsewhere (float32, CUDA,
+tensor parallelism, a scale below fp16's range) they are dequantized at load, exactly (every
 MXFP4 value is exact in bfloat16). Under tensor parallelism each rank keeps its heads' sinks
 and its share of each expert's width, as for the other MoE models.
 """
@@ -38,10 +42,11 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from cpu_kernels import mxfp4_format
+from cpu_kernels import mxfp4_format, ops, packing
+from cpu_kernels.quant_format import from_mxfp4
 from engine.distributed.state import all_reduce
 from engine.layers import Layer
-from engine.layers.moe import grouped_experts
+from engine.layers.moe import PackedExperts, grouped_experts
 from engine.layers.parallel import SINGLE, TPShard
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
@@ -75,13 +80,16 @@ class GptOssMoeBlock(Layer):
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
         self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // shard.size, bias=True)
         self.act = ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
+        # MXFP4 experts kept as stored, by matrix name (see the top); absent: the dense parameter
+        self.packed: dict[str, PackedExperts] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1, dtype=top.dtype)
         e = self.experts
-        out = grouped_experts(x, e.gate_up_proj, e.down_proj, weights, ids, self.act, e.gate_up_proj_bias,
-                              e.down_proj_bias)
+        w13 = self.packed.get("gate_up_proj", e.gate_up_proj)
+        w2 = self.packed.get("down_proj", e.down_proj)
+        out = grouped_experts(x, w13, w2, weights, ids, self.act, e.gate_up_proj_bias, e.down_proj_bias)
         return all_reduce(out, self.shard)
 
 
@@ -90,6 +98,13 @@ class GptOssForCausalLM(MoeForCausalLM):
         LlamaForCausalLM.__init__(self, cfg, max_positions, shard)  # not MoeForCausalLM's blocks
         for layer in self.model.layers:  # on the meta device (see loader) the dense MLPs cost nothing
             layer.mlp = GptOssMoeBlock(cfg, shard)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
+        expert = self.model.layers[0].mlp.experts.gate_up_proj
+        self._fp4_experts = (expert.device.type == "cpu" and expert.dtype == torch.bfloat16 and self.shard.size == 1
+                             and ops.bf16_dot_supported())
+        super().load_weights(weights)
 
     def _take_experts(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
         """The fused, transposed, interleaved experts (see the top) into the grouped layout,
@@ -116,6 +131,8 @@ class GptOssForCausalLM(MoeForCausalLM):
         """One MXFP4 matrix of every expert ([E, out, in/32, 16] blocks, [E, out, in/32] scales),
         dequantized exactly, one expert at a time."""
         mxfp4_format.check(parts["blocks"], parts["scales"], name)
+        if self._fp4_experts and self._keep_fp4(params, name, parts):
+            return
         for expert in range(parts["blocks"].shape[0]):
             self._load_rows(params, name, expert, mxfp4_format.dequantize(parts["blocks"][expert], parts["scales"][expert]))
 
@@ -127,3 +144,30 @@ class GptOssForCausalLM(MoeForCausalLM):
         else:
             for part, values in enumerate((rows[0::2], rows[1::2])):  # gate, up
                 self._load_expert(params, name, expert, part, values)
+
+    def _keep_fp4(self, params: dict, name: str, parts: dict[str, torch.Tensor]) -> bool:
+        """Pack one MXFP4 matrix of every expert as fp4 for the bf16 kernels (gate_up's rows
+        reordered to gate then up) and drop its dense parameter, never written; False (nothing
+        done) where a scale is outside fp16's powers of two, which the kernels cannot hold."""
+        blocks, scales = parts["blocks"], parts["scales"]
+        out = blocks.shape[1]
+        order = torch.cat([torch.arange(0, out, 2), torch.arange(1, out, 2)]) if "gate_up" in name else None
+        packed = []
+        for expert in range(blocks.shape[0]):
+            weight = from_mxfp4(blocks[expert], scales[expert])
+            if order is not None:
+                weight = weight.map_rows(lambda t: t.index_select(0, order))
+            if packing.zero_encoding(weight) is None:
+                return False
+            packed.append(packing.pack(weight))
+        block_name, _, kind = name.rpartition(".experts.")
+        expected = params[name].shape[1:]
+        if (packed[0].n, packed[0].k) != tuple(expected):
+            raise ValueError(f"shape mismatch for {name!r}: MXFP4 experts [{packed[0].n}, {packed[0].k}] vs "
+                             f"parameter {list(expected)}")
+        block = self.get_submodule(block_name)
+        block.packed[kind] = PackedExperts(packed)
+        setattr(block.experts, kind, None)  # allocated, never touched: no memory behind it
+        parts_of = (None,) if kind == "down_proj" else (0, 1)
+        self._experts_loaded.update((name, e, p) for e in range(len(packed)) for p in parts_of)
+        return True

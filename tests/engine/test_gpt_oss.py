@@ -12,7 +12,8 @@ import torch
 from engine.layers.rotary import yarn_params
 from engine.models.loader import weight_format
 from pagedserve import LLM
-from helpers import assert_matches_hf, hf_greedy, tiny_hf_config
+from cpu_kernels import ops
+from helpers import assert_matches_hf, check_outputs_match, greedy_with_logprobs, hf_greedy, tiny_hf_config
 from test_tiny_hf_equivalence import CONFIGS, tiny_prompts
 
 MAX_NEW = 24
@@ -129,3 +130,26 @@ def test_mxfp4_bad_checkpoints_are_refused(gpt_oss_mxfp4, tmp_path):
         save_file(stored, str(bad / "model.safetensors"))
         with pytest.raises(ValueError, match="down_proj"):
             LLM(str(bad), dtype="float32")
+
+
+@pytest.mark.skipif(not ops.bf16_dot_supported(), reason="the bf16 kernels need AVX512-BF16")
+def test_mxfp4_experts_run_as_stored_in_bfloat16(gpt_oss_mxfp4, monkeypatch):
+    """A bfloat16 model keeps MXFP4 experts as fp4 blocks (5 bits a weight, the dense copy
+    never written) and generates what the same model with its experts dequantized does (bf16
+    logits tie often: a prompt may diverge at a near tie; logprobs within bf16's noise)."""
+    from engine.models.gpt_oss import GptOssForCausalLM
+    folder, prompts, _ = gpt_oss_mxfp4
+    llm = LLM(str(folder), dtype="bfloat16")
+    blocks = [layer.mlp for layer in llm.engine.model_runner.model.model.layers]
+    assert all(set(b.packed) == {"gate_up_proj", "down_proj"} and b.experts.gate_up_proj is None for b in blocks)
+    weights = len(blocks) * 4 * (64 * 64 + 64 * 32)  # 4 layers x 4 experts x (gate_up + down)
+    assert sum(p.nbytes() for b in blocks for p in b.packed.values()) == weights * 5 // 8
+    ours = greedy_with_logprobs(llm, prompts, MAX_NEW)
+    monkeypatch.setattr(GptOssForCausalLM, "_keep_fp4", lambda *args: False)
+    dense = greedy_with_logprobs(LLM(str(folder), dtype="bfloat16"), prompts, MAX_NEW)
+    assert check_outputs_match(ours, dense) < len(prompts) // 2
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(ours, dense):
+        for token, ref_token, lp, ref_lp in zip(tokens, ref_tokens, lps, ref_lps):
+            if token != ref_token:
+                break
+            assert abs(lp[token] - ref_lp[token]) < 0.25
