@@ -42,7 +42,7 @@ def tinygemm_parts(weight: QuantizedTensor) -> tuple[torch.Tensor, int, torch.Te
     """(values uint8 [N, K] 0..15, group size, scales_and_zeros bf16 [K / group, N, 2]) of an
     int4 weight for torch's tinygemm: the widest group over which consecutive blocks share
     their scale and zero, and its zero shifted to tinygemm's midpoint form."""
-    n, k = weight.shape
+    k = weight.shape[1]
     scales, zeros = weight.scales, weight.zeros
     group = next(g for g in TINYGEMM_GROUPS if k % g == 0 and _shared(scales, g) and _shared(zeros, g))
     every = group // BLOCK

@@ -125,7 +125,7 @@ class GptOssForCausalLM(MoeForCausalLM):
             else:
                 yield name, tensor
         if pending:
-            raise ValueError(f"mxfp4 checkpoint lacks the other half of {sorted(pending)[0]}'s blocks and scales")
+            raise ValueError(f"mxfp4 checkpoint lacks the other half of {min(pending)}'s blocks and scales")
 
     def _load_mxfp4(self, params: dict, name: str, parts: dict[str, torch.Tensor]) -> None:
         """One MXFP4 matrix of every expert ([E, out, in/32, 16] blocks, [E, out, in/32] scales),
