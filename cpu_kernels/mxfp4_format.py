@@ -30,6 +30,22 @@ def check(blocks: torch.Tensor, scales: torch.Tensor, name: str) -> None:
                          f"(want blocks [..., G, {BLOCK // 2}] and scales [..., G])")
 
 
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., K] (K a multiple of 32) in MXFP4 by the OCP Microscaling rules: per block of 32,
+    the scale exponent floor(log2(amax)) - 2 (e2m1's largest exponent; -127 for a block of
+    zeros), each value rounded to the nearest e2m1 magnitude (clamped to 6) with its sign.
+    (blocks uint8 [..., K/32, 16], scales uint8 [..., K/32]) in the checkpoints' layout."""
+    grid = torch.tensor(E2M1[:8])
+    blocks = w.float().reshape(*w.shape[:-1], -1, BLOCK)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127)).clamp(-127, 127)
+    scaled = (blocks / torch.ldexp(torch.ones_like(exponent), exponent.int())).clamp(-6, 6)
+    index = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1)  # the nearest magnitude
+    codes = (index | ((scaled < 0).long() << 3)).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), (exponent.squeeze(-1) + SCALE_BIAS).to(torch.uint8)
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """float32 [..., G * 32]: each block's values times its scale, exactly."""
     check(blocks, scales, "tensor")

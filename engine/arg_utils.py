@@ -47,8 +47,9 @@ HELP = {
                          "model has no sliding window, else torch), torch (the plain-torch "
                          "reference), cpu (C++ paged attention), or cupy (GPU kernels, no sliding windows)",
     "quantization": "int4 or int8: quantize a float checkpoint's linear layers at load, in "
-                    "blocks of 32; none: dequantize a GGUF to --dtype (unset: GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K "
-                    "run in blocks, float checkpoints dense)",
+                    "blocks of 32; mxfp4: quantize a float mixture-of-experts checkpoint's experts to "
+                    "MXFP4 at load (bfloat16 on a CPU with AVX512-BF16); none: dequantize a GGUF to --dtype "
+                    "(unset: GGUF Q4_0/Q4_1/Q8_0/Q5_0/Q4_K run in blocks, float checkpoints dense)",
     "layer_kernels": "run the decoder's norms, rotary and SiLU-and-mul as fused kernels (cpu_kernels on a "
                      "CPU, cupy_kernels on CUDA) where they build; --no-layer-kernels: eager torch, "
                      "the reference (default: on)",
@@ -95,7 +96,7 @@ HELP = {
                "(unset: the model's sentence-transformers config, else cls for an encoder, last for a decoder)",
 }
 CHOICES = {"dtype": ["float32", "bfloat16", "float16", "auto"], "scheduling_policy": ["fcfs", "priority"],
-           "attention_backend": ["auto", "torch", "cpu", "cupy"], "quantization": ["none", "int4", "int8"],
+           "attention_backend": ["auto", "torch", "cpu", "cupy"], "quantization": ["none", "int4", "int8", "mxfp4"],
            "speculative_method": ["ngram", "draft", "none"], "task": ["auto", "generate", "embed", "score"],
            "pooling": ["mean", "cls", "last"]}
 METAVARS = {"generation_config": "auto|vllm|PATH", "gpu_memory_utilization": "F"}

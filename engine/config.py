@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cupy")
-QUANTIZATIONS = (None, "none", "int4", "int8")
+QUANTIZATIONS = (None, "none", "int4", "int8", "mxfp4")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
 log = logging.getLogger("pagedserve.engine")
@@ -46,7 +46,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # or "priority"
     attention_backend: str = "auto"  # auto: cpu kernels on CPU, cupy on CUDA, where they run; else torch
-    quantization: str | None = None  # int4 | int8: quantize float weights at load; none: dequantize GGUF
+    quantization: str | None = None  # int4 | int8 | mxfp4 (MoE experts): quantize float weights at load; none: dequantize GGUF
     # The decoder's norms, rotary and SiLU-and-mul as fused kernels (cpu_kernels on a CPU,
     # cupy_kernels on CUDA) where they build; off: eager torch, the reference.
     layer_kernels: bool = True
@@ -106,7 +106,7 @@ class EngineConfig:
             raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
         if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization: must be one of none, int4, int8 (or unset), got {self.quantization!r}")
+            raise ValueError(f"quantization: must be one of none, int4, int8, mxfp4 (or unset), got {self.quantization!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device: must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.device == "auto":  # first: every check below and the rest of the engine see cpu or cuda

@@ -209,21 +209,10 @@ def export(base: Path, out: Path, reference: Path, kind: str) -> None:
 
 
 def mxfp4_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., K] (K a multiple of 32) in MXFP4 as the OCP Microscaling spec and gpt-oss's
-    checkpoints lay it out (cpu_kernels/mxfp4_format.py): per block of 32, the scale exponent
-    floor(log2(amax)) - 2 (e2m1's largest exponent), each value rounded to the nearest e2m1
-    (clamped to +-6); blocks uint8 [..., K/32, 16] (value 2j in byte j's low nibble), scales
-    uint8 [..., K/32] (exponent + 127)."""
-    from cpu_kernels.mxfp4_format import BLOCK, E2M1
-    grid = torch.tensor(E2M1[:8])
-    blocks = w.float().reshape(*w.shape[:-1], -1, BLOCK)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.full_like(amax, -127)).clamp(-127, 127)
-    scaled = (blocks / torch.ldexp(torch.ones_like(exponent), exponent.int())).clamp(-6, 6)
-    index = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1)  # nearest magnitude
-    nibbles = (index | ((scaled < 0).long() << 3)).to(torch.uint8)
-    packed = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
-    return packed.contiguous(), (exponent.squeeze(-1) + 127).to(torch.uint8)
+    """MXFP4 by the OCP Microscaling rules (cpu_kernels/mxfp4_format.py `quantize`, which
+    --quantization mxfp4 uses too): its dequantization is checked against transformers'."""
+    from cpu_kernels.mxfp4_format import quantize
+    return quantize(w)
 
 
 def export_mxfp4_experts(base: Path, out: Path) -> None:

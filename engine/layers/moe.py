@@ -99,6 +99,23 @@ class PackedExperts:
         return sum(d.numel() for d in self.data)
 
 
+def fp4_experts(matrices: torch.Tensor) -> PackedExperts | None:
+    """Float experts [E, out, in] quantized to MXFP4 and packed as fp4 blocks for the bf16
+    kernels; None where `in` is not a multiple of 32 or a block's scale falls outside fp16's
+    powers of two (those experts stay dense)."""
+    from cpu_kernels import mxfp4_format, packing
+    from cpu_kernels.quant_format import from_mxfp4
+    if matrices.shape[-1] % mxfp4_format.BLOCK:
+        return None
+    packed = []
+    for matrix in matrices:
+        weight = from_mxfp4(*mxfp4_format.quantize(matrix))
+        if packing.zero_encoding(weight) is None:
+            return None
+        packed.append(packing.pack(weight))
+    return PackedExperts(packed)
+
+
 def _every_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
                   b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:

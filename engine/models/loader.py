@@ -99,10 +99,27 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     model.load_weights(weights)
     if formats:
         _prepare_quantized(model, dtype, device, amx, exact=not is_gguf(path))
+    if quantization == "mxfp4":
+        _mxfp4_experts(model, cfg, dtype, device)
     if layer_kernels:
         use_layer_kernels(model, device, dtype)
     release_freed_memory()
     return model.eval()
+
+
+def _mxfp4_experts(model: nn.Module, cfg: ModelArchConfig, dtype: str, device: str) -> None:
+    """--quantization mxfp4: the experts to fp4 blocks (engine/models/moe.py), where the bf16
+    kernels run them; a clear error elsewhere, or for a model without experts."""
+    from cpu_kernels import ops
+    from engine.models.moe import quantize_experts_mxfp4
+    if not cfg.moe_layers:
+        raise ValueError(f"quantization 'mxfp4' quantizes a mixture-of-experts model's experts; "
+                         f"{cfg.model_type} has none (int4 and int8 quantize linear layers)")
+    if device != "cpu" or dtype != "bfloat16" or not ops.bf16_dot_supported():
+        raise ValueError("quantization 'mxfp4': the fp4 experts run on the CPU's bf16 kernels; use --dtype "
+                         "bfloat16 on a CPU with AVX512-BF16")
+    count = quantize_experts_mxfp4(model)
+    log.info("quantization mxfp4: %d expert matrices as fp4 blocks", count)
 
 
 def release_freed_memory() -> None:
@@ -237,6 +254,8 @@ def linear_formats(path: Path, cfg: ModelArchConfig, quantization: str | None, t
     if quantization == "none":
         return {}
     quant = read_quant_config(path)
+    if quantization == "mxfp4" and not is_gguf(path) and quant is None:
+        return {}  # the experts alone (load_model), no linear layer
     if is_gguf(path) or quant is not None:
         if quantization is not None:
             what = "a GGUF file's Q4_0/Q4_1/Q8_0/Q5_0/Q4_K weights" if quant is None else f"{quant.label} weights"

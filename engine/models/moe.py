@@ -11,7 +11,8 @@ checkpoint's per-expert tensors:
 
 (or transformers' fused in-memory form, mlp.experts.gate_up_proj / down_proj). The
 experts and the router stay dense under --quantization int4/int8; the attention layers
-and the LM head are quantized as in Llama. Under tensor parallelism each rank keeps its
+and the LM head are quantized as in Llama. --quantization mxfp4 quantizes the experts alone,
+to MXFP4 kept as fp4 blocks (`quantize_experts_mxfp4`). Under tensor parallelism each rank keeps its
 share of every expert's intermediate width, as for the dense MLP, and the block's output
 is all-reduced.
 """
@@ -27,7 +28,7 @@ from torch import nn
 from engine.distributed.state import all_reduce
 from engine.layers import Layer
 from engine.layers.activation import SiluAndMul
-from engine.layers.moe import grouped_experts, route
+from engine.layers.moe import PackedExperts, fp4_experts, grouped_experts, route
 from engine.layers.parallel import SINGLE, TPShard
 from engine.layers.quantized import QuantizedTensor
 from engine.models.config import ModelArchConfig
@@ -65,13 +66,35 @@ class SparseMoeBlock(Layer):
         self.act = SiluAndMul()
         # HF: Qwen3-MoE casts the routing weights to the model's dtype, Mixtral keeps float32.
         self.weights_in_model_dtype = cfg.model_type == "qwen3_moe"
+        self.packed: dict[str, PackedExperts] = {}  # --quantization mxfp4: fp4 experts by matrix name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
-        out = grouped_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, self.act)
+        w13 = self.packed.get("gate_up_proj", self.experts.gate_up_proj)
+        w2 = self.packed.get("down_proj", self.experts.down_proj)
+        out = grouped_experts(x, w13, w2, weights, ids, self.act)
         return all_reduce(out, self.shard)
+
+
+@torch.no_grad()
+def quantize_experts_mxfp4(model: nn.Module) -> int:
+    """--quantization mxfp4: every MoE block's experts (Mixtral, Qwen3-MoE, gpt-oss), loaded
+    in float, quantized to MXFP4 and kept as fp4 blocks for the bf16 kernels (`fp4_experts`),
+    their dense copies freed; returns how many matrices (2 per block where every scale fits)."""
+    count = 0
+    for block in model.modules():
+        if not isinstance(getattr(block, "packed", None), dict) or not isinstance(block.experts, Experts):
+            continue
+        for kind in ("gate_up_proj", "down_proj"):
+            dense = getattr(block.experts, kind)
+            packed = None if dense is None else fp4_experts(dense.data)
+            if packed is not None:
+                block.packed[kind] = packed
+                setattr(block.experts, kind, None)
+                count += 1
+    return count
 
 
 class MoeForCausalLM(LlamaForCausalLM):

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from engine.layers.moe import grouped_experts, reference_experts, route
 from pagedserve import LLM
-from helpers import assert_matches_hf, assert_no_leak, build_tiny_model, greedy_with_logprobs, hf_greedy
+from cpu_kernels import ops
+from helpers import (assert_matches_hf, assert_no_leak, build_tiny_model, check_outputs_match, greedy_with_logprobs,
+                     hf_greedy)
 
 MAX_NEW = 16
 CONFIGS = {
@@ -175,3 +177,38 @@ def test_qwen3_moe_sparse_layers_follow_step_and_mlp_only_layers():
     assert cfg.moe_layers == (1, 5) and cfg.moe_intermediate_size == 32 and not cfg.norm_topk_prob
     mixtral = ModelArchConfig.from_hf(tiny_hf_config("mixtral"))
     assert mixtral.moe_layers == (0, 1) and mixtral.moe_intermediate_size == 128 and mixtral.norm_topk_prob
+
+
+@pytest.mark.skipif(not (_quant_kernels() and ops.bf16_dot_supported()), reason="the bf16 kernels need AVX512-BF16")
+def test_mxfp4_at_load_quantizes_the_experts(tiny):
+    """--quantization mxfp4: every sparse block's experts become fp4 blocks (their dense copies
+    gone), and the model generates what it does with those experts' MXFP4 values as dense bf16
+    (bf16 logits tie often: a prompt may diverge at a near tie; logprobs within bf16's noise).
+    float32 is refused: the fp4 experts run on the bf16 kernels."""
+    from cpu_kernels import packing
+    from engine.models.moe import SparseMoeBlock
+    folder, _ = tiny
+    llm = LLM(str(folder), dtype="bfloat16", quantization="mxfp4")
+    blocks = [layer.mlp for layer in llm.engine.model_runner.model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    assert blocks and all(set(b.packed) == {"gate_up_proj", "down_proj"} and b.experts.down_proj is None
+                          for b in blocks)
+    prompts = tiny_prompts()
+    ours = greedy_with_logprobs(llm, prompts, MAX_NEW)
+    for block in blocks:  # the same experts, dense: their fp4 values are exact in bf16
+        for kind, packed in block.packed.items():
+            values = torch.stack([packing.unpack(packing.PackedWeight(packed.format, data, packed.out_features,
+                                                                      packed.in_features, units)).dequantize()
+                                  for data, units in zip(packed.data, packed.zero_units)])
+            setattr(block.experts, kind, torch.nn.Parameter(values.bfloat16(), requires_grad=False))
+        block.packed = {}
+    llm.engine.reset_prefix_cache()
+    dense = greedy_with_logprobs(llm, prompts, MAX_NEW)
+    assert check_outputs_match(ours, dense) <= len(prompts) // 2
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(ours, dense):
+        for token, ref_token, lp, ref_lp in zip(tokens, ref_tokens, lps, ref_lps):
+            if token != ref_token:
+                break
+            assert abs(lp[token] - ref_lp[token]) < 0.25
+    assert_no_leak(llm)
+    with pytest.raises(ValueError, match="bfloat16"):
+        LLM(str(folder), dtype="float32", quantization="mxfp4")
