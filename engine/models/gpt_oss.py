@@ -28,9 +28,10 @@ which the loader turns into the grouped experts' [E, 2I, H] (gate rows, then up 
 (rows = output features, not transposed). A bfloat16 model on a CPU with the bf16 kernels
 keeps them as stored: each expert's matrix becomes fp4 blocks (the int4 kernels' layout with
 e2m1 codes, cpu_kernels/quant_format.py `from_mxfp4`; 5 bits a weight with the layout's scale
-and zero) run by `PackedExperts`, the dense copy never written. Elsewhere (float32, CUDA,
-tensor parallelism, a scale below fp16's range) they are dequantized at load, exactly (every
-MXFP4 value is exact in bfloat16). Under tensor parallelism each rank keeps its heads' sinks
+and zero) run by `PackedExperts`, the dense copy never written; under tensor parallelism each
+rank packs its rows of gate and up and its columns of down (dense where those cut a block).
+Elsewhere (float32, CUDA, a scale outside fp16's powers of two) they are dequantized at load,
+exactly (every MXFP4 value is exact in bfloat16). Under tensor parallelism each rank keeps its heads' sinks
 and its share of each expert's width, as for the other MoE models.
 """
 
@@ -43,11 +44,11 @@ import torch
 from torch import nn
 
 from cpu_kernels import mxfp4_format, ops, packing
-from cpu_kernels.quant_format import from_mxfp4
+from cpu_kernels.quant_format import QuantizedTensor, from_mxfp4
 from engine.distributed.state import all_reduce
 from engine.layers import Layer
 from engine.layers.moe import PackedExperts, grouped_experts
-from engine.layers.parallel import SINGLE, TPShard
+from engine.layers.parallel import SINGLE, TPShard, shard_cols
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import Experts, MoeForCausalLM, Weight
@@ -102,8 +103,7 @@ class GptOssForCausalLM(MoeForCausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         expert = self.model.layers[0].mlp.experts.gate_up_proj
-        self._fp4_experts = (expert.device.type == "cpu" and expert.dtype == torch.bfloat16 and self.shard.size == 1
-                             and ops.bf16_dot_supported())
+        self._fp4_experts = expert.device.type == "cpu" and expert.dtype == torch.bfloat16 and ops.bf16_dot_supported()
         super().load_weights(weights)
 
     def _take_experts(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
@@ -146,17 +146,26 @@ class GptOssForCausalLM(MoeForCausalLM):
                 self._load_expert(params, name, expert, part, values)
 
     def _keep_fp4(self, params: dict, name: str, parts: dict[str, torch.Tensor]) -> bool:
-        """Pack one MXFP4 matrix of every expert as fp4 for the bf16 kernels (gate_up's rows
-        reordered to gate then up) and drop its dense parameter, never written; False (nothing
-        done) where a scale is outside fp16's powers of two, which the kernels cannot hold."""
+        """Pack one MXFP4 matrix of every expert as fp4 for the bf16 kernels and drop its dense
+        parameter, never written: gate_up's rows reordered to gate then up, and under tensor
+        parallelism this rank's rows of each (down: its columns, on 32-value blocks). False
+        (nothing done) where a scale is outside fp16's powers of two, which the kernels cannot
+        hold, or a rank's columns would cut a block."""
         blocks, scales = parts["blocks"], parts["scales"]
-        out = blocks.shape[1]
-        order = torch.cat([torch.arange(0, out, 2), torch.arange(1, out, 2)]) if "gate_up" in name else None
+        start, count = self.shard.split(self.config.moe_intermediate_size)
+        gate_up = "gate_up" in name
+        if gate_up:  # this rank's gate rows (even rows), then its up rows (odd rows)
+            order = torch.cat([torch.arange(0, blocks.shape[1], 2)[start:start + count],
+                               torch.arange(1, blocks.shape[1], 2)[start:start + count]])
         packed = []
         for expert in range(blocks.shape[0]):
             weight = from_mxfp4(blocks[expert], scales[expert])
-            if order is not None:
+            if gate_up:
                 weight = weight.map_rows(lambda t: t.index_select(0, order))
+            elif self.shard.size > 1:
+                weight = shard_cols(weight, start, count)
+                if not isinstance(weight, QuantizedTensor):  # the cut fell inside a block
+                    return False
             if packing.zero_encoding(weight) is None:
                 return False
             packed.append(packing.pack(weight))
