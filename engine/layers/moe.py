@@ -13,12 +13,13 @@ the matmul's own summation order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 
-from cpu_kernels import ops
+from cpu_kernels import mxfp4_format, ops, packing
+from cpu_kernels.quant_format import QuantizedTensor, from_mxfp4
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,21 +100,23 @@ class PackedExperts:
         return sum(d.numel() for d in self.data)
 
 
-def fp4_experts(matrices: torch.Tensor) -> PackedExperts | None:
-    """Float experts [E, out, in] quantized to MXFP4 and packed as fp4 blocks for the bf16
-    kernels; None where `in` is not a multiple of 32 or a block's scale falls outside fp16's
-    powers of two (those experts stay dense)."""
-    from cpu_kernels import mxfp4_format, packing
-    from cpu_kernels.quant_format import from_mxfp4
-    if matrices.shape[-1] % mxfp4_format.BLOCK:
-        return None
+def pack_fp4(weights: Iterable[QuantizedTensor]) -> PackedExperts | None:
+    """fp4 weights, one per expert, packed for the bf16 kernels; None where a block's scale
+    falls outside fp16's powers of two, which the kernels cannot hold (those stay dense)."""
     packed = []
-    for matrix in matrices:
-        weight = from_mxfp4(*mxfp4_format.quantize(matrix))
+    for weight in weights:
         if packing.zero_encoding(weight) is None:
             return None
         packed.append(packing.pack(weight))
     return PackedExperts(packed)
+
+
+def fp4_experts(matrices: torch.Tensor) -> PackedExperts | None:
+    """Float experts [E, out, in] quantized to MXFP4 (--quantization mxfp4) and packed as fp4;
+    None where `in` is not a multiple of 32 or `pack_fp4` says so."""
+    if matrices.shape[-1] % mxfp4_format.BLOCK:
+        return None
+    return pack_fp4(from_mxfp4(*mxfp4_format.quantize(matrix)) for matrix in matrices)
 
 
 def _every_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

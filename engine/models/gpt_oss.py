@@ -28,11 +28,13 @@ which the loader turns into the grouped experts' [E, 2I, H] (gate rows, then up 
 (rows = output features, not transposed). A bfloat16 model on a CPU with the bf16 kernels
 keeps them as stored: each expert's matrix becomes fp4 blocks (the int4 kernels' layout with
 e2m1 codes, cpu_kernels/quant_format.py `from_mxfp4`; 5 bits a weight with the layout's scale
-and zero) run by `PackedExperts`, the dense copy never written; under tensor parallelism each
-rank packs its rows of gate and up and its columns of down (dense where those cut a block).
-Elsewhere (float32, CUDA, a scale outside fp16's powers of two) they are dequantized at load,
-exactly (every MXFP4 value is exact in bfloat16). Under tensor parallelism each rank keeps its heads' sinks
-and its share of each expert's width, as for the other MoE models.
+and zero) run by `PackedExperts`, the dense copy never written. Elsewhere (float32, CUDA, a
+scale outside fp16's powers of two) they are dequantized at load, exactly (every MXFP4 value
+is exact in bfloat16).
+
+Under tensor parallelism each rank keeps its heads' sinks and its share of each expert's
+width, as for the other MoE models: packed fp4, its rows of gate and up and its columns of
+down (dense where those cut a 32-value block).
 """
 
 from __future__ import annotations
@@ -43,11 +45,11 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from cpu_kernels import mxfp4_format, ops, packing
+from cpu_kernels import mxfp4_format, ops
 from cpu_kernels.quant_format import QuantizedTensor, from_mxfp4
 from engine.distributed.state import all_reduce
 from engine.layers import Layer
-from engine.layers.moe import PackedExperts, grouped_experts
+from engine.layers.moe import PackedExperts, grouped_experts, pack_fp4
 from engine.layers.parallel import SINGLE, TPShard, shard_cols
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
@@ -157,7 +159,7 @@ class GptOssForCausalLM(MoeForCausalLM):
         if gate_up:  # this rank's gate rows (even rows), then its up rows (odd rows)
             order = torch.cat([torch.arange(0, blocks.shape[1], 2)[start:start + count],
                                torch.arange(1, blocks.shape[1], 2)[start:start + count]])
-        packed = []
+        weights = []
         for expert in range(blocks.shape[0]):
             weight = from_mxfp4(blocks[expert], scales[expert])
             if gate_up:
@@ -166,17 +168,18 @@ class GptOssForCausalLM(MoeForCausalLM):
                 weight = shard_cols(weight, start, count)
                 if not isinstance(weight, QuantizedTensor):  # the cut fell inside a block
                     return False
-            if packing.zero_encoding(weight) is None:
-                return False
-            packed.append(packing.pack(weight))
-        block_name, _, kind = name.rpartition(".experts.")
-        expected = params[name].shape[1:]
-        if (packed[0].n, packed[0].k) != tuple(expected):
-            raise ValueError(f"shape mismatch for {name!r}: MXFP4 experts [{packed[0].n}, {packed[0].k}] vs "
+            weights.append(weight)
+        expected = tuple(params[name].shape[1:])
+        if weights[0].shape != expected:
+            raise ValueError(f"shape mismatch for {name!r}: MXFP4 experts {list(weights[0].shape)} vs "
                              f"parameter {list(expected)}")
+        packed = pack_fp4(weights)
+        if packed is None:
+            return False
+        block_name, _, kind = name.rpartition(".experts.")
         block = self.get_submodule(block_name)
-        block.packed[kind] = PackedExperts(packed)
+        block.packed[kind] = packed
         setattr(block.experts, kind, None)  # allocated, never touched: no memory behind it
         parts_of = (None,) if kind == "down_proj" else (0, 1)
-        self._experts_loaded.update((name, e, p) for e in range(len(packed)) for p in parts_of)
+        self._experts_loaded.update((name, e, p) for e in range(len(weights)) for p in parts_of)
         return True
