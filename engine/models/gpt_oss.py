@@ -49,7 +49,7 @@ from cpu_kernels import mxfp4_format, ops
 from cpu_kernels.quant_format import QuantizedTensor, from_mxfp4
 from engine.distributed.state import all_reduce
 from engine.layers import Layer
-from engine.layers.moe import PackedExperts, grouped_experts, pack_fp4
+from engine.layers.moe import grouped_experts, pack_fp4
 from engine.layers.parallel import SINGLE, TPShard, shard_cols
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
@@ -76,23 +76,17 @@ class ClampedSwiGLU(Layer):
 class GptOssMoeBlock(Layer):
     def __init__(self, cfg: ModelArchConfig, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        if cfg.moe_intermediate_size % shard.size:
-            raise ValueError(f"tensor_parallel_size {shard.size}: the experts' width "
-                             f"{cfg.moe_intermediate_size} does not divide by {shard.size}")
         self.shard, self.top_k = shard, cfg.num_experts_per_tok
         self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // shard.size, bias=True)
+        self.experts = Experts(cfg, shard, bias=True)  # MXFP4 ones kept as stored (see the top)
         self.act = ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
-        # MXFP4 experts kept as stored, by matrix name (see the top); absent: the dense parameter
-        self.packed: dict[str, PackedExperts] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1, dtype=top.dtype)
         e = self.experts
-        w13 = self.packed.get("gate_up_proj", e.gate_up_proj)
-        w2 = self.packed.get("down_proj", e.down_proj)
-        out = grouped_experts(x, w13, w2, weights, ids, self.act, e.gate_up_proj_bias, e.down_proj_bias)
+        out = grouped_experts(x, e.matrix("gate_up_proj"), e.matrix("down_proj"), weights, ids, self.act,
+                              e.gate_up_proj_bias, e.down_proj_bias)
         return all_reduce(out, self.shard)
 
 
@@ -121,9 +115,9 @@ class GptOssForCausalLM(MoeForCausalLM):
                     self._load_mxfp4(params, m.group(1), pending.pop(m.group(1)))
             elif m := _EXPERTS.match(name):
                 prefix, kind, bias = m.group(1), m.group(2), m.group(3) or ""
-                for expert in range(tensor.shape[0]):
-                    # [in, out] (a bias: [out]) -> rows of out
-                    self._load_rows(params, f"{prefix}.{kind}{bias}", expert, tensor[expert] if bias else tensor[expert].t())
+                for expert in range(tensor.shape[0]):  # [in, out] (a bias: [out]) -> rows of out
+                    rows = tensor[expert] if bias else tensor[expert].t()
+                    self._load_rows(params, f"{prefix}.{kind}{bias}", expert, rows)
             else:
                 yield name, tensor
         if pending:
@@ -135,8 +129,9 @@ class GptOssForCausalLM(MoeForCausalLM):
         mxfp4_format.check(parts["blocks"], parts["scales"], name)
         if self._fp4_experts and self._keep_fp4(params, name, parts):
             return
-        for expert in range(parts["blocks"].shape[0]):
-            self._load_rows(params, name, expert, mxfp4_format.dequantize(parts["blocks"][expert], parts["scales"][expert]))
+        blocks, scales = parts["blocks"], parts["scales"]
+        for expert in range(blocks.shape[0]):
+            self._load_rows(params, name, expert, mxfp4_format.dequantize(blocks[expert], scales[expert]))
 
     def _load_rows(self, params: dict, name: str, expert: int, rows: torch.Tensor) -> None:
         """One expert's matrix (or bias) with its output features first: gate_up's interleaved
@@ -176,10 +171,8 @@ class GptOssForCausalLM(MoeForCausalLM):
         packed = pack_fp4(weights)
         if packed is None:
             return False
-        block_name, _, kind = name.rpartition(".experts.")
-        block = self.get_submodule(block_name)
-        block.packed[kind] = packed
-        setattr(block.experts, kind, None)  # allocated, never touched: no memory behind it
+        experts_name, _, kind = name.rpartition(".")
+        self.get_submodule(experts_name).keep_packed(kind, packed)  # the dense one was never written
         parts_of = (None,) if kind == "down_proj" else (0, 1)
         self._experts_loaded.update((name, e, p) for e in range(len(weights)) for p in parts_of)
         return True

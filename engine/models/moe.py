@@ -43,38 +43,48 @@ _FUSED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 
 
 class Experts(nn.Module):
-    """The experts' weights (no forward: SparseMoeBlock runs them grouped), and biases where
-    they have them (gpt-oss)."""
+    """This rank's share of the experts' weights (no forward: the MoE blocks run them grouped),
+    and biases where they have them (gpt-oss). A matrix kept as fp4 blocks (MXFP4, see
+    `keep_packed`) is in `packed` and its dense parameter is None."""
 
-    def __init__(self, num_experts: int, hidden: int, width: int, bias: bool = False) -> None:
+    def __init__(self, cfg: ModelArchConfig, shard: TPShard = SINGLE, bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width), requires_grad=False)
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * width), requires_grad=False) if bias else None
-        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False) if bias else None
+        if cfg.moe_intermediate_size % shard.size:
+            raise ValueError(f"tensor_parallel_size {shard.size}: the experts' width "
+                             f"{cfg.moe_intermediate_size} does not divide by {shard.size}")
+        n, hidden, width = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // shard.size
+        self.gate_up_proj = nn.Parameter(torch.empty(n, 2 * width, hidden), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(n, hidden, width), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(n, 2 * width), requires_grad=False) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(n, hidden), requires_grad=False) if bias else None
+        self.packed: dict[str, PackedExperts] = {}  # matrix name ("gate_up_proj", "down_proj") -> fp4
+
+    def matrix(self, name: str) -> torch.Tensor | PackedExperts:
+        """What grouped_experts multiplies by: the packed matrix, else the dense parameter."""
+        return self.packed.get(name, getattr(self, name))
+
+    def keep_packed(self, name: str, packed: PackedExperts) -> None:
+        """Run `name` from `packed` and free its dense parameter (allocated, maybe never written)."""
+        self.packed[name] = packed
+        setattr(self, name, None)
 
 
 class SparseMoeBlock(Layer):
     def __init__(self, cfg: ModelArchConfig, shard: TPShard = SINGLE) -> None:
         super().__init__()
-        if cfg.moe_intermediate_size % shard.size:
-            raise ValueError(f"tensor_parallel_size {shard.size}: the experts' width "
-                             f"{cfg.moe_intermediate_size} does not divide by {shard.size}")
         self.shard, self.top_k, self.renormalize = shard, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size // shard.size)
+        self.experts = Experts(cfg, shard)
         self.act = SiluAndMul()
         # HF: Qwen3-MoE casts the routing weights to the model's dtype, Mixtral keeps float32.
         self.weights_in_model_dtype = cfg.model_type == "qwen3_moe"
-        self.packed: dict[str, PackedExperts] = {}  # --quantization mxfp4: fp4 experts by matrix name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
         if self.weights_in_model_dtype:
             weights = weights.to(x.dtype)
-        w13 = self.packed.get("gate_up_proj", self.experts.gate_up_proj)
-        w2 = self.packed.get("down_proj", self.experts.down_proj)
-        out = grouped_experts(x, w13, w2, weights, ids, self.act)
+        e = self.experts
+        out = grouped_experts(x, e.matrix("gate_up_proj"), e.matrix("down_proj"), weights, ids, self.act)
         return all_reduce(out, self.shard)
 
 
@@ -84,15 +94,12 @@ def quantize_experts_mxfp4(model: nn.Module) -> int:
     in float, quantized to MXFP4 and kept as fp4 blocks for the bf16 kernels (`fp4_experts`),
     their dense copies freed; returns how many matrices (2 per block where every scale fits)."""
     count = 0
-    for block in model.modules():
-        if not isinstance(getattr(block, "packed", None), dict) or not isinstance(block.experts, Experts):
-            continue
-        for kind in ("gate_up_proj", "down_proj"):
-            dense = getattr(block.experts, kind)
+    for experts in (m for m in model.modules() if isinstance(m, Experts)):
+        for name in ("gate_up_proj", "down_proj"):
+            dense = getattr(experts, name)
             packed = None if dense is None else fp4_experts(dense.data)
             if packed is not None:
-                block.packed[kind] = packed
-                setattr(block.experts, kind, None)
+                experts.keep_packed(name, packed)
                 count += 1
     return count
 

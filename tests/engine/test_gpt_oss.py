@@ -141,9 +141,10 @@ def test_mxfp4_experts_run_as_stored_in_bfloat16(gpt_oss_mxfp4, monkeypatch):
     folder, prompts, _ = gpt_oss_mxfp4
     llm = LLM(str(folder), dtype="bfloat16")
     blocks = [layer.mlp for layer in llm.engine.model_runner.model.model.layers]
-    assert all(set(b.packed) == {"gate_up_proj", "down_proj"} and b.experts.gate_up_proj is None for b in blocks)
+    assert all(set(b.experts.packed) == {"gate_up_proj", "down_proj"} and b.experts.gate_up_proj is None
+               for b in blocks)
     weights = len(blocks) * 4 * (64 * 64 + 64 * 32)  # 4 layers x 4 experts x (gate_up + down)
-    assert sum(p.nbytes() for b in blocks for p in b.packed.values()) == weights * 5 // 8
+    assert sum(p.nbytes() for b in blocks for p in b.experts.packed.values()) == weights * 5 // 8
     ours = greedy_with_logprobs(llm, prompts, MAX_NEW)
     monkeypatch.setattr(GptOssForCausalLM, "_keep_fp4", lambda *args: False)
     dense = greedy_with_logprobs(LLM(str(folder), dtype="bfloat16"), prompts, MAX_NEW)
@@ -168,7 +169,7 @@ def test_mxfp4_experts_under_tensor_parallelism(gpt_oss_mxfp4):
     llm = LLM(str(folder), dtype="bfloat16", num_threads=2, tensor_parallel_size=2)
     try:
         block = llm.engine.model_runner.model.model.layers[0].mlp
-        assert set(block.packed) == {"gate_up_proj"} and block.experts.down_proj is not None
+        assert set(block.experts.packed) == {"gate_up_proj"} and block.experts.down_proj is not None
         two = greedy_with_logprobs(llm, prompts, MAX_NEW)
     finally:
         llm.engine.model_runner.close()

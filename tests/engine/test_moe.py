@@ -190,17 +190,17 @@ def test_mxfp4_at_load_quantizes_the_experts(tiny):
     folder, _ = tiny
     llm = LLM(str(folder), dtype="bfloat16", quantization="mxfp4")
     blocks = [layer.mlp for layer in llm.engine.model_runner.model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
-    assert blocks and all(set(b.packed) == {"gate_up_proj", "down_proj"} and b.experts.down_proj is None
+    assert blocks and all(set(b.experts.packed) == {"gate_up_proj", "down_proj"} and b.experts.down_proj is None
                           for b in blocks)
     prompts = tiny_prompts()
     ours = greedy_with_logprobs(llm, prompts, MAX_NEW)
     for block in blocks:  # the same experts, dense: their fp4 values are exact in bf16
-        for kind, packed in block.packed.items():
+        for kind, packed in block.experts.packed.items():
             values = torch.stack([packing.unpack(packing.PackedWeight(packed.format, data, packed.out_features,
                                                                       packed.in_features, units)).dequantize()
                                   for data, units in zip(packed.data, packed.zero_units)])
             setattr(block.experts, kind, torch.nn.Parameter(values.bfloat16(), requires_grad=False))
-        block.packed = {}
+        block.experts.packed = {}
     llm.engine.reset_prefix_cache()
     dense = greedy_with_logprobs(llm, prompts, MAX_NEW)
     assert check_outputs_match(ours, dense) <= len(prompts) // 2
