@@ -336,14 +336,22 @@ def test_fp8_under_tensor_parallelism_runs_as_stored(tmp_path, tiny_bases):
     assert set(linear_formats(tmp_path / "q", cfg, None, tp_size=2).values()) == {"fp8"}
     four = linear_formats(tmp_path / "q", cfg, None, tp_size=4)
     assert not any(name.endswith("o_proj") for name in four) and any(name.endswith("qkv_proj") for name in four)
-    engine = dict(dtype="float32", num_kv_blocks=96, num_threads=2, max_num_batched_tokens=48)
+    kernel = cpu_kernels.available("fp8_linear") and ops.fp8_supported()
+    assert_tp2_equals_tp1(tmp_path / "q", lambda layer: all(
+        isinstance(m, Fp8Linear) == kernel for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj)))
+
+
+TP_ENGINE = dict(dtype="float32", num_kv_blocks=96, num_threads=2, max_num_batched_tokens=48)
+
+
+def assert_tp2_equals_tp1(folder: Path, layer_is_as_expected) -> None:
+    """TP=2 gives TP=1's greedy tokens and logprobs (float32); `layer_is_as_expected` is
+    asked of rank 0's first decoder layer."""
     prompts = tiny_prompts()
-    one = greedy_with_logprobs(LLM(str(tmp_path / "q"), **engine), prompts, MAX_NEW)
-    llm = LLM(str(tmp_path / "q"), tensor_parallel_size=2, **engine)
+    one = greedy_with_logprobs(LLM(str(folder), **TP_ENGINE), prompts, MAX_NEW)
+    llm = LLM(str(folder), tensor_parallel_size=2, **TP_ENGINE)
     try:
-        layer = llm.engine.model_runner.model.model.layers[0]
-        kernel = cpu_kernels.available("fp8_linear") and ops.fp8_supported()
-        assert all(isinstance(m, Fp8Linear) == kernel for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj))
+        assert layer_is_as_expected(llm.engine.model_runner.model.model.layers[0])
         two = greedy_with_logprobs(llm, prompts, MAX_NEW)
     finally:
         llm.engine.model_runner.close()
@@ -392,22 +400,12 @@ def test_tensor_parallel_splits_on_blocks(tmp_path, tiny_bases):
     (whole inputs); row-parallel ones of an act-order checkpoint run dense (a rank's columns
     hold pieces of many groups). W8A8 under TP is refused (a token's scale spans the ranks)."""
     export(tiny_bases["llama"], tmp_path / "q", tmp_path / "reference", "gptq-actorder-asym")
-    engine = dict(dtype="float32", num_kv_blocks=96, num_threads=2, max_num_batched_tokens=48)
-    prompts = tiny_prompts()
-    one = greedy_with_logprobs(LLM(str(tmp_path / "q"), **engine), prompts, MAX_NEW)
-    llm = LLM(str(tmp_path / "q"), tensor_parallel_size=2, **engine)
-    try:
-        layer = llm.engine.model_runner.model.model.layers[0]
-        assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.perm is not None
-        assert type(layer.self_attn.o_proj) is nn.Linear and type(layer.mlp.down_proj) is nn.Linear
-        two = greedy_with_logprobs(llm, prompts, MAX_NEW)
-    finally:
-        llm.engine.model_runner.close()
-    assert check_outputs_match(two, one) == 0
-    assert max(logprob_gap(*pair) for pair in zip(two, one)) < LOGPROB_ATOL
+    assert_tp2_equals_tp1(tmp_path / "q", lambda layer: (
+        isinstance(layer.self_attn.qkv_proj, QuantLinear) and layer.self_attn.qkv_proj.perm is not None
+        and type(layer.self_attn.o_proj) is nn.Linear and type(layer.mlp.down_proj) is nn.Linear))
     export(tiny_bases["llama"], tmp_path / "w8a8", tmp_path / "reference8", "ct-w8a8")
     with pytest.raises(ValueError, match="W8A8.*tensor parallelism"):
-        LLM(str(tmp_path / "w8a8"), tensor_parallel_size=2, **engine)
+        LLM(str(tmp_path / "w8a8"), tensor_parallel_size=2, **TP_ENGINE)
 
 
 # -- The real quantizers' checkpoints (tests/quant_checkpoints.py) -----------------------
