@@ -31,7 +31,7 @@ from torch import nn
 from cpu_kernels.quant_format import BLOCK, QuantizedTensor, unpack_int4
 from engine.layers import Layer
 from engine.layers.fp8 import Fp8Linear
-from engine.layers.quantized import QuantEmbedding, QuantLinear, dequantize_modules
+from engine.layers.quantized import QuantEmbedding, QuantLinear, dense_linear, dequantize_modules
 
 log = logging.getLogger("pagedserve.engine")
 TINYGEMM_GROUPS = (256, 128, 64, 32)
@@ -146,18 +146,8 @@ def prepare_cuda(model: nn.Module, dtype: torch.dtype) -> None:
         elif isinstance(module, Fp8Linear):
             runs = (dtype == torch.bfloat16 and module.k_block == module.in_features
                     and fp8_tensor_cores(module.qweight.device))
-            setattr(parent, attr, ScaledMmFp8Linear(module) if runs
-                    else _dense(module.weight.dequantize(), module, dtype))
+            setattr(parent, attr, ScaledMmFp8Linear(module) if runs else dense_linear(module, dtype))
             kept["fp8"] += runs
     dequantize_modules(model, dtype)
     log.info("CUDA: %d int4 layers on tinygemm, %d FP8 layers on _scaled_mm; other quantized layers dense",
              kept["int4"], kept["fp8"])
-
-
-def _dense(weight: torch.Tensor, module: nn.Module, dtype: torch.dtype) -> nn.Linear:
-    dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                      device=weight.device, dtype=dtype)
-    dense.weight.copy_(weight)
-    if module.bias is not None:
-        dense.bias.copy_(module.bias)
-    return dense

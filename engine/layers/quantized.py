@@ -176,7 +176,8 @@ class QuantLinear(Layer):
         act-order derives it from that input's statistics: q, k and v get the same)."""
         if not self.perm_loaded:
             self.perm, self.perm_loaded = None if perm is None else perm.to(self.qweight.device), True
-        elif (perm is None) != (self.perm is None) or (perm is not None and not torch.equal(perm.cpu(), self.perm.cpu())):
+        elif (perm is None) != (self.perm is None) or (
+                perm is not None and not torch.equal(perm.cpu(), self.perm.cpu())):
             raise ValueError(f"the parts of a fused layer ({self.out_features} x {self.in_features}) have "
                              "different act-order permutations (g_idx): they cannot share one input order")
 
@@ -236,6 +237,18 @@ def pack_modules(model: nn.Module, amx: bool = False) -> int:
 
 
 @torch.no_grad()
+def dense_linear(module: QuantLinear | Fp8Linear, dtype: torch.dtype) -> nn.Linear:
+    """A dense layer of a quantized one's effective weights, and its bias, on its device."""
+    weight = module.weight.dequantize()
+    dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                      device=weight.device, dtype=dtype)
+    dense.weight.copy_(weight)
+    if module.bias is not None:
+        dense.bias.copy_(module.bias)
+    return dense
+
+
+@torch.no_grad()
 def dequantize_modules(model: nn.Module, dtype: torch.dtype) -> None:
     """Replace every QuantLinear/QuantEmbedding by a dense layer of the effective weights."""
     for name, module in list(model.named_modules(remove_duplicate=False)):
@@ -247,11 +260,7 @@ def dequantize_modules(model: nn.Module, dtype: torch.dtype) -> None:
         if isinstance(module, QuantEmbedding):
             dense = nn.Embedding.from_pretrained(module.table.weight.dequantize().to(dtype), freeze=True)
         else:
-            dense = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                              device=module.qweight.device, dtype=dtype)
-            dense.weight.copy_(module.weight.dequantize())
-            if module.bias is not None:
-                dense.bias.copy_(module.bias)
+            dense = dense_linear(module, dtype)
         setattr(parent, attr, dense)
     if isinstance(getattr(model, "lm_head", None), nn.Linear) and model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
