@@ -34,8 +34,6 @@ from __future__ import annotations
 import argparse
 import math
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -44,7 +42,7 @@ from tqdm import tqdm
 from bench.hf_reference import hf_folder
 from bench.offline import time_engine_single
 from bench.plots import save_figure
-from bench.reporting import machine_info, median, print_table, write_result
+from bench.reporting import load_rss, machine_info, model_bytes, median, print_table, write_result
 
 FORMATS = {
     "float32": dict(dtype="float32", quantization="none"),
@@ -123,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
         model = _source(gguf, spec)
         print(f"\n== {name}: {model} {spec}")
         results[name] = measure(str(model), spec, args)
-        results[name]["file_mib"] = round(_file_bytes(model) / 2**20, 1)
+        results[name]["file_mib"] = round(model_bytes(model) / 2**20, 1)
     ratios = _ratios(results)
     _report(results, ratios)
     targets = _targets(results)
@@ -151,35 +149,11 @@ def _source(gguf: Path, spec: dict) -> Path:
     return gguf
 
 
-def _file_bytes(model: Path) -> int:
-    """A GGUF's size, or a folder's weights (its safetensors)."""
-    return model.stat().st_size if model.is_file() else sum(f.stat().st_size for f in model.glob("*.safetensors"))
-
-
-def load_rss(model: str, spec: dict, num_threads: int | None) -> int:
-    """Bytes a fresh process's RSS grows by while `LLM(model)` loads, with a KV cache of 16
-    blocks and the tokenizer's imports done before (its object is counted): in a process of
-    its own, so that memory an earlier format freed cannot hide the growth."""
-    script = f"""
-import json, psutil
-from pathlib import Path
-from engine.models.loader import load_tokenizer
-from pagedserve import LLM
-load_tokenizer(Path({model!r}))
-before = psutil.Process().memory_info().rss
-llm = LLM({model!r}, enable_prefix_caching=False, num_threads={num_threads!r}, num_kv_blocks=16,
-          max_model_len=256, **{spec!r})
-print(json.dumps(psutil.Process().memory_info().rss - before))
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    return int(done.stdout.strip().splitlines()[-1])
-
-
 def measure(model: str, spec: dict, args) -> dict:
     import gc
 
     from pagedserve import LLM, SamplingParams
-    rss_model = load_rss(model, spec, args.num_threads)
+    rss_model = load_rss(model, {"num_threads": args.num_threads, **spec})
     llm = LLM(model, enable_prefix_caching=False, num_threads=args.num_threads, **spec)
     vocab = llm.engine.vocab_size
     rng = random.Random(0)

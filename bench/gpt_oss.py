@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import argparse
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench.reporting import machine_info, median, print_table, write_result
+from bench.reporting import load_rss, machine_info, model_bytes, median, print_table, write_result
 
 SHAPE = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
              num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128, vocab_size=49152)
 RSS_TO_FILE = 1.15
+# The baseline's loading path: MXFP4 experts dequantized to bf16 instead of kept as fp4.
+DENSE_EXPERTS = "from engine.models.gpt_oss import GptOssForCausalLM\nGptOssForCausalLM._keep_fp4 = lambda *a: False"
 
 
 def build(layers: int) -> Path:
@@ -62,7 +63,8 @@ def build(layers: int) -> Path:
     for layer in range(layers):
         p = f"model.layers.{layer}."
         for name, rows, cols in (("q_proj", q, h), ("k_proj", kv, h), ("v_proj", kv, h), ("o_proj", h, q)):
-            tensors[f"{p}self_attn.{name}.weight"], tensors[f"{p}self_attn.{name}.bias"] = dense(rows, cols), dense(rows)
+            tensors[f"{p}self_attn.{name}.weight"] = dense(rows, cols)
+            tensors[f"{p}self_attn.{name}.bias"] = dense(rows)
         tensors[f"{p}self_attn.sinks"] = dense(config.num_attention_heads, std=1.0)
         tensors[f"{p}mlp.router.weight"], tensors[f"{p}mlp.router.bias"] = dense(e, h), dense(e)
         for name, rows, cols in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
@@ -75,25 +77,6 @@ def build(layers: int) -> Path:
     config.save_pretrained(str(folder))
     load_tokenizer(bundled_model_path()).save_pretrained(str(folder))
     return folder
-
-
-def load_rss(folder: Path, dense: bool) -> int:
-    """RSS a fresh process's `LLM(folder)` adds (16 KV blocks), the tokenizer's imports done first."""
-    patch = "GptOssForCausalLM._keep_fp4 = lambda *a: False" if dense else ""
-    script = f"""
-import json, psutil
-from pathlib import Path
-from engine.models.gpt_oss import GptOssForCausalLM
-from engine.models.loader import load_tokenizer
-from pagedserve import LLM
-{patch}
-load_tokenizer(Path({str(folder)!r}))
-before = psutil.Process().memory_info().rss
-llm = LLM({str(folder)!r}, dtype="bfloat16", num_kv_blocks=16, max_model_len=256, enable_prefix_caching=False)
-print(json.dumps(psutil.Process().memory_info().rss - before))
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
-    return int(done.stdout.strip().splitlines()[-1])
 
 
 def measure(folder: Path, dense: bool, args: argparse.Namespace) -> dict:
@@ -109,7 +92,8 @@ def measure(folder: Path, dense: bool, args: argparse.Namespace) -> dict:
         GptOssForCausalLM._keep_fp4 = keep
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 49152) for _ in range(args.input_len)] for _ in range(args.batch)]
-    out = {"rss_mib": round(load_rss(folder, dense) / 2**20, 1)}
+    rss = load_rss(str(folder), {"dtype": "bfloat16"}, DENSE_EXPERTS if dense else "")
+    out = {"rss_mib": round(rss / 2**20, 1)}
     out["tpot_ms"] = 1e3 / time_engine_single(llm, prompts[0], args.output_len, args.repeats)["decode_tok_s"]
     greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     times = []
@@ -133,18 +117,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
     args = p.parse_args(argv)
     folder = build(args.layers)
-    file_mib = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 2**20
+    file_mib = model_bytes(folder) / 2**20
     results = {name: measure(folder, name == "dequantized bf16 experts", args)
                for name in ("MXFP4 as fp4 blocks", "dequantized bf16 experts")}
     fp4, dense = results["MXFP4 as fp4 blocks"], results["dequantized bf16 experts"]
     ratios = {"rss_to_file": fp4["rss_mib"] / file_mib, "tpot_speedup": dense["tpot_ms"] / fp4["tpot_ms"],
               "batch_speedup": fp4["batch_output_tok_s"] / dense["batch_output_tok_s"]}
-    print_table(["experts", "RSS MiB", "TPOT ms (1 stream)", f"tok/s ({args.batch} streams)"],
-                [[n, r["rss_mib"], f"{r['tpot_ms']:.1f}", f"{r['batch_output_tok_s']:.1f}"] for n, r in results.items()])
+    rows = [[n, r["rss_mib"], f"{r['tpot_ms']:.1f}", f"{r['batch_output_tok_s']:.1f}"] for n, r in results.items()]
+    print_table(["experts", "RSS MiB", "TPOT ms (1 stream)", f"tok/s ({args.batch} streams)"], rows)
     print(f"checkpoint {file_mib:.1f} MiB; fp4 RSS / file {ratios['rss_to_file']:.3f} (target <= {RSS_TO_FILE}); "
           f"fp4 vs dequantized: TPOT {ratios['tpot_speedup']:.2f}x, batch {ratios['batch_speedup']:.2f}x")
     path = write_result("gpt-oss-cpu", {
-        "machine": machine_info("cpu"), "model": {"shape": SHAPE, "layers": args.layers, "file_mib": round(file_mib, 1)},
+        "machine": machine_info("cpu"),
+        "model": {"shape": SHAPE, "layers": args.layers, "file_mib": round(file_mib, 1)},
         "workload": {k: getattr(args, k) for k in ("input_len", "output_len", "batch", "repeats", "num_threads")},
         "results": results, "ratios": ratios, "rss_target": RSS_TO_FILE}, args.output_dir)
     print(f"wrote {path}")

@@ -8,6 +8,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -158,3 +159,28 @@ def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.2f}"
     return str(value)
+
+
+def load_rss(model: str, llm_kwargs: dict, prelude: str = "") -> int:
+    """Bytes a fresh process's RSS grows by while `LLM(model, **llm_kwargs)` loads, with a KV
+    cache of 16 blocks and the tokenizer's imports done first (its object is counted): in a
+    process of its own, so that memory an earlier measurement freed cannot hide the growth.
+    `prelude`: Python run before (e.g. a patch choosing a loading path)."""
+    script = f"""
+import json, psutil
+from pathlib import Path
+from engine.models.loader import load_tokenizer
+from pagedserve import LLM
+{prelude}
+load_tokenizer(Path({model!r}))
+before = psutil.Process().memory_info().rss
+llm = LLM({model!r}, enable_prefix_caching=False, num_kv_blocks=16, max_model_len=256, **{llm_kwargs!r})
+print(json.dumps(psutil.Process().memory_info().rss - before))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+def model_bytes(model: Path) -> int:
+    """A model's size on disk: a GGUF file's, or a folder's weights (its safetensors)."""
+    return model.stat().st_size if model.is_file() else sum(f.stat().st_size for f in model.glob("*.safetensors"))
