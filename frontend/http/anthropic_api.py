@@ -33,7 +33,6 @@ from frontend.http.sample_output import AnthropicBlocks, anthropic_blocks
 from frontend.output_processor import EOS, LENGTH, STOP_STRING, STOPPED
 from frontend.sample_parser import SampleParser
 from frontend.tool_calls import arguments as call_arguments
-from frontend.tool_calls.prompt import chat_with_tools
 
 _STOP_REASONS = {EOS: "end_turn", STOP_STRING: "stop_sequence", LENGTH: "max_tokens"}
 
@@ -82,7 +81,7 @@ async def create_message(ctx: HttpContext, request: Request):
     messages += [chat for i, m in enumerate(body.messages) for chat in _chat_messages(m, i)]
     # A conversation ending with the assistant's words asks the model to continue them.
     continue_final = messages[-1]["role"] == "assistant" if messages else False
-    messages, template_tools = chat_with_tools(processor.tokenizer.chat_template, messages, tools)
+    messages, template_tools = processor.chat_with_tools(messages, tools)
     prompt = processor.tokenize_chat(messages, add_generation_prompt=not continue_final,
                                      continue_final_message=continue_final, chat_template_kwargs=template_kwargs,
                                      tools=template_tools)
@@ -96,7 +95,7 @@ async def create_message(ctx: HttpContext, request: Request):
         return StreamingResponse(ctx.counted(_stream(ctx, generation, message_id, body.model, parser, blocks)),
                                  media_type="text/event-stream")
     [[sample]] = await unless_disconnected(request, ctx.counted_call(run_to_end(ctx.llm, [generation])))
-    content = anthropic_blocks(ctx.parse_sample(sample.text, tools), omit_thinking)
+    content = anthropic_blocks(ctx.parse_sample(sample.text, tools, sample.token_ids), omit_thinking)
     num_calls = sum(b["type"] == "tool_use" for b in content)
     return JSONResponse({
         "id": message_id, "type": "message", "role": "assistant", "model": body.model,
@@ -121,7 +120,7 @@ async def _stream(ctx: HttpContext, generation: Generation, message_id: str, mod
         async for deltas in ctx.llm.generate(generation):
             for d in deltas:
                 final = d.finish_reason is not None
-                for event in blocks.send(parser.feed(d.text, final)):
+                for event in blocks.send(parser.feed(d.text, final, d.token_ids)):
                     yield event
                 if final:
                     reason, stop = d.finish_reason, d.stop_reason

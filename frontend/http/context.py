@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from frontend.async_llm import AsyncLLM
 from frontend.http.errors import bad_request
-from frontend.http.options import AUTO, HttpOptions
+from frontend.http.options import AUTO, HARMONY, HttpOptions
 from frontend.metrics import FrontendMetrics
 from frontend.output_events import Event
 from frontend.reasoning import parsers as reasoning_parsers
@@ -52,27 +52,32 @@ class HttpContext:
 
     def sample_parser(self, tools: ToolUse | None) -> SampleParser:
         """A new parser for one sample of a request with these tools (see `parser_names`)."""
-        return SampleParser(*self.parser_names(tools), _functions(tools))
+        return SampleParser(*self.parser_names(tools), _functions(tools), self.llm.input.harmony)
 
-    def parse_sample(self, text: str, tools: ToolUse | None) -> list[Event]:
+    def parse_sample(self, text: str, tools: ToolUse | None, token_ids=()) -> list[Event]:
         """A whole sample's events (frontend.sample_parser.parse_sample) for a request with these tools."""
-        return parse_sample(text, *self.parser_names(tools), _functions(tools))
+        return parse_sample(text, *self.parser_names(tools), _functions(tools), self.llm.input.harmony, token_ids)
 
     def parser_names(self, tools: ToolUse | None) -> tuple[str | None, str | None]:
         """(reasoning parser, tool-call parser) for a request; None: that part is not parsed.
-        Forced calls are written in our grammar's format, whatever the model's family."""
+        Forced calls are written in our grammar's format, whatever the model's family, except
+        by a model that speaks harmony (gpt-oss): harmony's own call message, and harmony as
+        both parsers under auto (its output is read by harmony whatever the names)."""
         template = self.llm.tokenizer.chat_template
+        harmony = self.llm.input.harmony is not None
         reasoning = self.options.reasoning_parser
         if reasoning == AUTO:
-            reasoning = reasoning_parsers.choose(template)
+            reasoning = HARMONY if harmony else reasoning_parsers.choose(template)
         elif reasoning == "none":
             reasoning = None
         if tools is None or not tools.parses:
             return reasoning, None
-        if tools.forced:
+        if tools.forced and not harmony:
             return reasoning, tool_parsers.FORCED
         name = self.options.tool_call_parser
-        return reasoning, tool_parsers.choose(template) if name == AUTO else name
+        if name == AUTO:
+            name = HARMONY if harmony else tool_parsers.choose(template)
+        return reasoning, name
 
     def _token_text(self, token_id: int) -> str:
         """A token's own text, as OpenAI's logprobs show it (a byte-level piece of a character

@@ -19,13 +19,12 @@ from common.errors import InvalidRequest
 from frontend.async_llm import Generation
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import from_exception
-from frontend.http.params import chat_params, completion_params, openai_tool_use
+from frontend.http.params import chat_params, chat_template_kwargs, completion_params, openai_tool_use
 from frontend.http.protocol import ChatCompletionRequest, CompletionRequest
 from frontend.http.runner import SampleResult, merged, run_to_end, unless_disconnected
 from frontend.http.sample_output import OpenAIDeltas, openai_message
 from frontend.output_processor import STOPPED, PositionLogprobs, SampleDelta
 from frontend.tool_calls import arguments as call_arguments
-from frontend.tool_calls.prompt import chat_with_tools
 
 
 def sse(data: dict | str) -> str:
@@ -69,10 +68,10 @@ async def create_chat_completion(ctx: HttpContext, request: Request):
     processor = ctx.llm.require_ready()
     tools = openai_tool_use(body)
     messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
-    messages, template_tools = chat_with_tools(processor.tokenizer.chat_template, messages, tools)
+    messages, template_tools = processor.chat_with_tools(messages, tools)
     prompt = processor.tokenize_chat(
         messages, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
-        continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs,
+        continue_final_message=body.continue_final_message, chat_template_kwargs=chat_template_kwargs(body),
         tools=template_tools)
     params = chat_params(body, tools, processor, ctx.parser_names(tools)[0], prompt)
     generation = ctx.llm.admit(prompt, params, priority=body.priority, lora_name=lora_name)
@@ -87,7 +86,7 @@ async def create_chat_completion(ctx: HttpContext, request: Request):
 
 def _chat_choice(ctx: HttpContext, s: SampleResult, logprobs: bool, tools) -> dict:
     reasoning, tool_parser = ctx.parser_names(tools)
-    message = {"role": "assistant", **openai_message(ctx.parse_sample(s.text, tools),
+    message = {"role": "assistant", **openai_message(ctx.parse_sample(s.text, tools, s.token_ids),
                                                      reasoning is not None, tool_parser is not None)}
     return {"index": s.index, "message": message,
             "logprobs": _chat_logprobs(ctx, s.logprobs) if logprobs else None,
@@ -197,7 +196,7 @@ def _chat_chunk(ctx: HttpContext, tools):
     def make(g: Generation, index: int, d: SampleDelta) -> dict:
         logprobs = _chat_logprobs(ctx, d.logprobs) if g.state.params.logprobs is not None else None
         stream = streams.get(index) or streams.setdefault(index, OpenAIDeltas(ctx.sample_parser(tools)))
-        delta = stream.delta(d.text, d.finish_reason is not None)
+        delta = stream.delta(d.text, d.finish_reason is not None, d.token_ids)
         return {"index": index, "delta": delta, "logprobs": logprobs,
                 "finish_reason": finish_reason(d.finish_reason, stream.parser.num_calls),
                 "stop_reason": stop_reason(d.finish_reason, d.stop_reason)}

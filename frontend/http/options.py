@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from frontend.harmony import NAME as HARMONY
+
 AUTO = "auto"
 
 
@@ -22,3 +24,8 @@ class HttpOptions:
     response_ttl_s: float = 3600.0
     # /v1/files and /v1/batches keep their files here; None: a folder under the cache.
     data_dir: str | None = None
+
+    @property
+    def harmony(self) -> bool | None:
+        """Chat in harmony: True where a parser names it by hand; None: where the model speaks it."""
+        return True if HARMONY in (self.tool_call_parser, self.reasoning_parser) else None

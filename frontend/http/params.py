@@ -10,6 +10,7 @@ from common.errors import InvalidRequest
 from common.sampling_params import SamplingParams
 from common.structured_output.params import StructuredOutputsParams, named
 from frontend.http.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest, _Sampling
+from frontend.harmony import parser as harmony_parser
 from frontend.reasoning import parsers as reasoning_parsers
 from frontend.tool_calls.parsers import markers_are_special
 from frontend.tool_calls.tools import EMPTY_PARAMETERS, Tool, ToolChoice, ToolUse, tool_use
@@ -54,7 +55,7 @@ def messages_params(req: MessagesRequest, tools: ToolUse | None, processor, reas
                     prompt: list[int] = ()) -> SamplingParams:
     """As chat_params. vLLM's `structured_outputs` extra is taken here too (the SDKs send it in
     extra_body): it constrains the whole output, as on chat."""
-    constraints = _structured_outputs(req) + forced_calls(processor, tools, "tools[{}].input_schema")
+    constraints = structured_outputs_extra(req) + forced_calls(processor, tools, "tools[{}].input_schema")
     constraint = one_constraint(processor, constraints)
     if req.structured_outputs is None:
         constraint = after_reasoning(constraint, processor, reasoning, prompt)
@@ -63,6 +64,14 @@ def messages_params(req: MessagesRequest, tools: ToolUse | None, processor, reas
         top_k=req.top_k, structured_outputs=constraint,
         disable_speculation=req.disable_speculation,
         skip_special_tokens=not keeps_markers(processor, tools))
+
+
+def chat_template_kwargs(req: ChatCompletionRequest) -> dict | None:
+    """The request's chat_template_kwargs, with its reasoning_effort where it sets one (gpt-oss's
+    template and harmony read it; others ignore it); a kwarg given by name wins."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
 
 
 def anthropic_template_kwargs(req: MessagesRequest) -> dict | None:
@@ -129,10 +138,11 @@ def _refuse_unsupported(req: _Sampling) -> None:
 def _output_constraints(req: _Sampling) -> list[tuple[str, StructuredOutputsParams]]:
     """(the field it came from, the constraint) for response_format and structured_outputs."""
     fmt = _response_format(req.response_format)
-    return ([] if fmt is None else [fmt]) + _structured_outputs(req)
+    return ([] if fmt is None else [fmt]) + structured_outputs_extra(req)
 
 
-def _structured_outputs(req: _Sampling | MessagesRequest) -> list[tuple[str, StructuredOutputsParams]]:
+def structured_outputs_extra(req) -> list[tuple[str, StructuredOutputsParams]]:
+    """vLLM's `structured_outputs` extra of a request of any route: it holds the whole output."""
     so = req.structured_outputs
     if so is None:
         return []
@@ -154,6 +164,10 @@ def after_reasoning(constraint: StructuredOutputsParams | None, processor, reaso
     as it is: it constrains the whole output, thinking included."""
     if constraint is None or reasoning is None:
         return constraint
+    if processor.harmony is not None:  # harmony: a format holds the final channel's text; a
+        if constraint.param == "tool_choice":  # forced call is a whole message (tool_calls/grammar.py)
+            return constraint
+        return dataclasses.replace(constraint, starts_after=harmony_parser.final_header(processor.harmony))
     tag = reasoning_parsers.end_tag(reasoning)
     tail = processor.tokenizer.decode(list(prompt[-_PROMPT_TAIL_TOKENS:]), skip_special_tokens=False)
     if tail.rstrip().endswith(tag):
@@ -186,7 +200,7 @@ def _response_format(fmt: dict | None) -> tuple[str, StructuredOutputsParams] | 
 def forced_calls(processor, tools: ToolUse | None, field: str) -> list[tuple[str, StructuredOutputsParams]]:
     """The grammar of required or named calls, after each tool's schema alone is checked (so a
     bad one is named by its place, not as a line of a generated grammar)."""
-    constraint = None if tools is None else tools.constraint()
+    constraint = None if tools is None else tools.constraint(harmony=processor.harmony is not None)
     if constraint is None:
         return []
     for i, tool in enumerate(tools.tools):

@@ -124,8 +124,9 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: StrictBool = False
-    # OpenAI's, not acted on here (ignored): only their values are checked
+    # To the chat template (and harmony's prompt) as reasoning_effort: params.chat_template_kwargs.
     reasoning_effort: ReasoningEffort | None = None
+    # OpenAI's, not acted on here (ignored): only their values are checked
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     modalities: list[Literal["text", "audio"]] | None = None
     verbosity: Verbosity | None = None

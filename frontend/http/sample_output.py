@@ -23,8 +23,8 @@ class OpenAIDeltas:
         self.parser = parser
         self.ids: dict[int, str] = {}
 
-    def delta(self, text: str, final: bool) -> dict:
-        return openai_fields(self.parser.feed(text, final), self.ids)
+    def delta(self, text: str, final: bool, token_ids=()) -> dict:
+        return openai_fields(self.parser.feed(text, final, token_ids), self.ids)
 
 
 def openai_fields(events: list[Event], ids: dict[int, str]) -> dict:

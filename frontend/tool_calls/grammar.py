@@ -8,6 +8,14 @@ one or more of them (several separated by a newline), written in llguidance's La
 with each call's JSON constrained by `%json`: the name is a constant and the arguments follow
 that tool's parameters schema. The output then reads back through the same Hermes parser as
 free text does, so streaming works alike.
+
+A harmony model (gpt-oss) calls in its own message instead, which `<|call|>` ends (a stop
+token: one call a turn, as the format has it):
+
+    <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>
+
+The grammar holds the output from its first token, so the call comes without an analysis
+message first: the client has decided that a call comes, and the schema holds its arguments.
 """
 
 from __future__ import annotations
@@ -28,6 +36,18 @@ def forced_calls_grammar(tools, one: bool) -> str:
                       'call: "<tool_call>\\n" body "\\n</tool_call>"',
                       "body: " + " | ".join(f"body_{i}" for i in range(len(tools))),
                       *bodies])
+
+
+def harmony_call_grammar(tools) -> str:
+    """Lark text: one harmony call message of any of `tools` (special tokens as <|name|>)."""
+    calls = [f'call_{i}: <|channel|> "commentary to=functions.{t.name} " <|constrain|> "json" <|message|> '
+             f'%json {json.dumps(_with_options(t.parameters), ensure_ascii=False)} <|call|>'
+             for i, t in enumerate(tools)]
+    return "\n".join(["start: " + " | ".join(f"call_{i}" for i in range(len(tools))), *calls])
+
+
+def _with_options(schema: dict) -> dict:
+    return {**schema, "x-guidance": JSON_OPTIONS}
 
 
 def call_schema(name: str, parameters: dict) -> dict:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from common.errors import InvalidRequest
 from common.structured_output.params import StructuredOutputsParams
-from frontend.tool_calls.grammar import forced_calls_grammar
+from frontend.tool_calls.grammar import forced_calls_grammar, harmony_call_grammar
 
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
@@ -61,14 +61,16 @@ class ToolUse:
         """Are the calls forced by a grammar (required, named)?"""
         return self.choice.mode in ("required", "named")
 
-    def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar that forces the calls (required, named), or None."""
+    def constraint(self, harmony: bool = False) -> StructuredOutputsParams | None:
+        """The grammar that forces the calls (required, named), or None; `harmony`: in
+        harmony's call messages (gpt-oss), which hold one call each."""
         if not self.forced:
             return None
-        if self.choice.mode == "required":
-            return StructuredOutputsParams(grammar=forced_calls_grammar(self.tools, one=not self.choice.parallel))
-        [tool] = [t for t in self.tools if t.name == self.choice.name]
-        return StructuredOutputsParams(grammar=forced_calls_grammar((tool,), one=True))
+        tools = self.tools if self.choice.mode == "required" else [t for t in self.tools if t.name == self.choice.name]
+        if harmony:
+            return StructuredOutputsParams(grammar=harmony_call_grammar(tools))
+        one = self.choice.mode == "named" or not self.choice.parallel
+        return StructuredOutputsParams(grammar=forced_calls_grammar(tools, one=one))
 
 
 def tool_use(tools: list[Tool], choice: ToolChoice, field: str = "tools") -> ToolUse | None:

@@ -141,6 +141,7 @@ class CharTokenizer:
 
 class Processor:
     tokenizer = CharTokenizer()
+    harmony = None  # a model that does not speak harmony
 
 
 def ids(text: str) -> list[int]:

@@ -11,7 +11,8 @@ from pydantic import ConfigDict, StrictBool, StrictInt, with_config
 from typing_extensions import TypedDict
 
 from common.errors import InvalidRequest
-from frontend.http.protocol import PromptCacheRetention, ReasoningEffort, Verbosity, _Request
+from frontend.http.protocol import (PromptCacheRetention, ReasoningEffort, StructuredOutputsRequest, Verbosity,
+                                    _Request)
 
 Includable = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
                      "message.input_image.image_url", "computer_call_output.output.image_url",
@@ -66,6 +67,7 @@ class ResponsesRequest(_Request):
     stream: StrictBool | None = None
     include: list[Includable] | None = None  # accepted; nothing here has extra output to include
     truncation: Literal["auto", "disabled"] | None = None  # "disabled" only: a conversation too long is a 400
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's, as on the other routes
     # not acted on here (ignored): only their values are checked
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"] | None = None
     prompt_cache_retention: PromptCacheRetention | None = None

@@ -22,7 +22,6 @@ from frontend.http.responses.request import ResponsesRequest
 from frontend.http.responses.run import Run
 from frontend.http.responses.sampling import responses_params, responses_template_kwargs, responses_tool_use
 from frontend.http.responses.store import ResponseStore
-from frontend.tool_calls.prompt import chat_with_tools
 
 
 def add_responses_routes(app: FastAPI, ctx: HttpContext) -> None:
@@ -63,8 +62,7 @@ async def create_response(ctx: HttpContext, store: ResponseStore, request: Reque
     earlier = store.conversation(req.previous_response_id)
     conversation = earlier + parse_input(req.input, earlier)
     tools = responses_tool_use(req)
-    messages, template_tools = chat_with_tools(processor.tokenizer.chat_template,
-                                               chat_messages(conversation, req.instructions), tools)
+    messages, template_tools = processor.chat_with_tools(chat_messages(conversation, req.instructions), tools)
     prompt = processor.tokenize_chat(messages, add_generation_prompt=True, tools=template_tools,
                                      chat_template_kwargs=responses_template_kwargs(req))
     params = responses_params(req, tools, processor, ctx.parser_names(tools)[0], prompt)

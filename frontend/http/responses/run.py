@@ -60,7 +60,7 @@ class Run:
         try:
             async for deltas in self.ctx.llm.generate(self.generation):
                 for d in deltas:
-                    output.send(parser.feed(d.text, d.finish_reason is not None))
+                    output.send(parser.feed(d.text, d.finish_reason is not None, d.token_ids))
                     reason = d.finish_reason or reason
                 chunk = events.flush()
                 if chunk:  # text a parser holds back (a possible tag) makes no event yet
@@ -93,7 +93,7 @@ class Run:
     async def _complete(self) -> dict:
         [[sample]] = await run_to_end(self.ctx.llm, [self.generation])
         output = OutputItems()
-        output.send(self.ctx.parse_sample(sample.text, self.tools))
+        output.send(self.ctx.parse_sample(sample.text, self.tools, sample.token_ids))
         return self._finish(output, sample.finish_reason)
 
     def _finish(self, output: OutputItems, reason: str | None) -> dict:

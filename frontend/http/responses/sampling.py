@@ -6,7 +6,8 @@ from __future__ import annotations
 from common.errors import InvalidRequest
 from common.sampling_params import SamplingParams
 from common.structured_output.params import StructuredOutputsParams
-from frontend.http.params import forced_calls, keeps_markers, one_constraint, renamed, after_reasoning
+from frontend.http.params import (after_reasoning, forced_calls, keeps_markers, one_constraint, renamed,
+                                  structured_outputs_extra)
 from frontend.http.responses.request import ResponsesRequest
 from frontend.tool_calls.tools import EMPTY_PARAMETERS, Tool, ToolChoice, ToolUse, tool_use
 
@@ -19,8 +20,11 @@ def responses_params(req: ResponsesRequest, tools: ToolUse | None, processor, re
     SamplingParams' own (processor.sampling_params); max_output_tokens unset: up to the context.
     text.format and forced calls hold the answer after the reasoning, as on chat (`reasoning`:
     the request's reasoning parser, `prompt` its tokens: params.after_reasoning)."""
-    constraints = text_format(req.text) + forced_calls(processor, tools, "tools[{}].parameters")
-    constraint = after_reasoning(one_constraint(processor, constraints), processor, reasoning, prompt)
+    constraints = (text_format(req.text) + structured_outputs_extra(req)
+                   + forced_calls(processor, tools, "tools[{}].parameters"))
+    constraint = one_constraint(processor, constraints)
+    if req.structured_outputs is None:  # vLLM's structured_outputs holds the whole output, thinking too
+        constraint = after_reasoning(constraint, processor, reasoning, prompt)
     try:
         return processor.sampling_params(max_tokens=req.max_output_tokens, temperature=req.temperature,
                                          top_p=req.top_p, structured_outputs=constraint,
