@@ -16,8 +16,10 @@ i - W + 1 for a query at i), so entries before it, which the block manager may h
 released (FREED_BLOCK), are never read, and a long context costs O(W), not O(context).
 
 Attention sinks (gpt-oss: `sinks`, a logit per query head): each softmax's denominator
-gains exp(sink), which carries no value. Decode adds it as one more column of the scores;
-prefill, which SDPA cannot give a sink, writes attention out, SINK_QUERY_ROWS rows at a time.
+gains exp(sink), which carries no value. Decode adds it as one more column of the scores.
+SDPA has no sink, but on CPU its flash kernel gives each row's log-sum-exp (lse) too, and the
+sink only rescales a row: sum e^s v / (sum e^s + e^sink) = SDPA's row * sigmoid(lse - sink).
+Elsewhere prefill writes attention out, SINK_QUERY_ROWS rows at a time (8x slower on CPU).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from engine.attention.base import AttentionMetadata, PrefillChunk
 from engine.cpu_tuning import bucket
 
-SINK_QUERY_ROWS = 128  # prefill with sinks: query rows per scores tensor ([H, rows, keys] float32)
+SINK_QUERY_ROWS = 128  # prefill with sinks and a mask: query rows per call (and per scores tensor off CPU)
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -184,6 +186,36 @@ class TorchAttentionBackend:
                             sinks: torch.Tensor) -> torch.Tensor:
         """q [nq, Hq, D] attends to k, v [Hkv, n, D] (`mask` as in `_prefill`; None: causal,
         the queries being the last nq keys), each softmax with its head's sink."""
+        if q.device.type != "cpu":
+            return self._prefill_with_sinks_written_out(q, k, v, mask, sinks)
+        nq, n = q.shape[0], k.shape[1]
+        k, v = k.repeat_interleave(self.group, 0), v.repeat_interleave(self.group, 0)  # [Hq, n, D]
+        if mask is None and nq == n:  # a whole prompt: the kernel skips the masked blocks itself
+            return self._sdpa_with_sinks(q, k, v, None, sinks)
+        if mask is None:
+            mask = torch.ones(nq, n, dtype=torch.bool).tril(n - nq)
+        # A mask of SDPA's is applied, not skipped: so each SINK_QUERY_ROWS rows read only the
+        # keys they see (a window's: O(window) a row, not O(context)).
+        out = torch.empty_like(q)
+        for start in range(0, nq, SINK_QUERY_ROWS):
+            rows = slice(start, min(nq, start + SINK_QUERY_ROWS))
+            seen = mask[rows].any(0).nonzero()
+            keys = slice(int(seen[0]), int(seen[-1]) + 1)
+            out[rows] = self._sdpa_with_sinks(q[rows], k[:, keys], v[:, keys], mask[rows, keys], sinks)
+        return out
+
+    def _sdpa_with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         sinks: torch.Tensor) -> torch.Tensor:
+        """q [nq, Hq, D], k and v [Hq, n, D]; `mask` [nq, n] (None: causal, nq == n)."""
+        bias = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), 0.0, mask is None,
+            attn_mask=bias, scale=self.scale)
+        keep = torch.sigmoid(lse.squeeze(0) - sinks.float()[:, None])  # [Hq, nq]: the module docstring
+        return (out.squeeze(0).float() * keep[..., None]).to(q.dtype).transpose(0, 1)
+
+    def _prefill_with_sinks_written_out(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                        mask: torch.Tensor | None, sinks: torch.Tensor) -> torch.Tensor:
         nq, n = q.shape[0], k.shape[1]
         heads = q.reshape(nq, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)  # [Hkv, G, nq, D]
         keys, values = k.unsqueeze(1).transpose(-1, -2), v.unsqueeze(1)  # [Hkv, 1, D, n], [Hkv, 1, n, D]

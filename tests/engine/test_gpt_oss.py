@@ -52,6 +52,16 @@ def test_torch_backend_matches_hf(gpt_oss):
     assert_matches_hf(llm, prompts, reference, MAX_NEW, preempted=False)
 
 
+def test_speculative_decoding_matches_hf(gpt_oss):
+    """n-gram drafts (any earlier token proposes: drafts on a random model) verified through
+    the sinks, the windows and the experts, several positions a row: HF's greedy tokens."""
+    folder, prompts, reference = gpt_oss
+    llm = LLM(str(folder), dtype="float32", speculative_method="ngram", num_speculative_tokens=3,
+              prompt_lookup_min=1)
+    assert_matches_hf(llm, prompts, reference, MAX_NEW, preempted=False)
+    assert llm.engine.scheduler.spec_stats.num_accepted_tokens > 0
+
+
 def test_tensor_parallel_two_equals_one(gpt_oss):
     """Each rank: its heads' sinks, its share of every expert's width; o_proj's and the experts'
     down biases added once."""

@@ -115,6 +115,31 @@ def test_sliding_window_reads_only_the_window(dtype, window):
         ops.paged_decode(q, paged.kv_cache, paged.block_tables, paged.context_lens, 0.125, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 8])
+@pytest.mark.parametrize("num_queries,num_keys,window", [(200, 200, None), (37, 300, None), (150, 150, 16),
+                                                         (64, 700, 128)])
+def test_prefill_sinks_on_sdpa_equal_them_written_out(dtype, group, num_queries, num_keys, window):
+    """Prefill with sinks on CPU: SDPA's flash kernel, each row scaled by sigmoid(lse - sink),
+    against the scores written out with the sink as one more logit: whole prompts (causal),
+    chunks after a context, windows; sinks that take most of the mass and none of it."""
+    from engine.attention.torch_backend import TorchAttentionBackend
+    gen = torch.Generator().manual_seed(group + num_keys)
+    backend = TorchAttentionBackend(2 * group, 2, 64)
+    q = torch.randn(num_queries, 2 * group, 64, generator=gen).to(dtype)
+    k, v = (torch.randn(2, num_keys, 64, generator=gen).to(dtype) for _ in range(2))
+    mask = None
+    if window is not None:
+        distance = torch.arange(num_keys - num_queries, num_keys)[:, None] - torch.arange(num_keys)[None]
+        mask = (distance >= 0) & (distance < window)
+    sinks = torch.linspace(-30.0, 6.0, 2 * group)
+    out = backend._prefill_with_sinks(q, k, v, mask, sinks)
+    assert_close(out, backend._prefill_with_sinks_written_out(q, k, v, mask, sinks), dtype, f"window {window}")
+    none = torch.full((2 * group,), float("-inf"))
+    assert_close(backend._prefill_with_sinks(q, k, v, mask, none),
+                 backend._prefill_with_sinks_written_out(q, k, v, mask, none), dtype, "no sink")
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 5, 600])
