@@ -94,15 +94,15 @@ def run(args: argparse.Namespace) -> int:
     args.offline_results = _offline(args, gguf) if args.offline else None
     rows = []
     for peer in peers:
-        with _serving(peer, args, gguf) as (target, command):
+        with serving(peer, args, gguf) as (target, command):
             # Seed per level: a server kept between levels must not find the last level's prompts cached.
-            rows += [_bench(peer, target, command, c, args.seed + i, args, gguf) for i, c in enumerate(levels)]
+            rows += [run_bench(peer, target, command, c, args.seed + i, args, gguf) for i, c in enumerate(levels)]
     _report(rows, args, gguf, peers)
     return 0 if all(r.get("failed") == 0 for r in rows) else 1
 
 
 @contextlib.contextmanager
-def _serving(peer: str, args: argparse.Namespace, gguf: Path) -> Iterator[tuple[str | None, list[str] | None]]:
+def serving(peer: str, args: argparse.Namespace, gguf: Path) -> Iterator[tuple[str | None, list[str] | None]]:
     """(the peer's OpenAI base URL, its server's command) while the server runs; (None, None)
     for pagedserve-grpc, which `bench serve` starts itself."""
     if peer == "pagedserve-grpc":
@@ -112,7 +112,9 @@ def _serving(peer: str, args: argparse.Namespace, gguf: Path) -> Iterator[tuple[
     url = f"http://127.0.0.1:{port}/v1"
     if peer == "pagedserve-http":
         from engine.config import EngineConfig
-        config = EngineConfig(model=str(gguf), dtype=args.dtype, num_threads=args.threads)
+        # Another form of the same weights where the peers read different files (bench/gpt_oss_peers.py).
+        model = getattr(args, "pagedserve_model", None) or gguf
+        config = EngineConfig(model=str(model), dtype=args.dtype, num_threads=args.threads)
         server = server_for("pagedserve", config, max_concurrent_streams=256)
         server.cmd += ["--http-port", str(port)]  # the last --http-port wins
         print(f"starting {' '.join(server.cmd[1:])}", flush=True)
@@ -166,7 +168,7 @@ def _tail(log, num_lines: int = 40) -> str:
     return "".join(log.readlines()[-num_lines:])
 
 
-def _bench(peer: str, target: str | None, command: list[str] | None, concurrency: int, seed: int,
+def run_bench(peer: str, target: str | None, command: list[str] | None, concurrency: int, seed: int,
            args: argparse.Namespace, gguf: Path) -> dict:
     """One `bench serve` run; its JSON's numbers."""
     label = f"{peer}-c{concurrency}"

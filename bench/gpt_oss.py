@@ -45,6 +45,7 @@ def build(layers: int) -> Path:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     config = GptOssConfig(num_hidden_layers=layers, tie_word_embeddings=False, **SHAPE)
+    config.architectures = ["GptOssForCausalLM"]  # as OpenAI's config.json names it (llama.cpp's converter reads it)
     config.quantization_config = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     g = torch.Generator().manual_seed(0)
