@@ -178,6 +178,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.pagedserve_cpu.silu_and_mul(x)
 
 
+def clamped_swiglu(x: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's activation: x [T, 2I] = [gate | up] -> (clamp(up, -limit, limit) + 1) * g *
+    sigmoid(alpha * g), g = min(gate, limit): [T, I]."""
+    return torch.ops.pagedserve_cpu.clamped_swiglu(x, alpha, limit)
+
+
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     """In place: logits[rows[r], t] = -inf where bit t of bitmask[r] (int32 [R, ceil(V/32)]) is 0."""
     torch.ops.pagedserve_cpu.apply_token_bitmask(logits, bitmask, rows)

@@ -9,6 +9,8 @@
 //   rotary          x = R(R(x * c) + R(rotate_half(x) * s)), c = R(cos[pos]), s = R(sin[pos]),
 //                   on the first `num_heads` heads of each row, in place   (HF apply_rotary)
 //   silu_and_mul    out = R(R(g / (1 + exp(-g))) * u), [g | u] = x         (F.silu(g) * u)
+//   clamped_swiglu  gpt-oss's: g = min(g, L), u = clamp(u, -L, L),
+//                   out = R(R(u + 1) * R(g * R(sigmoid(R(g * alpha))))), [g | u] = x
 //
 // And one op of the sampler's, as small: structured output's grammar bitmask.
 //   apply_token_bitmask  logits[rows[r], t] = -inf where bit t of bitmask[r] is 0   (in place)
@@ -221,6 +223,33 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+at::Tensor clamped_swiglu(const at::Tensor& x, double alpha, double limit) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 && x.device().is_cpu(),
+              "clamped_swiglu: x must be a CPU [T, 2 * I] tensor with contiguous rows");
+  const int64_t inter = x.size(1) / 2;
+  at::Tensor out = at::empty({x.size(0), inter}, x.options());
+  // Eager torch does a bf16 tensor's arithmetic with a Python scalar in float32.
+  const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
+  dispatch(x, "clamped_swiglu", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    using D = Dtype<scalar_t>;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for_rows(x.size(0), [&](int64_t t) {
+      const scalar_t* g = xp + t * x.stride(0);
+      const scalar_t* u = g + inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        // std::min / std::clamp keep a NaN, as torch.clamp does; the bounds are exact in bf16.
+        const float gv = D::round(std::min(D::load(g[i]), lim));
+        const float uv = D::round(std::clamp(D::load(u[i]), -lim, lim));
+        const float sig = D::round(1.f / (1.f + exp_approx(-D::round(gv * a))));
+        op[t * inter + i] = D::store(D::round(uv + 1.f) * D::round(gv * sig));
+      }
+    });
+  });
+  return out;
+}
+
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
   TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat &&
                   logits.device().is_cpu(),
@@ -256,5 +285,6 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()", &add_rms_norm);
   m.def("rotary(Tensor(a!) x, Tensor positions, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()", &rotary);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("clamped_swiglu(Tensor x, float alpha, float limit) -> Tensor", &clamped_swiglu);
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()", &apply_token_bitmask);
 }

@@ -1,4 +1,5 @@
-"""SiLU-and-mul, the gated MLP's activation: [gate | up] -> silu(gate) * up."""
+"""The gated MLPs' activations on [gate | up]: SiLU-and-mul (silu(gate) * up), GeGLU, and
+gpt-oss's clamped SwiGLU."""
 
 from __future__ import annotations
 
@@ -24,3 +25,22 @@ class GeluAndMul(Layer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+
+class ClampedSwiGLU(Layer):
+    """gpt-oss's activation on [N, 2I] (gate columns, then up): [N, I]. Fused on CPU
+    (cpu_kernels' clamped_swiglu: seven bf16 passes over the experts' rows in one)."""
+
+    kernels = None  # as SiluAndMul's; only CPU kernels have it (CUDA runs eager)
+
+    def __init__(self, alpha: float, limit: float) -> None:
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.clamped_swiglu(x, self.alpha, self.limit)
+        gate, up = x.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))

@@ -49,6 +49,7 @@ from cpu_kernels import mxfp4_format, ops
 from cpu_kernels.quant_format import QuantizedTensor, from_mxfp4
 from engine.distributed.state import all_reduce
 from engine.layers import Layer
+from engine.layers.activation import ClampedSwiGLU
 from engine.layers.moe import grouped_experts, pack_fp4
 from engine.layers.parallel import SINGLE, TPShard, shard_cols
 from engine.models.config import ModelArchConfig
@@ -57,20 +58,6 @@ from engine.models.moe import Experts, MoeForCausalLM, Weight
 
 _EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?$")
 _MXFP4 = re.compile(r"(.*\.mlp\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)$")
-
-
-class ClampedSwiGLU(Layer):
-    """gpt-oss's activation on [N, 2I] (gate columns, then up): [N, I]."""
-
-    def __init__(self, alpha: float, limit: float) -> None:
-        super().__init__()
-        self.alpha, self.limit = alpha, limit
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        gate = gate.clamp(max=self.limit)
-        up = up.clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
 
 class GptOssMoeBlock(Layer):

@@ -21,7 +21,7 @@ from tqdm import tqdm
 import cpu_kernels
 import cupy_kernels
 from common.paths import cache_dir
-from engine.layers.activation import SiluAndMul
+from engine.layers.activation import ClampedSwiGLU, SiluAndMul
 from engine.layers.fp8 import Fp8Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import ROW_PARALLEL, SINGLE, TPShard
@@ -155,7 +155,7 @@ def materialize(model: nn.Module, device: str | torch.device) -> None:
 
 
 def use_layer_kernels(model: nn.Module, device: str, dtype: str) -> bool:
-    """Route the norms, rotary and SiLU-and-mul through fused ops (one call each instead of
+    """Route the norms, rotary and the gated activations through fused ops (one call each instead of
     5-10 torch ops): cpu_kernels' on a CPU (float32, bfloat16), cupy_kernels' on CUDA, where
     they build. Returns whether they do."""
     if device == "cpu" and dtype in ("float32", "bfloat16") and cpu_kernels.available("layer_ops"):
@@ -165,7 +165,8 @@ def use_layer_kernels(model: nn.Module, device: str, dtype: str) -> bool:
     else:
         return False
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)) or (
+                isinstance(module, ClampedSwiGLU) and hasattr(ops, "clamped_swiglu")):
             module.kernels = ops
     return True
 

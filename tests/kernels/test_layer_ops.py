@@ -12,7 +12,7 @@ import torch
 
 import cpu_kernels
 from cpu_kernels import ops
-from engine.layers.activation import SiluAndMul
+from engine.layers.activation import ClampedSwiGLU, SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from layer_checks import assert_matches_eager, pair, randn
@@ -60,6 +60,20 @@ def test_silu_and_mul(dtype):
     x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's far ends
     fused, eager = pair(SiluAndMul(), ops, x)
     assert_matches_eager(fused, eager)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clamped_swiglu(dtype):
+    """gpt-oss's activation (alpha 1.702, limit 7): both clamps bite (|x| up to 24), exp's far
+    ends, NaN kept as torch.clamp keeps it."""
+    x = randn(9, 2 * 1440, dtype=dtype) * 6
+    x[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    x[1, 1440:1444] = torch.tensor([-100.0, 100.0, 6.99, -7.5])
+    fused, eager = pair(ClampedSwiGLU(1.702, 7.0), ops, x)
+    assert_matches_eager(fused, eager)
+    x[2, 3] = float("nan")
+    fused, eager = pair(ClampedSwiGLU(1.702, 7.0), ops, x)
+    assert torch.isnan(fused[2, 3]) and torch.isnan(eager[2, 3])
 
 
 def test_ops_reject_bad_inputs():
