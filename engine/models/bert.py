@@ -85,6 +85,8 @@ class Sequences:
 class BertModel(nn.Module):
     """An encoder's hidden states; with `cfg.num_labels`, a cross-encoder's head as well."""
 
+    PACKS_DENSE_LINEARS = False  # _dense multiplies by its layers' weights itself (engine/layers/packed_linear.py)
+
     def __init__(self, cfg: ModelArchConfig, max_positions: int, shard: TPShard = SINGLE) -> None:
         super().__init__()
         if shard.size > 1:

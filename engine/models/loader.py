@@ -22,6 +22,7 @@ import cpu_kernels
 import cupy_kernels
 from common.paths import cache_dir
 from engine.layers.activation import ClampedSwiGLU, SiluAndMul
+from engine.layers.packed_linear import pack_dense_linears
 from engine.layers.fp8 import Fp8Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import ROW_PARALLEL, SINGLE, TPShard
@@ -78,7 +79,8 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     whose weights are quantized (GGUF blocks, or `quantization` int4/int8 of float weights)
     stay quantized where the CPU kernels run; elsewhere they are dequantized. `shard`: the
     tensor-parallel rank to build and keep weights for. `layer_kernels`: the fused layer ops
-    where they run (`use_layer_kernels`), else eager torch. `amx`: quantized layers in the bf16
+    where they run (`use_layer_kernels`) and, on CPU in bfloat16, dense layers on oneDNN's
+    packed weights (engine/layers/packed_linear.py); else eager torch. `amx`: quantized layers in the bf16
     kernels' AMX arithmetic (cpu_kernels.dispatch's choice)."""
     formats = _runnable_fp8(linear_formats(path, cfg, quantization, shard.size), path, cfg, dtype, device)
     keep_fp8 = {source for layer, sources in model_class(cfg.model_type).linear_sources(cfg).items()
@@ -103,6 +105,8 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
         _mxfp4_experts(model, cfg, dtype, device)
     if layer_kernels:
         use_layer_kernels(model, device, dtype)
+        if device == "cpu" and dtype == "bfloat16":
+            pack_dense_linears(model)  # oneDNN's own layout: 1.6-2x faster at decode's few rows
     release_freed_memory()
     return model.eval()
 
