@@ -128,7 +128,7 @@ def _renumbered(events: list[Event]) -> list[Event]:
             out.append(CallArguments(numbers[e.index], e.text))
         else:
             out.append(e)
-    for old, new in numbers.items():
+    for new in numbers.values():
         if not any(isinstance(e, CallArguments) and e.index == new for e in out):
             at = next(i for i, e in enumerate(out) if isinstance(e, CallStart) and e.index == new)
             out.insert(at + 1, CallArguments(new, "{}"))
