@@ -16,7 +16,7 @@ import logging
 import os
 from pathlib import Path
 
-from openai_harmony import HarmonyEncoding, HarmonyEncodingName, load_harmony_encoding
+from openai_harmony import HarmonyEncoding, HarmonyEncodingName, HarmonyError, load_harmony_encoding
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from common.paths import cache_dir
@@ -44,7 +44,11 @@ def load(tokenizer) -> HarmonyEncoding:
         if not _is_valid(folder / FILE):
             _write(folder / FILE, _ranks_file(tokenizer))
         use_vocabulary_folder(folder)
-    encoding = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    try:
+        encoding = load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    except HarmonyError as e:  # a $TIKTOKEN_ENCODINGS_BASE without the file, or another one
+        raise ValueError(f"harmony: {e} (the vocabulary folder: ${VOCABULARY_FOLDER_ENV} = "
+                         f"{os.environ[VOCABULARY_FOLDER_ENV]})") from None
     for token in STRUCTURE:
         [expected] = encoding.encode(token, allowed_special="all")
         if tokenizer.backend_tokenizer.token_to_id(token) != expected:

@@ -171,6 +171,9 @@ def test_a_tokenizer_that_is_not_o200k_is_refused(bundled_tokenizer, caplog, mon
     assert "chat template instead" in caplog.text
     with pytest.raises(ValueError):
         harmony_encoding.for_model("llama", bundled_tokenizer, True)
+    monkeypatch.setenv(harmony_encoding.VOCABULARY_FOLDER_ENV, str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="vocabulary folder"):
+        harmony_encoding.load(bundled_tokenizer)
 
 
 def test_the_vocabulary_written_from_the_tokenizer_is_o200k_base(tokenizer, tmp_path, monkeypatch):
