@@ -111,6 +111,9 @@ class Frontend:
                     return
             except grpc.RpcError:
                 pass
+            if serving and self.proc.poll() is not None:  # say why now, not after the whole timeout
+                raise RuntimeError(f"frontend {self.address} exited with code {self.proc.returncode} before "
+                                   f"serving:\n{log_tail(self.proc)}")
             time.sleep(0.2)
         raise TimeoutError(f"frontend {self.address} never became {'SERVING' if serving else 'NOT_SERVING'}")
 
