@@ -201,12 +201,15 @@ void rotary(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos, c
   });
 }
 
-at::Tensor silu_and_mul(const at::Tensor& x) {
+// A gated activation: x [T, 2I] = [gate | up] -> out [T, I], out[t, i] = D::store(f(D, g, u))
+// with g and u loaded as float; `f` is a generic lambda given the dtype's rounding (Dtype<T>).
+template <typename F>
+at::Tensor gated(const at::Tensor& x, const char* name, F f) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 && x.device().is_cpu(),
-              "silu_and_mul: x must be a CPU [T, 2 * I] tensor with contiguous rows");
+              name, ": x must be a CPU [T, 2 * I] tensor with contiguous rows");
   const int64_t inter = x.size(1) / 2;
   at::Tensor out = at::empty({x.size(0), inter}, x.options());
-  dispatch(x, "silu_and_mul", [&](auto tag) {
+  dispatch(x, name, [&](auto tag) {
     using scalar_t = decltype(tag);
     using D = Dtype<scalar_t>;
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -214,40 +217,30 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     for_rows(x.size(0), [&](int64_t t) {
       const scalar_t* g = xp + t * x.stride(0);
       const scalar_t* u = g + inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gv = D::load(g[i]);
-        op[t * inter + i] = D::store(D::round(gv / (1.f + exp_approx(-gv))) * D::load(u[i]));
-      }
+      for (int64_t i = 0; i < inter; ++i) op[t * inter + i] = D::store(f(D{}, D::load(g[i]), D::load(u[i])));
     });
   });
   return out;
 }
 
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  return gated(x, "silu_and_mul", [](auto d, float g, float u) {
+    using D = decltype(d);
+    return D::round(g / (1.f + exp_approx(-g))) * u;
+  });
+}
+
 at::Tensor clamped_swiglu(const at::Tensor& x, double alpha, double limit) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0 && x.device().is_cpu(),
-              "clamped_swiglu: x must be a CPU [T, 2 * I] tensor with contiguous rows");
-  const int64_t inter = x.size(1) / 2;
-  at::Tensor out = at::empty({x.size(0), inter}, x.options());
   // Eager torch does a bf16 tensor's arithmetic with a Python scalar in float32.
   const float a = static_cast<float>(alpha), lim = static_cast<float>(limit);
-  dispatch(x, "clamped_swiglu", [&](auto tag) {
-    using scalar_t = decltype(tag);
-    using D = Dtype<scalar_t>;
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    for_rows(x.size(0), [&](int64_t t) {
-      const scalar_t* g = xp + t * x.stride(0);
-      const scalar_t* u = g + inter;
-      for (int64_t i = 0; i < inter; ++i) {
-        // std::min / std::clamp keep a NaN, as torch.clamp does; the bounds are exact in bf16.
-        const float gv = D::round(std::min(D::load(g[i]), lim));
-        const float uv = D::round(std::clamp(D::load(u[i]), -lim, lim));
-        const float sig = D::round(1.f / (1.f + exp_approx(-D::round(gv * a))));
-        op[t * inter + i] = D::store(D::round(uv + 1.f) * D::round(gv * sig));
-      }
-    });
+  return gated(x, "clamped_swiglu", [a, lim](auto d, float g, float u) {
+    using D = decltype(d);
+    // std::min / std::clamp keep a NaN, as torch.clamp does; the bounds are exact in bf16.
+    const float gv = D::round(std::min(g, lim));
+    const float uv = D::round(std::clamp(u, -lim, lim));
+    const float sig = D::round(1.f / (1.f + exp_approx(-D::round(gv * a))));
+    return D::round(uv + 1.f) * D::round(gv * sig);
   });
-  return out;
 }
 
 void apply_token_bitmask(at::Tensor& logits, const at::Tensor& bitmask, const at::Tensor& rows) {
