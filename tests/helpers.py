@@ -176,6 +176,16 @@ def check_outputs_match(ours: list[tuple[list[int], list[dict]]], ref: list[tupl
     return diverged
 
 
+def assert_logprobs_close(ours, ref, tol: float) -> None:
+    """The chosen tokens' logprobs within `tol` of ref's, per prompt up to its first
+    divergence (which check_outputs_match judges)."""
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(ours, ref):
+        for token, lp, ref_token, ref_lp in zip(tokens, lps, ref_tokens, ref_lps):
+            if token != ref_token:
+                break
+            assert abs(lp[token] - ref_lp[token]) < tol, (lp, ref_lp)
+
+
 def assert_no_leak(llm) -> None:
     """After all requests end: every KV block free, nothing running or waiting."""
     assert_engine_idle(llm.engine)

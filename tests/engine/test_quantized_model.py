@@ -18,7 +18,7 @@ import cpu_kernels
 from cpu_kernels import dispatch, ops
 from engine.layers.quantized import QuantEmbedding, QuantLinear, dequantize_modules
 from pagedserve import LLM, SamplingParams
-from helpers import assert_no_leak, build_tiny_model, check_outputs_match
+from helpers import assert_logprobs_close, assert_no_leak, build_tiny_model, check_outputs_match
 from test_tiny_hf_equivalence import tiny_prompts
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available("quant_linear"),
@@ -65,14 +65,6 @@ def use_bf16_reference(llm: LLM) -> int:
 def greedy(llm: LLM, prompts) -> list:
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
-
-
-def assert_logprobs_close(ours, ref, tol: float) -> None:
-    for (tokens, lps), (ref_tokens, ref_lps) in zip(ours, ref):
-        for token, lp, ref_token, ref_lp in zip(tokens, lps, ref_tokens, ref_lps):
-            if token != ref_token:
-                break  # check_outputs_match has judged the divergence
-            assert abs(lp[token] - ref_lp[token]) < tol, (lp, ref_lp)
 
 
 @needs_kernels
