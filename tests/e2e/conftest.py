@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -155,6 +157,17 @@ def start_serve(*flags: str, timeout_s: float = 120) -> Frontend:
     return Frontend(proc, *read_addresses(proc, timeout_s=timeout_s))
 
 
+@contextlib.contextmanager
+def serving(*flags: str, timeout_s: float = 120) -> Iterator[Frontend]:
+    """`start_serve` with these flags, serving (its engine up) until the block ends."""
+    fe = start_serve(*flags, timeout_s=timeout_s)
+    try:
+        fe.wait_serving(timeout_s=timeout_s)
+        yield fe
+    finally:
+        fe.close()
+
+
 class Servers:
     """The engines and frontends one test worker shares between its modules: one engine per
     distinct set of engine flags, one frontend per (engine, frontend flags), each started when
@@ -234,4 +247,4 @@ def procs():
     return SimpleNamespace(free_port=free_port, pagedserve=pagedserve, stop=stop, drain=drain,
                            log_tail=log_tail, read_grpc_address=read_grpc_address, read_addresses=read_addresses,
                            Frontend=Frontend, start_engine=start_engine, start_frontend=start_frontend,
-                           start_serve=start_serve)
+                           start_serve=start_serve, serving=serving)

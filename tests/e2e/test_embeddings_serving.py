@@ -345,12 +345,8 @@ def test_grpc_reflection_and_health(frontend):
 @pytest.fixture(scope="module")
 def generator(procs):
     """The bundled SmolLM2 (task generate), small: it only has to refuse pooling requests."""
-    fe = procs.start_serve("--num-kv-blocks", "16", "--max-model-len", "256", "--num-threads", "1")
-    try:
-        fe.wait_serving(timeout_s=120)
+    with procs.serving("--num-kv-blocks", "16", "--max-model-len", "256", "--num-threads", "1") as fe:
         yield fe
-    finally:
-        fe.close()
 
 
 def test_pooling_on_a_generating_model_names_the_generate_task(generator):

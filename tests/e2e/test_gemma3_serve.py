@@ -14,13 +14,9 @@ from http_client import openai_client
 def gemma(procs):
     from engine.models.source import gemma3_model_path
     path = gemma3_model_path()
-    fe = procs.start_serve("--model", str(path), "--dtype", "float32", "--num-kv-blocks", "128",
-                           "--max-model-len", "1024", "--num-threads", "1", timeout_s=300)
-    try:
-        fe.wait_serving(timeout_s=300)
+    with procs.serving("--model", str(path), "--dtype", "float32", "--num-kv-blocks", "128",
+                       "--max-model-len", "1024", "--num-threads", "1", timeout_s=300) as fe:
         yield fe
-    finally:
-        fe.close()
 
 
 # The first 8 greedy tokens of our engine and of HF on this file (tests/engine/test_gemma3.py

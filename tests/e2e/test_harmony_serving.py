@@ -41,13 +41,9 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 @pytest.fixture(scope="module")
 def frontend(procs, tmp_path_factory):
     folder = save_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss_harmony"))
-    fe = procs.start_serve("--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "256",
-                           "--max-model-len", "512", "--num-threads", "1", timeout_s=300)
-    try:
-        fe.wait_serving(timeout_s=300)
+    with procs.serving("--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "256",
+                       "--max-model-len", "512", "--num-threads", "1", timeout_s=300) as fe:
         yield fe
-    finally:
-        fe.close()
 
 
 @pytest.fixture(scope="module")
