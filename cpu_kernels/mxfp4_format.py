@@ -53,3 +53,40 @@ def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     values = torch.stack([lut[(blocks & 15).long()], lut[(blocks >> 4).long()]], dim=-1).flatten(-2)  # [..., G, 32]
     exponents = scales.to(torch.int32) - SCALE_BIAS
     return torch.ldexp(values, exponents.unsqueeze(-1)).flatten(-2)
+
+
+# --- the integer kernel's layout (csrc/mxfp4_int8.cpp, --cpu-arithmetic int8) -----------------
+
+GROUP = 16  # columns per VPDPBUSD operand
+# VPDPBUSD multiplies unsigned by signed bytes: each code reads as 2 * E2M1 + 12 (0..24).
+INT8_OFFSET = 12
+
+
+def pack_int8(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """One MXFP4 matrix (blocks [N, K/32, 16], scales [N, K/32]) in the integer kernel's
+    layout, 4.25 bits a weight (csrc/mxfp4_int8.cpp): columns in groups of 16 (the last padded
+    with zero codes), per group and block four 64-byte chunks of nibbles, chunk h's byte j
+    holding column j / 4 at k = 8h + j % 4 (low nibble) and k + 4 (high), then 16 e8m0 bytes."""
+    check(blocks, scales, "weight")
+    n, nblocks = scales.shape
+    groups = -(-n // GROUP)
+    codes = torch.stack([blocks & 15, blocks >> 4], dim=-1).reshape(n, nblocks, BLOCK)  # k in order
+    codes = torch.cat([codes, codes.new_zeros(groups * GROUP - n, nblocks, BLOCK)])
+    e8m0 = torch.cat([scales, scales.new_zeros(groups * GROUP - n, nblocks)])
+    # [G, col, b, h, half, t] -> [G, b, h, col, t, half]: k = 8h + 4 half + t
+    codes = codes.view(groups, GROUP, nblocks, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    nibbles = codes[..., 0] | (codes[..., 1] << 4)  # [G, b, h, col, t]
+    e8m0 = e8m0.view(groups, GROUP, nblocks).permute(0, 2, 1)
+    return torch.cat([nibbles.reshape(-1), e8m0.reshape(-1)]).contiguous()
+
+
+def int8_linear_reference(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float64 [M, N]: what csrc/mxfp4_int8.cpp computes before its float32 roundings: x
+    (bfloat16) rounded per block of 32 to 8 bits as its top says (in float32, RNE), times the
+    weights' exact values."""
+    xb = x.float().view(x.shape[0], -1, BLOCK)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv).clamp(-127, 127)
+    activations = (q.double() * d.double()).flatten(1)
+    return activations @ dequantize(blocks, scales).double().t()

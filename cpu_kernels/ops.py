@@ -105,6 +105,22 @@ def bf16_rows(fmt: str, records: torch.Tensor, n: int, k: int, ids: torch.Tensor
     return torch.ops.pagedserve_cpu.bf16_rows(records, ids, n, k, fmt in NIBBLE_FORMATS, zero_units, fmt == "fp4")
 
 
+# --- mxfp4_int8: MXFP4 weights x 8-bit activations, integer dot products (csrc/mxfp4_int8.cpp)
+
+def int8_dot_supported() -> bool:
+    """Whether this CPU runs the integer MXFP4 kernel (VPDPBUSD: AVX512-VNNI). Never raises."""
+    from cpu_kernels.compile import available
+    return available("mxfp4_int8") and bool(torch.ops.pagedserve_cpu.int8_dot_supported())
+
+
+def mxfp4_int8_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] bfloat16 (contiguous) @ W^T -> [M, n] bfloat16, W MXFP4 packed by
+    `mxfp4_format.pack_int8`: the activations rounded to 8 bits per block of 32, then exact
+    integer dot products (--cpu-arithmetic int8; the same bits for a row alone or in any
+    batch). The op checks shapes and dtypes itself (in C++): it sits on the experts' hot path."""
+    return torch.ops.pagedserve_cpu.mxfp4_int8_linear(x, packed, n)
+
+
 # --- paged_attention: decode reading K/V blocks in place (csrc/paged_attention.cpp) ---------
 
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16)

@@ -93,6 +93,20 @@ def from_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> QuantizedTensor:
     return QuantizedTensor("fp4", pack_int4(codes), block_scales, torch.zeros_like(block_scales))
 
 
+def to_mxfp4(weight: QuantizedTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`from_mxfp4`'s inverse: an fp4 weight as MXFP4 (blocks uint8 [N, K/32, 16], scales
+    uint8 [N, K/32] e8m0), the form the integer kernel packs (mxfp4_format.pack_int8)."""
+    from cpu_kernels import mxfp4_format
+    if weight.format != "fp4":
+        raise ValueError(f"to_mxfp4 takes an fp4 weight, not {weight.format}")
+    n = weight.qweight.shape[0]
+    codes = unpack_int4(weight.qweight)  # [N, K] in order
+    blocks = (codes[:, 0::2] | (codes[:, 1::2] << 4)).view(n, -1, BLOCK // 2)
+    exponents = torch.frexp(weight.scales)[1] - 1  # scale = 2^exponent
+    e8m0 = torch.where(weight.scales > 0, exponents + mxfp4_format.SCALE_BIAS, 0)  # 2^-127, flushed: 0
+    return blocks.contiguous(), e8m0.clamp(0, 255).to(torch.uint8)
+
+
 def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K/2] -> uint8 [N, K]: byte j of a block holds value j and j + 16."""
     n = qweight.shape[0]
