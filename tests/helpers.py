@@ -176,14 +176,23 @@ def check_outputs_match(ours: list[tuple[list[int], list[dict]]], ref: list[tupl
     return diverged
 
 
-def assert_logprobs_close(ours, ref, tol: float) -> None:
-    """The chosen tokens' logprobs within `tol` of ref's, per prompt up to its first
-    divergence (which check_outputs_match judges)."""
+def logprob_gaps(ours, ref) -> list[float]:
+    """|logprob ours - ref| of each chosen token, per prompt up to its first divergence
+    (greedy_with_logprobs' results)."""
+    gaps = []
     for (tokens, lps), (ref_tokens, ref_lps) in zip(ours, ref):
         for token, lp, ref_token, ref_lp in zip(tokens, lps, ref_tokens, ref_lps):
             if token != ref_token:
                 break
-            assert abs(lp[token] - ref_lp[token]) < tol, (lp, ref_lp)
+            gaps.append(abs(lp[token] - ref_lp[token]))
+    return gaps
+
+
+def assert_logprobs_close(ours, ref, tol: float) -> None:
+    """The chosen tokens' logprobs within `tol` of ref's, per prompt up to its first
+    divergence (which check_outputs_match judges)."""
+    gaps = logprob_gaps(ours, ref)
+    assert max(gaps, default=0.0) < tol, gaps
 
 
 def assert_no_leak(llm) -> None:

@@ -29,7 +29,7 @@ from engine.models.hf_quant import check_tensors, parse_quant_config
 from engine.models.hf_quant_weights import read_weight
 from engine.models.loader import iter_weights, linear_formats, read_arch_config, weight_format
 from pagedserve import LLM, SamplingParams
-from helpers import build_tiny_model, check_outputs_match, greedy_with_logprobs
+from helpers import build_tiny_model, check_outputs_match, greedy_with_logprobs, logprob_gaps
 from quant_packing import KINDS, export, pack_awq, pack_int32, quantize_groups, quantize_layer
 from test_tiny_hf_equivalence import tiny_prompts
 
@@ -223,19 +223,9 @@ def run_pair(folder, reference, w8a8: bool, **engine):
     ref = greedy_with_logprobs(ref_llm, prompts, MAX_NEW)
     for run in ours:
         assert check_outputs_match(run, ref) <= int(w8a8)
-        worst = max(logprob_gap(*ours_ref) for ours_ref in zip(run, ref))
+        worst = max(logprob_gaps(run, ref), default=0.0)
         assert worst < (W8A8_LOGPROB_ATOL if w8a8 else LOGPROB_ATOL), worst
     return model
-
-
-def logprob_gap(ours, ref) -> float:
-    """The largest difference of the chosen tokens' logprobs, up to the first divergence."""
-    gap = 0.0
-    for token, ref_token, lp, ref_lp in zip(ours[0], ref[0], ours[1], ref[1]):
-        if token != ref_token:
-            break
-        gap = max(gap, abs(lp[token] - ref_lp[token]))
-    return gap
 
 
 # The layouts the real quantizers' checkpoints below do not cover (GPTQModel writes symmetric
@@ -296,7 +286,7 @@ def test_lora_on_a_quantized_base_equals_lora_on_its_float_weights(tmp_path, tin
         outs = llm.generate(tiny_prompts(), params, lora_name="a")
         runs.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs])
     assert check_outputs_match(runs[0], runs[1]) == 0
-    assert max(logprob_gap(*pair) for pair in zip(*runs)) < LOGPROB_ATOL
+    assert max(logprob_gaps(*runs), default=0.0) < LOGPROB_ATOL
 
 
 def assert_fp8_as_stored(model: nn.Module, kernel: bool) -> None:
@@ -356,7 +346,7 @@ def assert_tp2_equals_tp1(folder: Path, layer_is_as_expected) -> None:
     finally:
         llm.engine.model_runner.close()
     assert check_outputs_match(two, one) == 0
-    assert max(logprob_gap(*pair) for pair in zip(two, one)) < LOGPROB_ATOL
+    assert max(logprob_gaps(two, one), default=0.0) < LOGPROB_ATOL
 
 
 class ExactLinear(nn.Module):
@@ -392,7 +382,7 @@ def test_bfloat16_packs_the_layers_fp16_holds(tmp_path, tiny_bases, kind):
         setattr(model.get_submodule(parent), attr, ExactLinear(layer.weight.dequantize()))
     ref = greedy_with_logprobs(llm, prompts, MAX_NEW)
     assert check_outputs_match(ours, ref) < len(prompts) // 2
-    assert max(logprob_gap(*pair) for pair in zip(ours, ref)) < 0.25
+    assert max(logprob_gaps(ours, ref), default=0.0) < 0.25
 
 
 def test_tensor_parallel_splits_on_blocks(tmp_path, tiny_bases):
