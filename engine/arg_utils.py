@@ -53,6 +53,11 @@ HELP = {
     "layer_kernels": "run the decoder's norms, rotary and SiLU-and-mul as fused kernels (cpu_kernels on a "
                      "CPU, cupy_kernels on CUDA) where they build; --no-layer-kernels: eager torch, "
                      "the reference (default: on)",
+    "cpu_arithmetic": "auto: a CPU's quantized layers sum exactly the products of the activations with the "
+                      "weights as stored (the bf16, AMX or float32 kernels, measured per machine); int8: "
+                      "activations rounded to 8 bits per block of 32 and integer dot products, as llama.cpp "
+                      "computes, where such a kernel exists (today MXFP4 experts, gpt-oss's, with "
+                      "AVX512-VNNI): faster, but the numbers move away from Hugging Face's (docs/cpu.md)",
     "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda when "
                    "attention runs on cupy, else off)",
     "async_scheduling": "schedule and launch the next decode step while the device runs this one, "
@@ -97,6 +102,7 @@ HELP = {
 }
 CHOICES = {"dtype": ["float32", "bfloat16", "float16", "auto"], "scheduling_policy": ["fcfs", "priority"],
            "attention_backend": ["auto", "torch", "cpu", "cupy"], "quantization": ["none", "int4", "int8", "mxfp4"],
+           "cpu_arithmetic": ["auto", "int8"],
            "speculative_method": ["ngram", "draft", "none"], "task": ["auto", "generate", "embed", "score"],
            "pooling": ["mean", "cls", "last"]}
 METAVARS = {"generation_config": "auto|vllm|PATH", "gpu_memory_utilization": "F"}

@@ -50,6 +50,10 @@ class EngineConfig:
     # The decoder's norms, rotary and SiLU-and-mul as fused kernels (cpu_kernels on a CPU,
     # cupy_kernels on CUDA) where they build; off: eager torch, the reference.
     layer_kernels: bool = True
+    # CPU: auto keeps exact float sums of the weights as stored (the bf16/AMX/float32 kernels,
+    # chosen per machine); int8 rounds activations to 8 bits per block of 32 for integer dot
+    # products, as llama.cpp does, where a kernel exists (MXFP4 experts): faster, not HF's numbers.
+    cpu_arithmetic: str = "auto"
     cuda_graphs: bool | None = None  # decode in CUDA graphs; None: on for device cuda + backend cupy (or auto)
     # Schedule and launch decode step N+1 while the device runs step N (engine/async_step.py).
     # It pays with a GPU (a CPU runs the forward on the host's own cores, so nothing overlaps).

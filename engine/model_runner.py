@@ -99,7 +99,8 @@ class ModelRunner:
         self.shard = shard or SINGLE
         self.model = load_model(model_path, self.arch, config.dtype, config.device, self.max_model_len,
                                 config.quantization, self.shard, config.layer_kernels,
-                                amx=self.kernel_plan is not None and self.kernel_plan.amx)
+                                amx=self.kernel_plan is not None and self.kernel_plan.amx,
+                                cpu_arithmetic=config.cpu_arithmetic)
         local = local_sizes(self.arch, self.shard)
         self.num_kv_heads = local["num_kv_heads"]
         windows = [self.arch.layer_window(i) for i in range(self.arch.num_layers)]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from cpu_kernels import mxfp4_format, ops, packing
-from cpu_kernels.quant_format import QuantizedTensor, from_mxfp4
+from cpu_kernels.quant_format import QuantizedTensor, from_mxfp4, to_mxfp4
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,45 +78,54 @@ def _linear(x: torch.Tensor, e: int, w: torch.Tensor, b: torch.Tensor | None) ->
 
 
 class PackedExperts:
-    """One matrix of every expert ([out, in] each) in the bf16 kernels' layout
-    (cpu_kernels.packing), `format` "int4" | "int8" | "fp4": what grouped_experts takes in place
-    of a dense [E, out, in] tensor. bfloat16 activations."""
+    """One matrix of every expert ([out, in] each) packed for a CPU kernel, what grouped_experts
+    takes in place of a dense [E, out, in] tensor; bfloat16 activations. `format`: "int4" |
+    "int8" | "fp4" in the bf16 kernels' layout (cpu_kernels.packing), or "mxfp4_int8": MXFP4
+    for the integer kernel (mxfp4_format.pack_int8; --cpu-arithmetic int8)."""
 
-    def __init__(self, packed: list) -> None:
-        self.format = packed[0].format
-        self.data = [p.data for p in packed]
-        self.zero_units = [p.zero_units for p in packed]
-        self.out_features, self.in_features = packed[0].n, packed[0].k
+    def __init__(self, fmt: str, data: list[torch.Tensor], out_features: int, in_features: int,
+                 zero_units: list[bool] | None = None) -> None:
+        self.format, self.data = fmt, data
+        self.zero_units = zero_units or [False] * len(data)
+        self.out_features, self.in_features = out_features, in_features
 
     def __len__(self) -> int:
         return len(self.data)
 
     def linear(self, e: int, x: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        y = ops.bf16_quant_linear(x.contiguous(), self.format, self.data[e], self.out_features,
-                                  zero_units=self.zero_units[e])
+        if self.format == "mxfp4_int8":
+            y = ops.mxfp4_int8_linear(x.contiguous(), self.data[e], self.out_features)
+        else:
+            y = ops.bf16_quant_linear(x.contiguous(), self.format, self.data[e], self.out_features,
+                                      zero_units=self.zero_units[e])
         return y if b is None else y + b[e]
 
     def nbytes(self) -> int:
         return sum(d.numel() for d in self.data)
 
 
-def pack_fp4(weights: Iterable[QuantizedTensor]) -> PackedExperts | None:
-    """fp4 weights, one per expert, packed for the bf16 kernels; None where a block's scale
-    falls outside fp16's powers of two, which the kernels cannot hold (those stay dense)."""
+def pack_fp4(weights: Iterable[QuantizedTensor], int8: bool = False) -> PackedExperts | None:
+    """fp4 weights, one per expert, packed for the bf16 kernels (None where a block's scale
+    falls outside fp16's powers of two, which they cannot hold: those stay dense), or with
+    `int8` as MXFP4 for the integer kernel (--cpu-arithmetic int8), which holds every scale."""
+    weights = list(weights)
+    n, k = weights[0].shape
+    if int8:
+        return PackedExperts("mxfp4_int8", [mxfp4_format.pack_int8(*to_mxfp4(w)) for w in weights], n, k)
     packed = []
     for weight in weights:
         if packing.zero_encoding(weight) is None:
             return None
         packed.append(packing.pack(weight))
-    return PackedExperts(packed)
+    return PackedExperts("fp4", [p.data for p in packed], n, k, [p.zero_units for p in packed])
 
 
-def fp4_experts(matrices: torch.Tensor) -> PackedExperts | None:
-    """Float experts [E, out, in] quantized to MXFP4 (--quantization mxfp4) and packed as fp4;
-    None where `in` is not a multiple of 32 or `pack_fp4` says so."""
+def fp4_experts(matrices: torch.Tensor, int8: bool = False) -> PackedExperts | None:
+    """Float experts [E, out, in] quantized to MXFP4 (--quantization mxfp4) and packed as
+    `pack_fp4` packs them; None where `in` is not a multiple of 32 or `pack_fp4` says so."""
     if matrices.shape[-1] % mxfp4_format.BLOCK:
         return None
-    return pack_fp4(from_mxfp4(*mxfp4_format.quantize(matrix)) for matrix in matrices)
+    return pack_fp4((from_mxfp4(*mxfp4_format.quantize(matrix)) for matrix in matrices), int8)
 
 
 def _every_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

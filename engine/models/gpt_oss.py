@@ -86,7 +86,8 @@ class GptOssForCausalLM(MoeForCausalLM):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, Weight]]) -> None:
         expert = self.model.layers[0].mlp.experts.gate_up_proj
-        self._fp4_experts = expert.device.type == "cpu" and expert.dtype == torch.bfloat16 and ops.bf16_dot_supported()
+        kernel = ops.int8_dot_supported if self.int8_experts else ops.bf16_dot_supported
+        self._fp4_experts = expert.device.type == "cpu" and expert.dtype == torch.bfloat16 and kernel()
         super().load_weights(weights)
 
     def _take_experts(self, weights: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
@@ -130,7 +131,8 @@ class GptOssForCausalLM(MoeForCausalLM):
                 self._load_expert(params, name, expert, part, values)
 
     def _keep_fp4(self, params: dict, name: str, parts: dict[str, torch.Tensor]) -> bool:
-        """Pack one MXFP4 matrix of every expert as fp4 for the bf16 kernels and drop its dense
+        """Pack one MXFP4 matrix of every expert as fp4 for the bf16 kernels (or, with
+        `int8_experts`, for the integer kernel) and drop its dense
         parameter, never written: gate_up's rows reordered to gate then up, and under tensor
         parallelism this rank's rows of each (down: its columns, on 32-value blocks). False
         (nothing done) where a scale is outside fp16's powers of two, which the kernels cannot
@@ -155,7 +157,7 @@ class GptOssForCausalLM(MoeForCausalLM):
         if weights[0].shape != expected:
             raise ValueError(f"shape mismatch for {name!r}: MXFP4 experts {list(weights[0].shape)} vs "
                              f"parameter {list(expected)}")
-        packed = pack_fp4(weights)
+        packed = pack_fp4(weights, self.int8_experts)
         if packed is None:
             return False
         experts_name, _, kind = name.rpartition(".")

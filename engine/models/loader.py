@@ -74,14 +74,18 @@ def iter_weights(path: Path, cfg: ModelArchConfig, keep_quantized: bool = False,
 
 def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_positions: int,
                quantization: str | None = None, shard: TPShard = SINGLE, layer_kernels: bool = True,
-               amx: bool = False) -> nn.Module:
+               amx: bool = False, cpu_arithmetic: str = "auto") -> nn.Module:
     """Build the model directly on `device` in `dtype`, then copy the weights in. Layers
     whose weights are quantized (GGUF blocks, or `quantization` int4/int8 of float weights)
     stay quantized where the CPU kernels run; elsewhere they are dequantized. `shard`: the
     tensor-parallel rank to build and keep weights for. `layer_kernels`: the fused layer ops
     where they run (`use_layer_kernels`) and, on CPU in bfloat16, dense layers on oneDNN's
     packed weights (engine/layers/packed_linear.py); else eager torch. `amx`: quantized layers in the bf16
-    kernels' AMX arithmetic (cpu_kernels.dispatch's choice)."""
+    kernels' AMX arithmetic (cpu_kernels.dispatch's choice). `cpu_arithmetic` "int8": MXFP4
+    experts packed for the integer kernel (8-bit activations; `_check_int8_arithmetic`)."""
+    int8 = cpu_arithmetic == "int8"
+    if int8:
+        _check_int8_arithmetic(dtype, device)
     formats = _runnable_fp8(linear_formats(path, cfg, quantization, shard.size), path, cfg, dtype, device)
     keep_fp8 = {source for layer, sources in model_class(cfg.model_type).linear_sources(cfg).items()
                 if formats.get(layer) == "fp8" for source in sources}
@@ -94,6 +98,7 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
             _quantize_inputs(model, path, cfg, formats)
         materialize(model, device)
         model.init_non_persistent(device)
+        model.int8_experts = int8  # read by MoE models' loading (engine/models/moe.py)
     finally:
         torch.set_default_dtype(previous)
     weights = tqdm(iter_weights(path, cfg, keep_quantized=bool(formats), keep_fp8=keep_fp8), desc=f"loading {path.name}",
@@ -102,7 +107,9 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     if formats:
         _prepare_quantized(model, dtype, device, amx, exact=not is_gguf(path))
     if quantization == "mxfp4":
-        _mxfp4_experts(model, cfg, dtype, device)
+        _mxfp4_experts(model, cfg, dtype, device, int8)
+    if int8:
+        _log_int8_arithmetic(model)
     if layer_kernels:
         use_layer_kernels(model, device, dtype)
         if device == "cpu" and dtype == "bfloat16":
@@ -111,7 +118,29 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     return model.eval()
 
 
-def _mxfp4_experts(model: nn.Module, cfg: ModelArchConfig, dtype: str, device: str) -> None:
+def _check_int8_arithmetic(dtype: str, device: str) -> None:
+    """--cpu-arithmetic int8 runs on the integer MXFP4 kernel: a clear error where it cannot."""
+    from cpu_kernels import ops
+    if device != "cpu" or dtype != "bfloat16":
+        raise ValueError(f"cpu_arithmetic 'int8' is for --device cpu with --dtype bfloat16 (got {device}, {dtype})")
+    if not ops.int8_dot_supported():
+        raise ValueError("cpu_arithmetic 'int8': this CPU or build lacks the integer kernel's AVX512-VNNI "
+                         "(with AVX512BW and VL); use --cpu-arithmetic auto")
+
+
+def _log_int8_arithmetic(model: nn.Module) -> None:
+    """Say which matrices the integer arithmetic took (today only MXFP4 experts have a kernel)."""
+    from engine.models.moe import Experts
+    count = sum(p.format == "mxfp4_int8" for m in model.modules() if isinstance(m, Experts) for p in m.packed.values())
+    if count:
+        log.info("cpu_arithmetic int8: %d MXFP4 expert matrices on the integer kernel; other layers exact", count)
+    else:
+        log.warning("cpu_arithmetic int8: this model has no MXFP4 experts (an MXFP4 checkpoint's, or "
+                    "--quantization mxfp4's), the only layers with an integer kernel yet; every layer keeps "
+                    "the exact arithmetic")
+
+
+def _mxfp4_experts(model: nn.Module, cfg: ModelArchConfig, dtype: str, device: str, int8: bool = False) -> None:
     """--quantization mxfp4: the experts to fp4 blocks (engine/models/moe.py), where the bf16
     kernels run them; a clear error elsewhere, or for a model without experts."""
     from cpu_kernels import ops
@@ -119,10 +148,10 @@ def _mxfp4_experts(model: nn.Module, cfg: ModelArchConfig, dtype: str, device: s
     if not cfg.moe_layers:
         raise ValueError(f"quantization 'mxfp4' quantizes a mixture-of-experts model's experts; "
                          f"{cfg.model_type} has none (int4 and int8 quantize linear layers)")
-    if device != "cpu" or dtype != "bfloat16" or not ops.bf16_dot_supported():
+    if device != "cpu" or dtype != "bfloat16" or not (int8 or ops.bf16_dot_supported()):
         raise ValueError("quantization 'mxfp4': the fp4 experts run on the CPU's bf16 kernels; use --dtype "
                          "bfloat16 on a CPU with AVX512-BF16")
-    count = quantize_experts_mxfp4(model)
+    count = quantize_experts_mxfp4(model, int8)
     log.info("quantization mxfp4: %d expert matrices as fp4 blocks", count)
 
 

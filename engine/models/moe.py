@@ -89,15 +89,16 @@ class SparseMoeBlock(Layer):
 
 
 @torch.no_grad()
-def quantize_experts_mxfp4(model: nn.Module) -> int:
+def quantize_experts_mxfp4(model: nn.Module, int8: bool = False) -> int:
     """--quantization mxfp4: every MoE block's experts (Mixtral, Qwen3-MoE, gpt-oss), loaded
-    in float, quantized to MXFP4 and kept as fp4 blocks for the bf16 kernels (`fp4_experts`),
-    their dense copies freed; returns how many matrices (2 per block where every scale fits)."""
+    in float, quantized to MXFP4 and kept as fp4 blocks for the bf16 kernels (`fp4_experts`;
+    `int8`: packed for the integer kernel), their dense copies freed; returns how many
+    matrices (2 per block where every scale fits)."""
     count = 0
     for experts in (m for m in model.modules() if isinstance(m, Experts)):
         for name in ("gate_up_proj", "down_proj"):
             dense = getattr(experts, name)
-            packed = None if dense is None else fp4_experts(dense.data)
+            packed = None if dense is None else fp4_experts(dense.data, int8)
             if packed is not None:
                 experts.keep_packed(name, packed)
                 count += 1
@@ -105,6 +106,10 @@ def quantize_experts_mxfp4(model: nn.Module) -> int:
 
 
 class MoeForCausalLM(LlamaForCausalLM):
+    # MXFP4 experts for the integer kernel (--cpu-arithmetic int8) instead of the bf16 ones;
+    # load_model sets it before the weights load.
+    int8_experts = False
+
     def __init__(self, cfg: ModelArchConfig, max_positions: int, shard: TPShard = SINGLE) -> None:
         super().__init__(cfg, max_positions, shard)
         for i in cfg.moe_layers:  # on the meta device (see loader) the dense MLPs cost nothing
