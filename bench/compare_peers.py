@@ -114,7 +114,8 @@ def serving(peer: str, args: argparse.Namespace, gguf: Path) -> Iterator[tuple[s
         from engine.config import EngineConfig
         # Another form of the same weights where the peers read different files (bench/gpt_oss_peers.py).
         model = getattr(args, "pagedserve_model", None) or gguf
-        config = EngineConfig(model=str(model), dtype=args.dtype, num_threads=args.threads)
+        config = EngineConfig(model=str(model), dtype=args.dtype, num_threads=args.threads,
+                              cpu_arithmetic=getattr(args, "cpu_arithmetic", "auto"))
         server = server_for("pagedserve", config, max_concurrent_streams=256)
         server.cmd += ["--http-port", str(port)]  # the last --http-port wins
         print(f"starting {' '.join(server.cmd[1:])}", flush=True)

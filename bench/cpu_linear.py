@@ -16,6 +16,11 @@ CPU's flags) to bench/results.
 activations (and AMX where the CPU has it), per-channel with float32 activations, against
 torch's dense bf16 and fp32 matmuls. Prints each one's weight bytes read per second and the
 FP8 kernel's speed over dense bf16's (issue 46's targets: >= 1.6x at one row, >= 1.0x at 32).
+
+`--mxfp4`: gpt-oss-20b's expert shapes (gate_up 5760 x 2880, down 2880 x 2880), MXFP4 weights
+with random codes and scales: the exact bf16 kernel on fp4 blocks (csrc/quant_linear_bf16.cpp),
+the integer kernel of `--cpu-arithmetic int8` (csrc/mxfp4_int8.cpp, 8-bit activations), and
+torch's dense bf16 matmul of the dequantized weights; each one's speed over the fp4 kernel's.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ ROTATE_BYTES = 96 << 20  # rotate over at least this much weight memory: past an
 FP8_SHAPES = {"square": (2048, 2048), "up": (5632, 2048), "down": (2048, 5632)}
 FP8_ROWS = (1, 32)
 FP8_TARGETS = {1: 1.6, 32: 1.0}  # issue 46: FP8 tok/s over bf16's, per row count
+MXFP4_SHAPES = {"gate_up": (5760, 2880), "down": (2880, 2880)}  # gpt-oss-20b's experts
+MXFP4_ROWS = (1, 4, 16, 64, 512)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=0.3, help="timing budget per case and method")
     p.add_argument("--output-dir", default=None, help="where to write JSON (default: bench/results)")
     p.add_argument("--fp8", action="store_true", help="the FP8 kernel against dense bf16 (see above)")
+    p.add_argument("--mxfp4", action="store_true", help="the MXFP4 expert kernels, bf16 and int8 (see above)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.fp8:
         return run_fp8(args)
+    if args.mxfp4:
+        return run_mxfp4(args)
     bf16, amx = ops.bf16_dot_supported(), ops.bf16_amx_ready()
     rows = []
     for m in (int(x) for x in (args.rows or ",".join(map(str, ROWS))).split(",")):
@@ -123,6 +133,58 @@ def interleaved_times(methods: dict, seconds: float) -> dict[str, list[float]]:
             times[key].append(time.perf_counter() - start)
         i += 1
     return {key: t[1:] for key, t in times.items()}
+
+
+def run_mxfp4(args: argparse.Namespace) -> int:
+    import torch
+
+    from cpu_kernels import ops
+    if not (ops.bf16_dot_supported() and ops.int8_dot_supported()):
+        print("error: the MXFP4 kernels need AVX512-BF16 and AVX512-VNNI (and a compiler)", file=sys.stderr)
+        return 1
+    rows = []
+    for m in (int(x) for x in (args.rows or ",".join(map(str, MXFP4_ROWS))).split(",")):
+        for name, (n, k) in MXFP4_SHAPES.items():
+            rows.append(mxfp4_case(name, m, n, k, args.seconds))
+            print(f"  {name} M={m}: " + ", ".join(f"{key} {rows[-1][key]}" for key in rows[-1] if key.endswith("us")),
+                  file=sys.stderr)
+    columns = ["fp4_bf16_us", "mxfp4_int8_us", "dense_bf16_us"]
+    print_table(["layer", "M", *columns, "int8 GB/s", "int8 vs fp4", "int8 vs dense bf16"],
+                [[r["layer"], r["m"], *[r[c] for c in columns], r["int8_gbps"], r["int8_vs_fp4"],
+                  r["int8_vs_dense_bf16"]] for r in rows])
+    path = write_result("cpu-linear-mxfp4", {"machine": machine_info("cpu"), "threads": torch.get_num_threads(),
+                                             "results": rows}, args.output_dir)
+    print(f"\nwrote {path}")
+    return 0
+
+
+def mxfp4_case(name: str, m: int, n: int, k: int, seconds: float) -> dict:
+    """One expert shape at m rows: the fp4 (bf16) and int8 kernels and dense bf16, weights
+    rotated past the caches. int8_gbps: the int8 kernel's weight bytes (4.25 bits each) per second."""
+    import torch
+
+    from cpu_kernels import mxfp4_format, ops, packing
+    from cpu_kernels.quant_format import from_mxfp4
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(119, 125, (n, k // 32), dtype=torch.uint8, generator=g)
+    fp4 = packing.pack(from_mxfp4(blocks, scales))
+    int8 = mxfp4_format.pack_int8(blocks, scales)
+    dense = mxfp4_format.dequantize(blocks, scales).bfloat16()
+
+    def copies(t: torch.Tensor) -> list:
+        return [t.clone() for _ in range(max(2, ROTATE_BYTES // t.nbytes))]
+
+    xb = torch.randn(m, k, generator=g).bfloat16()
+    methods = {"fp4_bf16_us": (copies(fp4.data), lambda w: ops.bf16_quant_linear(xb, "fp4", w, n)),
+               "mxfp4_int8_us": (copies(int8), lambda w: ops.mxfp4_int8_linear(xb, w, n)),
+               "dense_bf16_us": (copies(dense), lambda w: xb @ w.t())}
+    times = interleaved_times(methods, seconds)
+    out = {"layer": name, "m": m, "n": n, "k": k, **{key: round(median(t) * 1e6, 1) for key, t in times.items()}}
+    out["int8_gbps"] = round(int8.numel() / out["mxfp4_int8_us"] / 1e3, 1)
+    out["int8_vs_fp4"] = round(out["fp4_bf16_us"] / out["mxfp4_int8_us"], 2)
+    out["int8_vs_dense_bf16"] = round(out["dense_bf16_us"] / out["mxfp4_int8_us"], 2)
+    return out
 
 
 def run_fp8(args: argparse.Namespace) -> int:

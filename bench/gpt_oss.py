@@ -1,5 +1,6 @@
-"""gpt-oss on CPU: MXFP4 experts kept as fp4 blocks against the same checkpoint with its
-experts dequantized to bf16, in one run (`python -m bench.gpt_oss`).
+"""gpt-oss on CPU: MXFP4 experts kept as fp4 blocks (the exact bf16 kernels), the same in
+`--cpu-arithmetic int8` (8-bit activations, integer dot products) and the same checkpoint
+with its experts dequantized to bf16, in one run (`python -m bench.gpt_oss`).
 
 The model: gpt-oss-20b's shape (hidden 2880, 32 experts of width 2880, top 4, 64 query and 8
 kv heads of 64, alternating 128-token windows, YaRN) with random weights, --layers of its 24
@@ -10,7 +11,7 @@ and scales 2^-8..2^-4; everything else bf16. Made once, cached under ~/.cache/pa
 Per variant: the RSS a load adds (a process of its own), one stream's time per output token,
 and --batch streams' output tok/s (--input-len in, --output-len out). Writes JSON to
 bench/results/ and prints a table; the issue's memory target is the fp4 load's RSS within
-1.15x of the checkpoint's size.
+1.15x of the checkpoint's size (int8's layout is the checkpoint's 4.25 bits a weight).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from bench.reporting import load_rss, machine_info, model_bytes, median, print_t
 SHAPE = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
              num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128, vocab_size=49152)
 RSS_TO_FILE = 1.15
+FP4, INT8, DENSE = "MXFP4 as fp4 blocks", "MXFP4, --cpu-arithmetic int8", "dequantized bf16 experts"
 # The baseline's loading path: MXFP4 experts dequantized to bf16 instead of kept as fp4.
 DENSE_EXPERTS = "from engine.models.gpt_oss import GptOssForCausalLM\nGptOssForCausalLM._keep_fp4 = lambda *a: False"
 
@@ -80,20 +82,22 @@ def build(layers: int) -> Path:
     return folder
 
 
-def measure(folder: Path, dense: bool, args: argparse.Namespace) -> dict:
+def measure(folder: Path, variant: str, args: argparse.Namespace) -> dict:
     from bench.offline import time_engine_single
     from engine.models.gpt_oss import GptOssForCausalLM
     from pagedserve import LLM, SamplingParams
+    dense = variant == DENSE
+    options = {"dtype": "bfloat16", "cpu_arithmetic": "int8" if variant == INT8 else "auto"}
     keep = GptOssForCausalLM._keep_fp4
     if dense:
         GptOssForCausalLM._keep_fp4 = lambda *a: False
     try:
-        llm = LLM(str(folder), dtype="bfloat16", enable_prefix_caching=False, num_threads=args.num_threads)
+        llm = LLM(str(folder), enable_prefix_caching=False, num_threads=args.num_threads, **options)
     finally:
         GptOssForCausalLM._keep_fp4 = keep
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 49152) for _ in range(args.input_len)] for _ in range(args.batch)]
-    rss = load_rss(str(folder), {"dtype": "bfloat16"}, DENSE_EXPERTS if dense else "")
+    rss = load_rss(str(folder), options, DENSE_EXPERTS if dense else "")
     out = {"rss_mib": round(rss / 2**20, 1)}
     out["tpot_ms"] = 1e3 / time_engine_single(llm, prompts[0], args.output_len, args.repeats)["decode_tok_s"]
     greedy = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -119,15 +123,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     folder = build(args.layers)
     file_mib = model_bytes(folder) / 2**20
-    results = {name: measure(folder, name == "dequantized bf16 experts", args)
-               for name in ("MXFP4 as fp4 blocks", "dequantized bf16 experts")}
-    fp4, dense = results["MXFP4 as fp4 blocks"], results["dequantized bf16 experts"]
+    results = {name: measure(folder, name, args) for name in (FP4, INT8, DENSE)}
+    fp4, int8, dense = results[FP4], results[INT8], results[DENSE]
     ratios = {"rss_to_file": fp4["rss_mib"] / file_mib, "tpot_speedup": dense["tpot_ms"] / fp4["tpot_ms"],
-              "batch_speedup": fp4["batch_output_tok_s"] / dense["batch_output_tok_s"]}
+              "batch_speedup": fp4["batch_output_tok_s"] / dense["batch_output_tok_s"],
+              "int8_rss_to_file": int8["rss_mib"] / file_mib, "int8_tpot_speedup": fp4["tpot_ms"] / int8["tpot_ms"],
+              "int8_batch_speedup": int8["batch_output_tok_s"] / fp4["batch_output_tok_s"]}
     rows = [[n, r["rss_mib"], f"{r['tpot_ms']:.1f}", f"{r['batch_output_tok_s']:.1f}"] for n, r in results.items()]
     print_table(["experts", "RSS MiB", "TPOT ms (1 stream)", f"tok/s ({args.batch} streams)"], rows)
     print(f"checkpoint {file_mib:.1f} MiB; fp4 RSS / file {ratios['rss_to_file']:.3f} (target <= {RSS_TO_FILE}); "
-          f"fp4 vs dequantized: TPOT {ratios['tpot_speedup']:.2f}x, batch {ratios['batch_speedup']:.2f}x")
+          f"fp4 vs dequantized: TPOT {ratios['tpot_speedup']:.2f}x, batch {ratios['batch_speedup']:.2f}x; "
+          f"int8 vs fp4: TPOT {ratios['int8_tpot_speedup']:.2f}x, batch {ratios['int8_batch_speedup']:.2f}x, "
+          f"RSS / file {ratios['int8_rss_to_file']:.3f}")
     path = write_result("gpt-oss-cpu", {
         "machine": machine_info("cpu"),
         "model": {"shape": SHAPE, "layers": args.layers, "file_mib": round(file_mib, 1)},
