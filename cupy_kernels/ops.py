@@ -66,6 +66,14 @@ def _vector_rows(x: torch.Tensor) -> torch.Tensor:
     return x if ok else x.contiguous()
 
 
+def _sinks_ptr(sinks: torch.Tensor | None) -> np.uint64:
+    """The kernels' sinks argument: float32 [Hq] on the device, or null for none."""
+    if sinks is None:
+        return np.uint64(0)
+    assert sinks.dtype == torch.float32 and sinks.is_contiguous() and sinks.is_cuda, "sinks: contiguous float32 on CUDA"
+    return _ptr(sinks)
+
+
 def _v_cache_ptr(kv_cache: torch.Tensor) -> np.uint64:
     return np.uint64(kv_cache.data_ptr() + kv_cache[0].numel() * kv_cache.element_size())
 
@@ -131,8 +139,11 @@ def decode_workspace_numel(batch: int, num_q_heads: int, head_size: int, plan: D
 
 def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                     plan: DecodePlan, workspace: torch.Tensor | None = None) -> None:
-    """out[b] = attention of q[b] ([B, Hq, D]) over its context_lens[b] cached tokens.
+                     plan: DecodePlan, workspace: torch.Tensor | None = None, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> None:
+    """out[b] = attention of q[b] ([B, Hq, D]) over its context_lens[b] cached tokens (the
+    last `window` of them with a sliding window; earlier blocks are never read). `sinks`
+    (float32 [Hq], gpt-oss): one more logit per head in each softmax, carrying no value.
     out must be contiguous; a context length of 0 gives zeros."""
     batch, num_q_heads, head_size = q.shape
     if batch == 0:
@@ -154,7 +165,7 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
     args = (_ptr(out), part_out, part_max, part_sum, _ptr(q), np.int64(q.stride(0)),
             _ptr(kv_cache), _v_cache_ptr(kv_cache), _ptr(block_tables), np.int32(block_tables.stride(0)),
             _ptr(context_lens), np.int32(kv_cache.shape[2]), np.int32(group), np.int32(plan.num_chunks),
-            np.int32(plan.partition_tokens), np.float32(scale * LOG2E))
+            np.int32(plan.partition_tokens), np.float32(scale * LOG2E), np.int32(window or 0), _sinks_ptr(sinks))
     if plan.tensor_cores:
         assert dtype in kc.MMA_DTYPES and plan.heads_per_cta == MMA_HEADS_PER_CTA, f"tensor cores: {dtype}, {plan}"
         source, expr = "decode_mma", kc.decode_mma_expr(dtype, head_size, block_size, plan.split)
@@ -163,7 +174,7 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
     _launch(source, expr, q.device, (batch, num_kv_heads * plan.num_chunks, parts), args)
     if plan.split:
         args = (_ptr(out), part_out, part_max, part_sum, _ptr(context_lens), np.int32(parts),
-                np.int32(plan.partition_tokens))
+                np.int32(plan.partition_tokens), _sinks_ptr(sinks))
         _launch("decode", kc.reduce_expr(dtype, head_size), q.device, (batch, num_q_heads), args)
 
 
@@ -199,9 +210,10 @@ def build_prefill_batch(chunks: list[tuple[int, int, int]], block_tables: torch.
 
 
 def prefill_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, batch: PrefillBatch,
-                      scale: float) -> None:
+                      scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> None:
     """Rows of `batch`'s chunks in out [T, Hq, D] (contiguous) = causal attention of
-    their queries over each chunk's cached context, new tokens included."""
+    their queries over each chunk's cached context, new tokens included (each query over the
+    last `window` positions up to its own with a sliding window); `sinks` as decode's."""
     if batch.num_tiles == 0:
         return
     num_q_heads, head_size = q.shape[1], q.shape[2]
@@ -211,7 +223,7 @@ def prefill_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
             _v_cache_ptr(kv_cache), _ptr(batch.tile_chunk), _ptr(batch.tile_row0), _ptr(batch.token_start),
             _ptr(batch.num_tokens), _ptr(batch.context_len), _ptr(batch.block_tables),
             np.int32(batch.block_tables.stride(0)), np.int32(kv_cache.shape[2]),
-            np.int32(num_q_heads // num_kv_heads), np.float32(scale * LOG2E))
+            np.int32(num_q_heads // num_kv_heads), np.float32(scale * LOG2E), np.int32(window or 0), _sinks_ptr(sinks))
     expr = kc.prefill_expr(DTYPE_NAMES[q.dtype], head_size, block_size)
     _launch("prefill", expr, q.device, (batch.num_tiles, num_kv_heads), args)
 

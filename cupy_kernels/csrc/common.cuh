@@ -159,22 +159,28 @@ __device__ __forceinline__ void cp_async_kv_rows(T (&kv)[2][N], int first, int e
 
 // A decode CTA's share of the grid (decode.cu, decode_mma.cu): sequence blockIdx.x, KV head and
 // chunk of up to HEADS query heads of its group in blockIdx.y, and with SPLIT the partition
-// blockIdx.z of `partition_tokens` tokens, [start, end) of the context.
+// blockIdx.z of `partition_tokens` tokens, [start, end) of the context. With a sliding
+// `window` (0: none) the context is its last `window` tokens: keys before them are never
+// read (their blocks may be released), and a partition wholly before them is empty.
 template <int HEADS, bool SPLIT>
 struct DecodeWork {
   int seq, part, num_parts, kv_head, chunk, num_q_heads, head0, heads_here, context_len, start, end;
 
-  __device__ DecodeWork(int group, int num_chunks, int partition_tokens, const int* __restrict__ context_lens)
+  __device__ DecodeWork(int group, int num_chunks, int partition_tokens, const int* __restrict__ context_lens,
+                        int window)
       : seq(blockIdx.x), part(blockIdx.z), num_parts(gridDim.z), kv_head(blockIdx.y / num_chunks),
         chunk(blockIdx.y % num_chunks), num_q_heads(gridDim.y / num_chunks * group),
         head0(kv_head * group + chunk * HEADS), heads_here(min(HEADS, group - chunk * HEADS)),
-        context_len(context_lens[seq]), start(SPLIT ? part * partition_tokens : 0),
-        end(SPLIT ? min(context_len, start + partition_tokens) : context_len) {}
+        context_len(context_lens[seq]) {
+    const int first = window > 0 ? max(0, context_len - window) : 0;
+    start = SPLIT ? max(first, part * partition_tokens) : first;
+    end = SPLIT ? min(context_len, part * partition_tokens + partition_tokens) : context_len;
+  }
 
-  // A partition wholly past its sequence's end writes max = -inf and sum 0 (the reduce skips
-  // it) and has nothing more to do: true then.
+  // A partition with no key (past its sequence's end, or before its window) writes max =
+  // -inf and sum 0 (the reduce skips it) and has nothing more to do: true then.
   __device__ bool empty_partition(float* __restrict__ part_max, float* __restrict__ part_sum) const {
-    if (!SPLIT || start < context_len) return false;
+    if (!SPLIT || start < end) return false;
     if (threadIdx.x < heads_here) {
       const long long i = ((long long)seq * num_q_heads + head0 + threadIdx.x) * num_parts + part;
       part_max[i] = NEG_INF;
@@ -183,3 +189,10 @@ struct DecodeWork {
     return true;
   }
 };
+
+// A softmax denominator l, summed relative to 2^base (base-2 scores), with an attention sink
+// (gpt-oss): one more logit per query head that joins the sum and carries no value. sinks
+// (natural-log logits, [Hq]) may be null: l as it is.
+__device__ __forceinline__ float with_sink(float l, float base, const float* __restrict__ sinks, int head) {
+  return sinks == nullptr ? l : l + exp2f(sinks[head] * 1.4426950408889634f - base);
+}

@@ -169,10 +169,12 @@ __global__ void __launch_bounds__(DECODE_THREADS, 3) paged_decode(
     const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* __restrict__ block_tables, int table_stride,  // [B, table_stride]
     const int* __restrict__ context_lens,                    // [B]
-    int num_blocks, int group, int num_chunks, int partition_tokens, float scale_log2) {
+    int num_blocks, int group, int num_chunks, int partition_tokens, float scale_log2,
+    int window,                        // sliding window in tokens; 0: none
+    const float* __restrict__ sinks) {  // [Hq] attention sinks (single pass; the reduce's with SPLIT); null: none
   typedef DecodeShape<T, D, BS, GMAX> S;
   __shared__ DecodeSmem<T, D, BS, GMAX> sm;
-  const DecodeWork<GMAX, SPLIT> w(group, num_chunks, partition_tokens, context_lens);
+  const DecodeWork<GMAX, SPLIT> w(group, num_chunks, partition_tokens, context_lens, window);
   if (w.empty_partition(part_max, part_sum)) return;
   const int seq = w.seq, part = w.part, num_parts = w.num_parts, kv_head = w.kv_head, num_q_heads = w.num_q_heads;
   const int head0 = w.head0, heads_here = w.heads_here, start = w.start, end = w.end;
@@ -230,7 +232,8 @@ __global__ void __launch_bounds__(DECODE_THREADS, 3) paged_decode(
       }
       if (c == 0) { part_max[row * num_parts + part] = sm.m[g]; part_sum[row * num_parts + part] = sm.l[g]; }
     } else {
-      const float inv = sm.l[g] > 0.f ? 1.f / sm.l[g] : 0.f;
+      const float l = with_sink(sm.l[g], sm.m[g] == NEG_INF ? 0.f : sm.m[g], sinks, head0 + g);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
       float x[S::VEC];
 #pragma unroll
       for (int e = 0; e < S::VEC; ++e) x[e] = acc_row[e] * inv;
@@ -240,13 +243,14 @@ __global__ void __launch_bounds__(DECODE_THREADS, 3) paged_decode(
 }
 
 // Combine the partitions of each (sequence, query head): one CTA each, a thread per
-// column. Partitions at or past the context's end are never read, so stale workspace
-// from another step (or NaN poison) cannot leak in.
+// column. Partitions at or past the context's end are never read, nor those a window left
+// empty (max -inf), so stale workspace from another step (or NaN poison) cannot leak in.
+// An attention sink joins the denominator here.
 template <typename T, int D>
 __global__ void __launch_bounds__(128) paged_decode_reduce(
     T* __restrict__ out, const float* __restrict__ part_out, const float* __restrict__ part_max,
     const float* __restrict__ part_sum, const int* __restrict__ context_lens,
-    int num_parts, int partition_tokens) {
+    int num_parts, int partition_tokens, const float* __restrict__ sinks) {
   const int seq = blockIdx.x, head = blockIdx.y, num_q_heads = gridDim.y;
   const long long row = (long long)seq * num_q_heads + head;
   const int used = min(num_parts, (context_lens[seq] + partition_tokens - 1) / partition_tokens);
@@ -256,11 +260,16 @@ __global__ void __launch_bounds__(128) paged_decode_reduce(
   for (int p = 0; p < used; ++p) m = fmaxf(m, maxes[p]);
   const float base = m == NEG_INF ? 0.f : m;
   float l = 0.f;
-  for (int p = 0; p < used; ++p) l += sums[p] * exp2f(maxes[p] - base);
+  for (int p = 0; p < used; ++p) {
+    if (maxes[p] != NEG_INF) l += sums[p] * exp2f(maxes[p] - base);
+  }
+  l = with_sink(l, base, sinks, head);
   const float inv = l > 0.f ? 1.f / l : 0.f;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float acc = 0.f;
-    for (int p = 0; p < used; ++p) acc += part_out[(row * num_parts + p) * D + d] * exp2f(maxes[p] - base);
+    for (int p = 0; p < used; ++p) {
+      if (maxes[p] != NEG_INF) acc += part_out[(row * num_parts + p) * D + d] * exp2f(maxes[p] - base);
+    }
     out[row * D + d] = Pack<T>::from_float(acc * inv);
   }
 }

@@ -125,11 +125,13 @@ __global__ void __launch_bounds__(MMA_THREADS, 3) paged_decode_mma(
     const T* __restrict__ k_cache, const T* __restrict__ v_cache,
     const int* __restrict__ block_tables, int table_stride,  // [B, table_stride]
     const int* __restrict__ context_lens,                    // [B]
-    int num_blocks, int group, int num_chunks, int partition_tokens, float scale_log2) {
+    int num_blocks, int group, int num_chunks, int partition_tokens, float scale_log2,
+    int window,                        // sliding window in tokens; 0: none
+    const float* __restrict__ sinks) {  // [Hq] attention sinks (single pass; the reduce's with SPLIT); null: none
   typedef MmaShape<T, D> S;
   typedef MmaOp<T> Op;
   __shared__ MmaSmem<T, D> sm;
-  const DecodeWork<MMA_ROWS, SPLIT> w(group, num_chunks, partition_tokens, context_lens);
+  const DecodeWork<MMA_ROWS, SPLIT> w(group, num_chunks, partition_tokens, context_lens, window);
   if (w.empty_partition(part_max, part_sum)) return;
   const int seq = w.seq, part = w.part, num_parts = w.num_parts, kv_head = w.kv_head, num_q_heads = w.num_q_heads;
   const int head0 = w.head0, heads_here = w.heads_here, start = w.start, end = w.end;
@@ -252,7 +254,8 @@ __global__ void __launch_bounds__(MMA_THREADS, 3) paged_decode_mma(
       part_out[(row * num_parts + part) * D + col] = acc;
       if (col == 0) { part_max[row * num_parts + part] = mx; part_sum[row * num_parts + part] = sum; }
     } else {
-      out[row * D + col] = Pack<T>::from_float(sum > 0.f ? acc / sum : 0.f);
+      const float l = with_sink(sum, base, sinks, head0 + h);
+      out[row * D + col] = Pack<T>::from_float(l > 0.f ? acc / l : 0.f);
     }
   }
 }

@@ -3,7 +3,9 @@
 // cache after reshape_and_cache wrote the new rows.
 //
 // Query token i of a chunk sits at absolute position context_len - num_tokens + i and
-// sees keys 0 .. that position. A CTA takes QROWS query rows of one chunk for one KV
+// sees keys 0 .. that position (with a sliding window W, the last W of them: keys before
+// the tile's first window are never read, their blocks may be released). An attention sink
+// per query head (gpt-oss) joins each row's softmax denominator at the end. A CTA takes QROWS query rows of one chunk for one KV
 // head; rows are (token, head of the group) pairs, so the K/V tiles it streams serve
 // every query head of the group:
 //
@@ -30,7 +32,7 @@ struct PrefillSmem {
   __align__(16) T kv[2][KT * ROW];
   __align__(16) float q[QROWS][D];
   float p[QROWS][KT];
-  float alpha[QROWS], l[QROWS];
+  float alpha[QROWS], l[QROWS], m[QROWS];
 };
 
 template <typename T, int D, int BS>
@@ -43,11 +45,12 @@ __device__ __forceinline__ void prefill_load_tile(PrefillSmem<T, D>& sm, int key
   cp_async_wait<0>();
 }
 
-// Scores of this warp's rows against the tile's keys, masked causally; online-softmax
-// update of the rows' running max `m` and sum `l`; probabilities to sm.p.
+// Scores of this warp's rows against the tile's keys, masked causally (and to the last
+// `window` positions, 0: none); online-softmax update of the rows' running max `m` and sum
+// `l`; probabilities to sm.p.
 template <typename T, int D>
 __device__ __forceinline__ void prefill_scores(PrefillSmem<T, D>& sm, int key0, const int (&qpos)[ROWS_PER_WARP],
-                                               float (&m)[ROWS_PER_WARP], float (&l)[ROWS_PER_WARP]) {
+                                               int window, float (&m)[ROWS_PER_WARP], float (&l)[ROWS_PER_WARP]) {
   constexpr int VEC = Pack<T>::N, ROW = PrefillSmem<T, D>::ROW;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   float s[ROWS_PER_WARP];
@@ -71,10 +74,12 @@ __device__ __forceinline__ void prefill_scores(PrefillSmem<T, D>& sm, int key0, 
 #pragma unroll
   for (int r = 0; r < ROWS_PER_WARP; ++r) {
     const int row = warp + r * PREFILL_WARPS;
-    const float score = key <= qpos[r] ? s[r] : NEG_INF;  // qpos = -1 for rows past the chunk
+    // qpos = -1 for rows past the chunk: every key masked
+    const bool seen = key <= qpos[r] && (window == 0 || key > qpos[r] - window);
+    const float score = seen ? s[r] : NEG_INF;
     const float m_new = fmaxf(m[r], warp_max(score));
     const float base = m_new == NEG_INF ? 0.f : m_new;
-    const float p = key <= qpos[r] ? exp2f(score - base) : 0.f;
+    const float p = seen ? exp2f(score - base) : 0.f;
     sm.p[row][lane] = p;
     const float alpha = exp2f(m[r] - base);
     l[r] = l[r] * alpha + warp_sum(p);
@@ -92,7 +97,9 @@ __global__ void __launch_bounds__(PREFILL_THREADS, 4) paged_prefill(
     const int* __restrict__ chunk_token_start, const int* __restrict__ chunk_num_tokens,
     const int* __restrict__ chunk_context_len,                               // [C]
     const int* __restrict__ block_tables, int table_stride,                 // [C, table_stride]
-    int num_blocks, int group, float scale_log2) {
+    int num_blocks, int group, float scale_log2,
+    int window,                        // sliding window in tokens; 0: none
+    const float* __restrict__ sinks) {  // [Hq] attention sinks; null: none
   constexpr int VEC = Pack<T>::N, DPT = D / PV_THREADS_PER_ROW;  // columns per PV thread
   static_assert(DPT % 4 == 0, "PV works in 4-element groups");
   __shared__ PrefillSmem<T, D> sm;
@@ -129,13 +136,15 @@ __global__ void __launch_bounds__(PREFILL_THREADS, 4) paged_prefill(
   float acc[DPT];
 #pragma unroll
   for (int e = 0; e < DPT; ++e) acc[e] = 0.f;
-  // Keys past the tile's last query position are masked for every row: stop there.
+  // Keys past the tile's last query position are masked for every row: stop there; with a
+  // window, keys before its first row's window are masked for every row: start there.
   const int key_end = first_pos + (row0 + num_rows - 1) / group + 1;
-  for (int key0 = 0; key0 < key_end; key0 += KT) {
+  const int key_begin = window > 0 ? max(0, first_pos + row0 / group - window + 1) : 0;
+  for (int key0 = key_begin; key0 < key_end; key0 += KT) {
     __syncthreads();  // q written (first pass); previous tile fully used (later passes)
     prefill_load_tile<T, D, BS>(sm, key0, key_end, k_cache, v_cache, table, kv_head, num_blocks);
     __syncthreads();
-    prefill_scores(sm, key0, qpos, m, l);
+    prefill_scores(sm, key0, qpos, window, m, l);
     __syncthreads();
     const float alpha = sm.alpha[pv_row];
 #pragma unroll
@@ -154,12 +163,13 @@ __global__ void __launch_bounds__(PREFILL_THREADS, 4) paged_prefill(
   }
 #pragma unroll
   for (int r = 0; r < ROWS_PER_WARP; ++r) {
-    if (lane == 0) sm.l[warp + r * PREFILL_WARPS] = l[r];
+    if (lane == 0) { sm.l[warp + r * PREFILL_WARPS] = l[r]; sm.m[warp + r * PREFILL_WARPS] = m[r]; }
   }
   __syncthreads();
   if (pv_row >= num_rows) return;
   const int tok = (row0 + pv_row) / group, head = kv_head * group + (row0 + pv_row) % group;
-  const float inv = sm.l[pv_row] > 0.f ? 1.f / sm.l[pv_row] : 0.f;
+  const float denominator = with_sink(sm.l[pv_row], sm.m[pv_row] == NEG_INF ? 0.f : sm.m[pv_row], sinks, head);
+  const float inv = denominator > 0.f ? 1.f / denominator : 0.f;
   T* dst = out + (token0 + tok) * out_stride + (long long)head * D + col0;
 #pragma unroll
   for (int e = 0; e < DPT; ++e) dst[e] = Pack<T>::from_float(acc[e] * inv);

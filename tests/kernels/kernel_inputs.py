@@ -94,3 +94,13 @@ def mixed_step(block_size: int, num_blocks: int, gen: torch.Generator, device: s
         decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[:3]], device=device),
         decode_context_lens=torch.tensor(decode_lens, device=device), prefills=prefills,
         backend_state={"block_size": block_size}, prefill_block_tables=padded)
+
+
+def release_before(ctx: PagedContexts, firsts: list[int]) -> None:
+    """Point each sequence's table entries for blocks wholly before position firsts[i] at the
+    poison block, as the engine may release a window's old blocks: a kernel that reads them
+    returns NaN."""
+    for i, first in enumerate(firsts):
+        for b in range(max(0, first) // ctx.block_size):
+            ctx.tables[i][b] = ctx.poison_block
+            ctx.block_tables[i, b] = ctx.poison_block

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpu_skip import pytestmark  # noqa: F401  (skips this module without a GPU)
-from kernel_inputs import DTYPES, GQA, PagedContexts, assert_close, strided_qkv
+from kernel_inputs import DTYPES, GQA, PagedContexts, assert_close, release_before, strided_qkv
 from cupy_kernels import ops, reference
 
 
@@ -81,3 +81,35 @@ def test_decode_is_deterministic():
                  ops.DecodePlan(16, 1, 1, tensor_cores=True), ops.DecodePlan(16, 1, 16, 128, True)):
         first = run_decode(ctx, q, plan, 0.1)
         assert all(torch.equal(first, run_decode(ctx, q, plan, 0.1)) for _ in range(3)), f"{plan}: a race?"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("split", [0, 128], ids=["single", "split128"])
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["simt", "mma"])
+@pytest.mark.parametrize("window", [None, 1, 128, 300])
+def test_decode_window_and_sinks(dtype, head_size, split, tensor_cores, window):
+    """gpt-oss's attention: a sliding window (blocks before it released: poisoned) and a sink
+    per query head; partitions wholly before the window are skipped."""
+    if tensor_cores and dtype == torch.float32:
+        pytest.skip("the tensor-core decode takes fp16/bf16 only")
+    num_q_heads, num_kv_heads, block_size = 16, 2, 16
+    lens = contexts(block_size)
+    ctx = PagedContexts(lens, num_kv_heads, head_size, block_size, dtype, seed=head_size + (window or 0))
+    if window:
+        release_before(ctx, [n - window for n in lens])
+    q, _, _ = strided_qkv(len(lens), num_q_heads, num_kv_heads, head_size, dtype, ctx.gen)
+    sinks = torch.randn(num_q_heads, device="cuda", generator=ctx.gen) * 2
+    plan = ops.plan_decode(len(lens), num_kv_heads, num_q_heads // num_kv_heads, 0, 132, tensor_cores)
+    if split:
+        plan = ops.DecodePlan(plan.heads_per_cta, plan.num_chunks, math.ceil(max(lens) / split) + 1, split,
+                              tensor_cores)
+    scale = head_size ** -0.5
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
+    workspace = torch.full((ops.decode_workspace_numel(*q.shape[:2], q.shape[2], plan) or 1,), float("nan"),
+                           device="cuda")
+    ops.decode_attention(out, q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, scale, plan, workspace,
+                         window, sinks)
+    torch.cuda.synchronize()
+    ref = reference.paged_decode(q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, scale, window, sinks)
+    assert_close(out, ref, dtype, f"decode {plan} window {window}")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_skip import pytestmark  # noqa: F401  (skips this module without a GPU)
-from kernel_inputs import DTYPES, GQA, PagedContexts, assert_close, strided_qkv
+from kernel_inputs import DTYPES, GQA, PagedContexts, assert_close, release_before, strided_qkv
 from cupy_kernels import ops, reference
 
 # (new tokens, context length): a fresh prompt, extends over cached prefixes, one token.
@@ -37,3 +37,30 @@ def test_prefill(dtype, head_size, block_size, heads):
     ref = reference.paged_prefill(q, ctx.kv_cache, chunks, ctx.tables, scale)
     assert out[:LEADING_ROWS].isnan().all(), "wrote rows outside its chunks"
     assert_close(out[LEADING_ROWS:], ref[LEADING_ROWS:], dtype, "prefill")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("window", [None, 1, 8, 40])
+def test_prefill_window_and_sinks(dtype, head_size, window):
+    """gpt-oss's attention: each query over the last `window` positions (blocks before the
+    chunk's first window released: poisoned) and a sink per query head."""
+    num_q_heads, num_kv_heads, block_size = 16, 2, 16
+    ctx = PagedContexts([n for _, n in CHUNKS], num_kv_heads, head_size, block_size, dtype, seed=head_size)
+    if window:
+        release_before(ctx, [context - new - window + 1 for new, context in CHUNKS])
+    num_tokens = LEADING_ROWS + sum(n for n, _ in CHUNKS)
+    q, _, _ = strided_qkv(num_tokens, num_q_heads, num_kv_heads, head_size, dtype, ctx.gen)
+    sinks = torch.randn(num_q_heads, device="cuda", generator=ctx.gen) * 2
+    chunks, start = [], LEADING_ROWS
+    for new, context in CHUNKS:
+        chunks.append((start, new, context))
+        start += new
+    tables = torch.nn.utils.rnn.pad_sequence([torch.tensor(t, device="cuda") for t in ctx.tables], batch_first=True)
+    batch = ops.build_prefill_batch(chunks, tables, num_q_heads // num_kv_heads, torch.device("cuda"))
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
+    scale = head_size ** -0.5
+    ops.prefill_attention(out, q, ctx.kv_cache, batch, scale, window, sinks)
+    torch.cuda.synchronize()
+    ref = reference.paged_prefill(q, ctx.kv_cache, chunks, ctx.tables, scale, window, sinks)
+    assert_close(out[LEADING_ROWS:], ref[LEADING_ROWS:], dtype, f"prefill window {window}")
