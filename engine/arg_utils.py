@@ -44,8 +44,8 @@ HELP = {
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
     "scheduling_policy": "fcfs, or priority (lower value first)",
     "attention_backend": "auto (cpu on CPU where its kernels build, cupy on CUDA where cupy runs and the "
-                         "model has no sliding window, else torch), torch (the plain-torch "
-                         "reference), cpu (C++ paged attention), or cupy (GPU kernels, no sliding windows)",
+                         "head size is 64, 96 or 128, else torch), torch (the plain-torch "
+                         "reference), cpu (C++ paged attention), or cupy (GPU kernels)",
     "quantization": "int4 or int8: quantize a float checkpoint's linear layers at load, in "
                     "blocks of 32; mxfp4: quantize a float mixture-of-experts checkpoint's experts to "
                     "MXFP4 at load (bfloat16 on a CPU with AVX512-BF16); none: dequantize a GGUF to --dtype "

@@ -107,8 +107,7 @@ class ModelRunner:
         # Every layer windowed (Mistral): blocks older than the widest window can be released.
         self.kv_window = max(windows) if None not in windows else None
         self.backend = get_attention_backend(config.attention_backend, local["num_heads"], self.num_kv_heads,
-                                             self.arch.head_dim, config.device,
-                                             any(w is not None for w in windows), DTYPES[config.dtype])
+                                             self.arch.head_dim, config.device, DTYPES[config.dtype])
         self.block_size = config.block_size
         self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), config.max_num_seqs)
         # Every rank must hold the same blocks: the smallest pool any rank can afford.

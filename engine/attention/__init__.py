@@ -16,12 +16,11 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "PrefillChunk", "get_attenti
 
 
 def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: str,
-                          sliding_window: bool = False, dtype: torch.dtype = torch.float32) -> AttentionBackend:
+                          dtype: torch.dtype = torch.float32) -> AttentionBackend:
     """The backend `name` ("auto": the CPU kernels on a CPU device, the CUDA kernels on a
     CUDA one, where they are available and fit the head size; else torch) for a model on
-    `device`. `sliding_window`: some layer of the model is windowed, which the CUDA
-    kernels do not do (so "auto" picks torch there, and "cupy" is refused). `dtype`: the
-    KV cache's, which picks the CUDA kernels' variants (tensor cores for fp16/bf16)."""
+    `device`. Every backend runs sliding windows and attention sinks. `dtype`: the KV
+    cache's, which picks the CUDA kernels' variants (tensor cores for fp16/bf16)."""
     on_cpu = torch.device(device).type == "cpu"
     if name == "auto" and on_cpu:
         import cpu_kernels
@@ -31,8 +30,7 @@ def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim
     elif name == "auto":
         import cupy_kernels
         from cupy_kernels.compile import HEAD_SIZES
-        fits = head_dim in HEAD_SIZES and not sliding_window
-        name = "cupy" if fits and cupy_kernels.available() else "torch"
+        name = "cupy" if head_dim in HEAD_SIZES and cupy_kernels.available() else "torch"
     if name == "cpu":
         import cpu_kernels
         if not on_cpu:
@@ -47,9 +45,6 @@ def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim
         from engine.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
     if name == "cupy":
-        if sliding_window:
-            raise ValueError("attention_backend 'cupy' does not implement sliding-window attention, which "
-                             "this model uses; use 'torch' (or 'auto', which picks it)")
         import cupy_kernels
         reason = cupy_kernels.unavailable_reason()
         if reason is not None:

@@ -1,6 +1,7 @@
 """CuPy-kernel paged attention on CUDA (fp32, fp16, bf16; head sizes 64/96/128;
-block sizes 16/32). No sliding windows: get_attention_backend refuses 'cupy' for a model
-with a windowed layer, and 'auto' picks torch for it.
+block sizes 16/32), with sliding windows (Gemma 3, Mistral, gpt-oss: keys before a window
+are never read, as the block manager may release their blocks) and attention sinks
+(gpt-oss: one more logit per query head in each softmax, carrying no value).
 
 Same cache layout as the torch reference, so either backend reads the other's cache:
 
@@ -10,9 +11,11 @@ Same cache layout as the torch reference, so either backend reads the other's ca
 `prepare` runs once per step: int32 copies of the runner's metadata, the decode plan
 (single pass or split-K, see cupy_kernels.ops.plan_decode) and the prefill plan: for fp16
 and bf16, FlashAttention's varlen layout over the chunks' contexts gathered from the cache
-(engine/attention/flash_prefill.py, tensor cores); for fp32, the tile map of cupy_kernels'
+(engine/attention/flash_prefill.py, tensor cores; a windowed layer's plan, which gathers only
+the windows, is made by its first layer of the step); for fp32, the tile map of cupy_kernels'
 `paged_prefill`. `forward` then costs one reshape_and_cache launch plus one or two
-attention launches per layer (and the gather).
+attention launches per layer (and the gather). Windows and sinks are kernel arguments, so
+a captured decode graph keeps them.
 
 Decode runs `paged_decode` (decode.cu, CUDA cores) by default; `PAGEDSERVE_CUPY_DECODE=mma`
 runs the tensor-core `paged_decode_mma` (decode_mma.cu) for fp16/bf16 caches instead, until
@@ -85,31 +88,39 @@ class CupyAttentionBackend:
                 chunks = [(c.token_start, c.num_tokens, c.context_len) for c in meta.prefills]
                 plan = ops.build_prefill_batch(chunks, meta.padded_prefill_tables(), self.group,
                                                meta.slot_mapping.device)
-            state["prefill"] = plan
+            state["prefill"] = {None: plan}  # by window: a windowed layer's flash plan is its own
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
-        if sliding_window is not None:  # get_attention_backend refuses windowed models first
-            raise ValueError("attention_backend 'cupy' does not implement sliding-window attention; use 'torch'")
-        if sinks is not None:  # gpt-oss: windowed too, so refused first as well
-            raise ValueError("attention_backend 'cupy' does not implement attention sinks; use 'torch'")
         from cupy_kernels import ops
         state = meta.backend_state
         ops.reshape_and_cache(k, v, kv_cache, state["slot_mapping"])
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if sinks is not None and sinks.dtype != torch.float32:
+            sinks = sinks.float()
         num_decode = meta.num_decode_tokens
         if num_decode:
             tables, lens, plan = state["decode"]
             ops.decode_attention(out[:num_decode], q[:num_decode], kv_cache, tables, lens, self.scale, plan,
-                                 self.workspace)
+                                 self.workspace, sliding_window, sinks)
         if meta.prefills:
-            plan = state["prefill"]
+            plan = self._prefill_plan(meta, sliding_window)
             if isinstance(plan, FlashPrefillPlan):
-                flash_prefill(out, q, kv_cache, plan, self.scale)
+                flash_prefill(out, q, kv_cache, plan, self.scale, sliding_window, sinks)
             else:
-                ops.prefill_attention(out, q, kv_cache, plan, self.scale)
+                ops.prefill_attention(out, q, kv_cache, plan, self.scale, sliding_window, sinks)
         return out
+
+    @staticmethod
+    def _prefill_plan(meta: AttentionMetadata, window: int | None):
+        """The step's prefill plan for a layer with this window: the paged kernel's takes the
+        window as an argument; FlashAttention's gathers only the windows (made once a step)."""
+        plans = meta.backend_state["prefill"]
+        if window not in plans:
+            full = plans[None]
+            plans[window] = plan_flash_prefill(meta, window) if isinstance(full, FlashPrefillPlan) else full
+        return plans[window]
 
     def copy_blocks(self, kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
         copy_kv_blocks(kv_caches, pairs)  # the torch backend's cache layout

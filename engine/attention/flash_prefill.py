@@ -19,6 +19,12 @@ Each chunk is one varlen sequence whose tiles start at its own first row, and th
 not split (num_splits=1 where torch exposes it), so a chunk's output does not depend on the
 other chunks of its step.
 
+A windowed layer (Gemma 3, Mistral, gpt-oss) gets a plan of its own per window: each chunk's
+context starts at its first query's window (earlier blocks may be released, and are never
+gathered), and flash masks the rest (window_size_left = window - 1). Attention sinks
+(gpt-oss) scale each output row by sigmoid(lse - sink), from the log-sum-exp flash returns:
+e^lse / (e^lse + e^sink) is the share the sink leaves the keys.
+
 `PAGEDSERVE_CUPY_PREFILL=paged` keeps every chunk on `paged_prefill` (an A/B switch for
 `bench/gpu_session.sh`); float32 always takes it (FlashAttention has no fp32 path).
 """
@@ -57,13 +63,16 @@ def flash_prefill_enabled(dtype: torch.dtype) -> bool:
     return bool(available is not None and available())
 
 
-def plan_flash_prefill(meta: AttentionMetadata) -> FlashPrefillPlan | None:
-    """The varlen layout of the step's prefill chunks; None where their rows are not one
-    contiguous run (the runner lays them out so: after the decodes, in order)."""
+def plan_flash_prefill(meta: AttentionMetadata, window: int | None = None) -> FlashPrefillPlan | None:
+    """The varlen layout of the step's prefill chunks (with a sliding window, each context
+    from its first query's window on); None where their rows are not one contiguous run (the
+    runner lays them out so: after the decodes, in order)."""
     chunks, block_size = meta.prefills, meta.backend_state["block_size"]
     starts = np.array([c.token_start for c in chunks], dtype=np.int64)
     lens_q = np.array([c.num_tokens for c in chunks], dtype=np.int64)
-    lens_k = np.array([c.context_len for c in chunks], dtype=np.int64)
+    contexts = np.array([c.context_len for c in chunks], dtype=np.int64)
+    first = np.maximum(0, contexts - lens_q - window + 1) if window else np.zeros_like(contexts)
+    lens_k = contexts - first
     cu = np.zeros((2, len(chunks) + 1), dtype=np.int64)
     np.cumsum(lens_q, out=cu[0, 1:])
     np.cumsum(lens_k, out=cu[1, 1:])
@@ -72,7 +81,7 @@ def plan_flash_prefill(meta: AttentionMetadata) -> FlashPrefillPlan | None:
     total_k = int(cu[1, -1])
     # Each key's (chunk, position) on the host, then its slot through the tables on the device.
     chunk_of_key = np.repeat(np.arange(len(chunks)), lens_k)
-    position = np.arange(total_k) - np.repeat(cu[1, :-1], lens_k)
+    position = np.arange(total_k) - np.repeat(cu[1, :-1] - first, lens_k)
     tables = meta.padded_prefill_tables()
     device = tables.device
     index = torch.from_numpy(np.concatenate([chunk_of_key, position])).to(device, non_blocking=True)
@@ -93,17 +102,28 @@ def gather_contexts(kv_cache: torch.Tensor, plan: FlashPrefillPlan) -> tuple[tor
 
 
 def flash_prefill(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, plan: FlashPrefillPlan,
-                  scale: float) -> None:
+                  scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> None:
     """The chunks' rows of out [T, Hq, D] = causal attention of q's rows over their contexts
-    (CUDA, fp16/bf16; the new tokens' K/V are in the cache already)."""
+    (CUDA, fp16/bf16; the new tokens' K/V are in the cache already). `window`: the plan's
+    (plan_flash_prefill(meta, window)); `sinks` float32 [Hq]: see the module's docstring."""
     k, v = gather_contexts(kv_cache, plan)
     rows = slice(plan.first_row, plan.first_row + plan.num_rows)
     q = q[rows]
     if q.stride(-1) != 1:
         q = q.contiguous()
-    out[rows] = torch.ops.aten._flash_attention_forward(
+    windowed = {"window_size_left": window - 1, "window_size_right": 0} if window else {}
+    result, lse = torch.ops.aten._flash_attention_forward(
         q, k, v, plan.cu_seq_q, plan.cu_seq_k, plan.max_q, plan.max_k, 0.0, True, False, scale=scale,
-        **_NO_SPLITS)[0]
+        **windowed, **_NO_SPLITS)[:2]
+    out[rows] = result if sinks is None else with_sinks(result, lse, sinks)
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention rows out [n, H, D] computed without sinks, given each row's log-sum-exp of its
+    scaled scores (flash's varlen layout, [H, n]), as if sinks [H] had joined each softmax:
+    out * e^lse / (e^lse + e^sink) = out * sigmoid(lse - sink)."""
+    share = torch.sigmoid(lse.float().t() - sinks.float())  # [n, H]; a row with no key: lse -inf, 0
+    return (out.float() * share.unsqueeze(-1)).to(out.dtype)
 
 
 # A KV loop split by the batch's shape would make a chunk's rounding depend on its neighbours.

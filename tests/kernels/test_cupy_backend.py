@@ -22,7 +22,10 @@ CHUNKS = ((20, 50), (9, 9), (300, 300), (1, 700), (64, 1000))
 @pytest.mark.parametrize("prefill", ["flash", "paged"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_matches_torch_backend(dtype, block_size, prefill, decode, monkeypatch):
+@pytest.mark.parametrize("attention", ["plain", "window_sinks"])
+def test_matches_torch_backend(dtype, block_size, prefill, decode, attention, monkeypatch):
+    """`window_sinks`: gpt-oss's attention, a 128-token window (shorter than most contexts
+    here) and a random sink per query head."""
     monkeypatch.setenv("PAGEDSERVE_CUPY_PREFILL", prefill)
     monkeypatch.setenv("PAGEDSERVE_CUPY_DECODE", decode)
     heads, kv_heads, dim, num_blocks = 16, 4, 128, 400
@@ -35,11 +38,17 @@ def test_matches_torch_backend(dtype, block_size, prefill, decode, monkeypatch):
         num_tokens = meta.slot_mapping.numel()
         fused = torch.randn(num_tokens, heads + 2 * kv_heads, dim, device="cuda").to(dtype)
         q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
+        extra = {}
+        if attention == "window_sinks":
+            extra = {"sliding_window": 128, "sinks": torch.randn(heads, device="cuda",
+                                                                 generator=torch.Generator("cuda").manual_seed(2))}
         backend.prepare(meta)
-        outs.append(backend.forward(q, k, v, cache, meta).float())
+        outs.append(backend.forward(q, k, v, cache, meta, **extra).float())
         caches.append(cache)
     sixteen_bits = dtype != torch.float32
-    assert isinstance(meta.backend_state["prefill"], FlashPrefillPlan) == (prefill == "flash" and sixteen_bits)
+    plans = meta.backend_state["prefill"]
+    assert isinstance(plans[None], FlashPrefillPlan) == (prefill == "flash" and sixteen_bits)
+    assert set(plans) == ({None, 128} if attention == "window_sinks" else {None})
     assert meta.backend_state["decode"][2].tensor_cores == (decode == "mma" and sixteen_bits)
     assert torch.equal(caches[0], caches[1])
     assert relative_error(outs[1], outs[0]) <= 2 * TOLERANCE[dtype]  # both round to dtype

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import get_attention_backend
-from engine.attention.flash_prefill import FlashPrefillPlan, gather_contexts, plan_flash_prefill
+from engine.attention.flash_prefill import FlashPrefillPlan, gather_contexts, plan_flash_prefill, with_sinks
 from kernel_inputs import mixed_step
 
 HEADS, KV_HEADS, DIM, BLOCKS = 8, 2, 64, 200
@@ -18,17 +18,25 @@ CHUNKS = ((20, 50), (9, 9), (100, 100), (1, 300), (33, 33))
 
 
 def bottom_right_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: FlashPrefillPlan,
-                        scale: float) -> torch.Tensor:
-    """What flash computes for the plan: chunk i's new token j sees keys 0 .. c - n + j."""
-    out = []
+                        scale: float, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """What flash computes for the plan: chunk i's new token j sees keys 0 .. c - n + j (with
+    window_size_left = window - 1, only the last `window` of them); and each row's log-sum-exp
+    in flash's varlen layout [H, total_q]."""
+    out, lse = [], []
     cq, ck = plan.cu_seq_q.tolist(), plan.cu_seq_k.tolist()
+    group = q.shape[1] // k.shape[1]
     for a, b, c, d in zip(cq, cq[1:], ck, ck[1:]):
         n, context = b - a, d - c
-        mask = torch.arange(context)[None, :] <= (context - n + torch.arange(n))[:, None]
+        last = (context - n + torch.arange(n))[:, None]
+        mask = torch.arange(context)[None, :] <= last
+        if window:
+            mask &= torch.arange(context)[None, :] > last - window
         out.append(F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[c:d].transpose(0, 1), v[c:d].transpose(0, 1), attn_mask=mask,
             scale=scale, enable_gqa=True).transpose(0, 1))
-    return torch.cat(out)
+        scores = torch.einsum("nhd,khd->hnk", q[a:b], k[c:d].repeat_interleave(group, dim=1)) * scale
+        lse.append(torch.logsumexp(scores.masked_fill(~mask, float("-inf")), dim=-1))
+    return torch.cat(out), torch.cat(lse, dim=1)
 
 
 def test_gathered_contexts_attended_bottom_right_equal_the_reference():
@@ -52,8 +60,35 @@ def test_gathered_contexts_attended_bottom_right_equal_the_reference():
     # The packed keys of a chunk's new tokens are the k that was just written.
     new_keys = torch.cat([packed_k[end - n:end] for (n, _), end in zip(CHUNKS, plan.cu_seq_k[1:].tolist())])
     assert torch.equal(new_keys, k[rows])
-    ours = bottom_right_causal(q[rows], packed_k, packed_v, plan, backend.scale)
+    ours, _ = bottom_right_causal(q[rows], packed_k, packed_v, plan, backend.scale)
     torch.testing.assert_close(ours, reference[rows], rtol=1e-5, atol=1e-5)
+
+
+def test_windowed_plans_and_sinks_equal_the_reference():
+    """gpt-oss's attention: a window's plan gathers each chunk's context from its first query's
+    window (the poisoned blocks before it never), and the sinks applied to flash's log-sum-exp
+    (`with_sinks`) give the torch backend's rows."""
+    backend = get_attention_backend("torch", HEADS, KV_HEADS, DIM, "cpu")
+    block_size, window = 16, 24
+    torch.manual_seed(0)
+    cache = torch.randn(backend.kv_cache_shape(BLOCKS, block_size))
+    meta = mixed_step(block_size, BLOCKS, torch.Generator().manual_seed(1), "cpu", CHUNKS)
+    num_tokens = meta.slot_mapping.numel()
+    q, k, v = torch.randn(num_tokens, HEADS + 2 * KV_HEADS, DIM).split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+    sinks = torch.randn(HEADS)
+    backend.prepare(meta)
+    reference = backend.forward(q, k, v, cache, meta, sliding_window=window, sinks=sinks)
+    for chunk in meta.prefills:  # poison what no query of the chunk sees: it must not be gathered
+        first = max(0, chunk.context_len - chunk.num_tokens - window + 1)
+        for block in chunk.block_table[:first // block_size].tolist():
+            cache[:, :, block] = float("nan")
+    plan = plan_flash_prefill(meta, window)
+    assert plan.cu_seq_k[-1] == sum(c - max(0, c - n - window + 1) for n, c in CHUNKS)
+    packed_k, packed_v = gather_contexts(cache, plan)
+    rows = slice(plan.first_row, plan.first_row + plan.num_rows)
+    out, lse = bottom_right_causal(q[rows], packed_k, packed_v, plan, backend.scale, window)
+    assert not out.isnan().any()
+    torch.testing.assert_close(with_sinks(out, lse, sinks), reference[rows], rtol=1e-5, atol=1e-5)
 
 
 def test_chunks_that_are_not_one_run_of_rows_get_no_plan():

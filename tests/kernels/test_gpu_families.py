@@ -3,7 +3,8 @@ models against HF transformers on the same GPU, fp32.
 
 Head size 64, so `auto` runs the cupy kernels in CUDA graphs where it can: Mixtral and
 Qwen3-MoE exercise the MoE block's capture-safe path, Phi-3 its LongRoPE tables on the
-device. Gemma 3 has windowed layers, so it runs the torch backend (cupy refuses windows).
+device. Gemma 3 and gpt-oss run their windowed layers (and gpt-oss its attention sinks) on
+the cupy kernels too.
 LoRA turns graphs off and runs its grouped matmuls on CUDA. Like test_gpu_e2e.py, nothing
 here needs gguf or a downloaded model."""
 
@@ -28,7 +29,9 @@ FAMILIES = {
         "rope_type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(32)],
         "long_factor": [1.5 + 0.25 * i for i in range(32)]}), dict(max_model_len=512), "cupy"),
     "gemma3": ("gemma3_text", dict(sliding_window=16, query_pre_attn_scalar=48, tie_word_embeddings=True,
-                                   layer_types=["sliding_attention", "full_attention"]), {}, "torch"),
+                                   layer_types=["sliding_attention", "full_attention"]), {}, "cupy"),
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                                layer_types=["sliding_attention", "full_attention"]), {}, "cupy"),
 }
 
 
