@@ -53,8 +53,9 @@ HELP = {
     "layer_kernels": "run the decoder's norms, rotary and SiLU-and-mul as fused kernels (cpu_kernels on a "
                      "CPU, cupy_kernels on CUDA) where they build; --no-layer-kernels: eager torch, "
                      "the reference (default: on)",
-    "cpu_arithmetic": "auto: a CPU's quantized layers sum exactly the products of the activations with the "
-                      "weights as stored (the bf16, AMX or float32 kernels, measured per machine); int8: "
+    "cpu_arithmetic": "auto: a CPU's quantized layers multiply the activations by the weights as stored, "
+                      "every product exact, summed in float32 (the bf16, AMX or float32 kernels, measured "
+                      "per machine); int8: "
                       "activations rounded to 8 bits per block of 32 and integer dot products, as llama.cpp "
                       "computes, where such a kernel exists (today MXFP4 experts, gpt-oss's, with "
                       "AVX512-VNNI): faster, but the numbers move away from Hugging Face's (docs/cpu.md)",
