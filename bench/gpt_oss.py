@@ -9,8 +9,8 @@ layers (what this machine's memory holds) and the vocabulary cut to the bundled 
 and scales 2^-8..2^-4; everything else bf16. Made once, cached under ~/.cache/pagedserve.
 
 Per variant: the RSS a load adds (a process of its own), one stream's time per output token,
-and --batch streams' output tok/s (--input-len in, --output-len out). Writes JSON to
-bench/results/ and prints a table; the issue's memory target is the fp4 load's RSS within
+and --batch streams' output tok/s (--input-len in, --output-len out). Writes JSON and a chart
+to bench/results/ and prints a table; the issue's memory target is the fp4 load's RSS within
 1.15x of the checkpoint's size (int8's layout is the checkpoint's 4.25 bits a weight).
 """
 
@@ -140,8 +140,24 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"shape": SHAPE, "layers": args.layers, "file_mib": round(file_mib, 1)},
         "workload": {k: getattr(args, k) for k in ("input_len", "output_len", "batch", "repeats", "num_threads")},
         "results": results, "ratios": ratios, "rss_target": RSS_TO_FILE}, args.output_dir)
-    print(f"wrote {path}")
+    print(f"wrote {path} and {plot(path).name}")
     return 0
+
+
+def plot(path: Path) -> Path:
+    """The result file's three measures, a bar per variant, as a .png beside it (named in it)."""
+    import json
+
+    from bench.plots import plot_panels
+    payload = json.loads(path.read_text())
+    title = (f"gpt-oss-20b shape, {payload['model']['layers']} layers, {payload['machine']['cpu']}, "
+             f"checkpoint {payload['model']['file_mib']:,.0f} MiB")
+    chart = plot_panels(payload["results"], [("rss_mib", "RSS of the load, MiB"),
+                                             ("tpot_ms", "TPOT ms, 1 stream (lower is better)"),
+                                             ("batch_output_tok_s", "output tok/s, batch")],
+                        title, path.with_suffix(".png"))
+    path.write_text(json.dumps({**payload, "plot": chart.name}, indent=2) + "\n")
+    return chart
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ API by `bench serve` with the same random token prompts (bench/compare_peers.py)
     prefill        2,048 tokens in, 2 out: 2,048 / TTFT p50   target: >= 2x llama-server's
 
 Writes gpt-oss-peers-*.json (every run, the ratios and targets, the machine and its CPU flags)
-and prints a table.
+and a chart beside it (.png), and prints a table.
 """
 
 from __future__ import annotations
@@ -119,8 +119,28 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads, "pagedserve": {"auto": auto, "int8": int8}, "llama_server": theirs,
         "ratios": ratios, "targets": TARGETS, "judged_on": "int8",
         "met": {k: ratios["int8"][k] >= t for k, t in TARGETS.items()}, "runs": rows}, args.output_dir)
+    plot(path)
     print(f"wrote {path}")
     return 0
+
+
+def plot(path: Path) -> Path:
+    """The result file's three measures, a bar per server, as a .png beside it (named in it)."""
+    import json
+
+    from bench.plots import plot_panels
+    payload = json.loads(path.read_text())
+    values = {f"pagedserve {a}": payload["pagedserve"][a] for a in ("auto", "int8")}
+    values["llama-server"] = payload["llama_server"]
+    ratios = payload["ratios"]["int8"]
+    title = (f"gpt-oss-20b shape, {payload['model']['layers']} layers, {payload['threads']} threads, "
+             f"{payload['machine']['cpu']}; int8 / llama-server: TPOT {ratios['tpot']:.2f}x, "
+             f"32 streams {ratios['streams_32']:.2f}x, prefill {ratios['prefill']:.2f}x")
+    chart = plot_panels(values, [("one stream", "TPOT ms, 1 stream (lower is better)"),
+                                 ("32 streams", "output tok/s, 32 streams"),
+                                 ("prefill", "prefill tok/s, 2,048 tokens")], title, path.with_suffix(".png"))
+    path.write_text(json.dumps({**payload, "plot": chart.name}, indent=2) + "\n")
+    return chart
 
 
 if __name__ == "__main__":

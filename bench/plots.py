@@ -227,3 +227,24 @@ def plot_embeddings(results: dict, title: str, path: Path) -> Path:
         lat_ax.set_axis_off()
     fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)
+
+
+def plot_panels(values: dict[str, dict[str, float]], panels: list[tuple[str, str]], title: str, path: Path) -> Path:
+    """One bar chart per panel (key, label), a bar per series: values[series][key]. For a
+    benchmark that compares a few configurations on a few unrelated metrics."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = list(values)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.8))
+    for ax, (key, label) in zip(axes, panels):
+        bars = ax.bar(range(len(series)), [values[s].get(key) or 0 for s in series],
+                      color=[f"C{i}" for i in range(len(series))])
+        ax.bar_label(bars, fmt="%.1f", fontsize=8, padding=2)
+        ax.set_xticks(range(len(series)), series, fontsize=8, rotation=15)
+        ax.set_title(label, fontsize=10)
+        ax.margins(y=0.15)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=9)
+    return save_figure(fig, path)
