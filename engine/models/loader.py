@@ -86,6 +86,8 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     int8 = cpu_arithmetic == "int8"
     if int8:
         _check_int8_arithmetic(dtype, device)
+    if quantization == "mxfp4":  # before minutes of loading, not after
+        _check_mxfp4(cfg, dtype, device, int8)
     formats = _runnable_fp8(linear_formats(path, cfg, quantization, shard.size), path, cfg, dtype, device)
     keep_fp8 = {source for layer, sources in model_class(cfg.model_type).linear_sources(cfg).items()
                 if formats.get(layer) == "fp8" for source in sources}
@@ -107,7 +109,10 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     if formats:
         _prepare_quantized(model, dtype, device, amx, exact=not is_gguf(path))
     if quantization == "mxfp4":
-        _mxfp4_experts(model, cfg, dtype, device, int8)
+        from engine.models.moe import quantize_experts_mxfp4
+        count = quantize_experts_mxfp4(model, int8)
+        log.info("quantization mxfp4: %d expert matrices %s", count,
+                 "for the integer kernel" if int8 else "as fp4 blocks")
     if int8:
         _log_int8_arithmetic(model)
     if layer_kernels:
@@ -140,19 +145,16 @@ def _log_int8_arithmetic(model: nn.Module) -> None:
                     "the exact arithmetic")
 
 
-def _mxfp4_experts(model: nn.Module, cfg: ModelArchConfig, dtype: str, device: str, int8: bool = False) -> None:
-    """--quantization mxfp4: the experts to fp4 blocks (engine/models/moe.py), where the bf16
-    kernels run them; a clear error elsewhere, or for a model without experts."""
+def _check_mxfp4(cfg: ModelArchConfig, dtype: str, device: str, int8: bool) -> None:
+    """--quantization mxfp4 packs a MoE model's experts for a CPU kernel (engine/models/moe.py):
+    a clear error for a model without experts, or where no such kernel runs."""
     from cpu_kernels import ops
-    from engine.models.moe import quantize_experts_mxfp4
     if not cfg.moe_layers:
         raise ValueError(f"quantization 'mxfp4' quantizes a mixture-of-experts model's experts; "
                          f"{cfg.model_type} has none (int4 and int8 quantize linear layers)")
     if device != "cpu" or dtype != "bfloat16" or not (int8 or ops.bf16_dot_supported()):
         raise ValueError("quantization 'mxfp4': the fp4 experts run on the CPU's bf16 kernels; use --dtype "
                          "bfloat16 on a CPU with AVX512-BF16")
-    count = quantize_experts_mxfp4(model, int8)
-    log.info("quantization mxfp4: %d expert matrices as fp4 blocks", count)
 
 
 def release_freed_memory() -> None:

@@ -232,3 +232,12 @@ def test_mxfp4_at_load_in_int8_arithmetic(tiny, caplog):
     with caplog.at_level("WARNING", logger="pagedserve"):
         LLM(str(folder), dtype="bfloat16", cpu_arithmetic="int8")
     assert "no MXFP4 experts" in caplog.text
+
+
+def test_mxfp4_is_refused_before_loading_a_model_without_experts(tmp_path, bundled_tokenizer, monkeypatch):
+    """--quantization mxfp4 on a dense model: the error comes before any weight is read."""
+    from engine.models import loader
+    folder = build_tiny_model("llama", tmp_path / "llama", bundled_tokenizer)
+    monkeypatch.setattr(loader, "iter_weights", lambda *a, **k: pytest.fail("weights read before the check"))
+    with pytest.raises(ValueError, match="llama has none"):
+        LLM(str(folder), dtype="bfloat16", quantization="mxfp4")
