@@ -67,8 +67,10 @@ def run(args: argparse.Namespace) -> int:
         from common.metrics_http import serve_metrics
         metrics = EngineMetrics(name)
         serve_metrics(args.metrics_host, args.metrics_port)
-    proc = EngineProc(core, args.address, name, metrics, args.drain_timeout_s,
-                      tokenizer_files(tokenizer))
+    files = tokenizer_files(tokenizer)
+    if core.structured_output is not None and "tokenizer.json" in files:
+        core.structured_output.tokenizer_json = files["tokenizer.json"].decode()
+    proc = EngineProc(core, args.address, name, metrics, args.drain_timeout_s, files)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: proc.on_signal())
     if health is not None:

@@ -10,6 +10,7 @@ the engine finds that out (GrammarMatcher.dead_end).
 from __future__ import annotations
 
 import json
+import re
 
 import llguidance
 import numpy as np
@@ -21,6 +22,17 @@ from common.structured_output.params import StructuredOutputsParams
 # Compact JSON: no free whitespace between tokens, so a model can't stall a JSON document on
 # endless spaces or newlines (vLLM's `disable_any_whitespace`, on by default here).
 JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def _without_padding(tokenizer_json: str) -> str:
+    """tokenizer.json with no padding or truncation, as llguidance.hf.from_tokenizer hands it
+    over (save_pretrained writes the tokenizer's own; a generative model's are null)."""
+    head = tokenizer_json[:256]
+    if re.search(r'"truncation":\s*null', head) and re.search(r'"padding":\s*null', head):
+        return tokenizer_json
+    data = json.loads(tokenizer_json)
+    data["truncation"] = data["padding"] = None
+    return json.dumps(data)
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:
@@ -79,12 +91,20 @@ class LLGuidanceGrammar(CompiledGrammar):
 class LLGuidanceBackend(GrammarBackend):
     name = "llguidance"
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 tokenizer_json: str | None = None) -> None:
         """`tokenizer`: the model's Hugging Face fast tokenizer; `vocab_size`: the LM head's
-        rows. Rows past the tokenizer's own tokens (padding) are never allowed."""
+        rows. Rows past the tokenizer's own tokens (padding) are never allowed.
+        `tokenizer_json`: its tokenizer.json as save_pretrained wrote it, if at hand: the
+        library then reads that instead of the tokenizer serializing itself, which holds the
+        GIL for about a second on a 200k vocabulary (and starves the engine's I/O thread)."""
         import llguidance.hf
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                      eos_token=list(eos_token_ids) or None)
+        eos = list(eos_token_ids) or None
+        if tokenizer_json is None:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        else:
+            self.tokenizer = llguidance.LLTokenizer(_without_padding(tokenizer_json), n_vocab=vocab_size,
+                                                    eos_token=eos if eos is not None else tokenizer.eos_token_id)
 
     @staticmethod
     def validate(params: StructuredOutputsParams) -> None:

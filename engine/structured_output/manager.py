@@ -15,7 +15,10 @@ caller's to fix, as one that does not compile: refused when it compiles if its s
 end, else its request ends "invalid" where the matcher finds out (`StructuredRequest.failure`).
 
 The grammar library and its tokenizer load on the first constrained request (about 0.4 s
-for a 49k vocabulary), in the worker, so servers that never constrain never pay for it.
+for a 49k vocabulary), in the worker, so servers that never constrain never pay for it. A
+served engine hands it the tokenizer.json it already wrote for its frontends
+(`tokenizer_json`): serializing the tokenizer again in the worker would hold the GIL long
+enough (seconds for a 200k vocabulary under load) to starve the I/O thread's heartbeats.
 """
 
 from __future__ import annotations
@@ -118,7 +121,9 @@ class StructuredOutputManager:
         self.backend_class = get_backend_class(backend)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._backend: Future | None = None
-        self._make_backend = lambda: self.backend_class(tokenizer, vocab_size, eos_token_ids)
+        # The served engine's tokenizer.json (engine/main.py sets it): see LLGuidanceBackend.
+        self.tokenizer_json: str | None = None
+        self._make_backend = lambda: self.backend_class(tokenizer, vocab_size, eos_token_ids, self.tokenizer_json)
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._tokenizer = tokenizer
         self._markers: dict[tuple[int, ...], Marker] = {}
