@@ -19,11 +19,13 @@ def contexts(block_size: int) -> list[int]:
             ops.PARTITION_TOKENS + 3, 1333]
 
 
-def run_decode(ctx: PagedContexts, q: torch.Tensor, plan: ops.DecodePlan, scale: float) -> torch.Tensor:
+def run_decode(ctx: PagedContexts, q: torch.Tensor, plan: ops.DecodePlan, scale: float, window: int | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
     workspace = torch.full((ops.decode_workspace_numel(*q.shape[:2], q.shape[2], plan) or 1,), float("nan"),
                            device="cuda")
-    ops.decode_attention(out, q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, scale, plan, workspace)
+    ops.decode_attention(out, q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, scale, plan, workspace,
+                         window, sinks)
     torch.cuda.synchronize()
     return out
 
@@ -105,11 +107,6 @@ def test_decode_window_and_sinks(dtype, head_size, split, tensor_cores, window):
         plan = ops.DecodePlan(plan.heads_per_cta, plan.num_chunks, math.ceil(max(lens) / split) + 1, split,
                               tensor_cores)
     scale = head_size ** -0.5
-    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device="cuda")
-    workspace = torch.full((ops.decode_workspace_numel(*q.shape[:2], q.shape[2], plan) or 1,), float("nan"),
-                           device="cuda")
-    ops.decode_attention(out, q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, scale, plan, workspace,
-                         window, sinks)
-    torch.cuda.synchronize()
+    out = run_decode(ctx, q, plan, scale, window, sinks)
     ref = reference.paged_decode(q, ctx.kv_cache, ctx.block_tables, ctx.context_lens, scale, window, sinks)
     assert_close(out, ref, dtype, f"decode {plan} window {window}")
