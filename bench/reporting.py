@@ -126,6 +126,12 @@ def _own_cpu_s() -> float | None:
     return alive + waited.ru_utime + waited.ru_stime
 
 
+def name_plot(path: Path, chart: Path) -> Path:
+    """Record the chart written beside the result file `path` in it, as "plot"; returns the chart."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), "plot": chart.name}, indent=2) + "\n")
+    return chart
+
+
 def write_result(name: str, payload: dict, out_dir: Path | None = None, suffix: str = "") -> Path:
     """`<name>-<UTC stamp><suffix>.json`; never overwrites (runs in the same second share a stamp)."""
     out_dir = Path(out_dir or RESULTS_DIR)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import math
 import os
 import signal
@@ -43,7 +42,7 @@ from pathlib import Path
 
 from bench import serve_embeddings
 from bench.random_model import use_random_weights
-from bench.reporting import machine_info, write_result
+from bench.reporting import machine_info, name_plot, write_result
 from bench.serve_args import ServePlan, add_arguments, check_args
 from bench.serve_metrics import rate_label, summarize
 from bench.serve_report import (print_run, print_runs, print_structured, print_structured_runs,
@@ -214,7 +213,7 @@ def _write_sweep(results: list[RunResult], bench: _Bench) -> None:
              f"run, mean {dataset['mean_prompt_len']:.0f} in / {dataset['mean_output_len']:.0f} out tokens, "
              f"burstiness {bench.args.burstiness:g}\n{machine['cpu']}, {machine['num_cpus']} CPUs")
     chart = plot_sweep(runs, title, path.with_suffix(".png"))
-    path.write_text(json.dumps({**json.loads(path.read_text()), "plot": chart.name}, indent=2) + "\n")
+    name_plot(path, chart)
     print(f"\nwrote {path} and {chart.name}")
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 from dataclasses import asdict
 from pathlib import Path
 
 from bench.plots import save_figure
-from bench.reporting import machine_info, print_table, write_result
+from bench.reporting import machine_info, name_plot, print_table, write_result
 from bench.serve_metrics import tpot_ms
 
 HEADER = ["workload", "conc", "config", "ok / failed", "out len", "TPOT p50", "TPOT mean", "TTFT p50", "out tok/s",
@@ -40,7 +39,7 @@ def report(runs: list, compared: list[dict], requests: dict, commands: dict[str,
              f"K={base.num_speculative_tokens}\n{machine['cpu']}, {machine['num_cpus']} CPUs "
              f"({' '.join(machine['cpu_flags'])})")
     chart = plot_spec([row["json"] for row in rows], title, path.with_suffix(".png"))
-    path.write_text(json.dumps({**json.loads(path.read_text()), "plot": chart.name}, indent=2) + "\n")
+    name_plot(path, chart)
     print(f"\nwrote {path} and {chart.name}")
     return path
 
