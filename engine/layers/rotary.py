@@ -3,7 +3,8 @@
 The cos/sin table is computed once for every position up to the model's
 length, in fp32, the same way HF computes it on the fly, so results match.
 Supported scalings: default, linear, llama3, longrope (Phi-3; see `longrope_params`), yarn
-(gpt-oss; `yarn_params`).
+(gpt-oss; `yarn_params`). Qwen2-VL's M-RoPE (three positions per token) reads the same table:
+`MRotaryEmbedding`.
 
 Each step the model asks the embedding once for a `Rope` (this step's positions), which
 every layer then applies to its q and k heads: in place through the fused op of
@@ -148,6 +149,35 @@ class RotaryEmbedding(nn.Module):
             return Rope(positions, (self.cos, self.sin), None, self.kernels)
         return Rope(positions, None, (self.cos[positions].unsqueeze(1).to(dtype),
                                       self.sin[positions].unsqueeze(1).to(dtype)))
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen2-VL's multimodal rotary (M-RoPE, HF's apply_multimodal_rotary_pos_emb): a token has
+    three positions (time, height, width), and the head's frequency pairs fall into three
+    sections of `mrope_section` pairs, section s rotating by position s. A text token's three
+    positions are equal, which is plain RoPE: given [T] positions, this is RotaryEmbedding."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
+                 mrope_section: tuple[int, ...]) -> None:
+        if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {list(mrope_section)}: 3 sections of head_dim / 2 = {head_dim // 2} pairs")
+        super().__init__(head_dim, max_positions, theta, scaling)
+        self.sections = [*mrope_section, *mrope_section]  # the table's columns: cos(f) then again for the other half
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """`positions` [T] (plain RoPE) or [3, T] (M-RoPE)."""
+        if positions.dim() == 1:
+            return super().forward(positions, dtype)
+        cos, sin = self._pick(self.cos, positions), self._pick(self.sin, positions)  # fp32 [T, D]
+        if self.kernels is not None:  # the fused op looks rows up by position: these rows are the table
+            rows = torch.arange(positions.shape[1], device=positions.device)
+            return Rope(rows, (cos, sin), None, self.kernels)
+        return Rope(positions[0], None, (cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)))
+
+    def _pick(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each column from the row of its section's position."""
+        parts = table[positions].split(self.sections, dim=-1)  # 6 x [3, T, cols]
+        return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
 
 
 @dataclass(slots=True)

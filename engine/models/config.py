@@ -16,6 +16,9 @@ SUPPORTED = {
     "mixtral": {"moe": True, "gguf": False},
     "qwen3_moe": {"qk_norm": True, "moe": True, "gguf": False},
     "gemma3_text": {"qk_norm": True},  # the rest of Gemma 3 lives in engine/models/gemma3.py
+    "gemma3": {"qk_norm": True, "gguf": False},  # Gemma 3 4B+ with its SigLIP encoder: engine/models/gemma3_vl.py
+    # Qwen2.5-VL: Qwen2's language model with M-RoPE, and its vision tower: engine/models/qwen2_5_vl.py
+    "qwen2_5_vl": {"qkv_bias": True, "gguf": False, "vision": True},
     # engine/models/gpt_oss.py: attention sinks, biased attention and experts, alternating windows.
     "gpt_oss": {"moe": True, "gguf": False, "attention_sinks": True},
     # Encoders (engine/models/bert.py): bidirectional, no KV cache, served for embed / score.
@@ -77,6 +80,9 @@ class ModelArchConfig:
     encoder: bool = False  # BERT: bidirectional attention, learned positions, no KV cache
     type_vocab_size: int = 0  # BERT: token types (segment A / B of a pair)
     num_labels: int = 0  # a *ForSequenceClassification head's labels (a cross-encoder); 0: none
+    # Vision-language models: what their vision encoder needs (its shape, the image token ids),
+    # keyed as each family's model file reads it; None: a text-only model.
+    vision: dict | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -92,13 +98,19 @@ class ModelArchConfig:
         return self.sliding_window
 
     @classmethod
-    def from_hf(cls, hf_config) -> ModelArchConfig:
-        """From a transformers PretrainedConfig (v4 `rope_scaling` or v5 `rope_parameters`)."""
-        model_type = hf_config.model_type
+    def from_hf(cls, hf_config, model_type: str | None = None) -> ModelArchConfig:
+        """From a transformers PretrainedConfig (v4 `rope_scaling` or v5 `rope_parameters`).
+        `model_type`: read it as that type's config (a vision-language model's text_config,
+        whose own model_type no model class runs)."""
+        model_type = model_type or hf_config.model_type
         if model_type not in SUPPORTED:
             raise ValueError(f"model type {model_type!r} is not supported (supported: {sorted(SUPPORTED)})")
         flags = SUPPORTED[model_type]
         c = hf_config
+        if model_type == "gemma3":
+            return gemma3_vl_config(c)
+        if model_type == "qwen2_5_vl":
+            return qwen2_5_vl_config(c)
         if flags.get("encoder"):
             return _encoder_from_hf(c)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -214,6 +226,61 @@ def gemma3_fields(c) -> dict:
                 rope_local_theta=float(local.get("rope_theta", LOCAL_ROPE_THETA)),
                 layer_types=tuple(c.layer_types), sliding_window=c.sliding_window,
                 query_pre_attn_scalar=float(c.query_pre_attn_scalar))
+
+
+def gemma3_vl_config(c) -> ModelArchConfig:
+    """A transformers Gemma3Config (model_type "gemma3", the 4B+ models): its text_config's
+    language model, the head tied as the top-level config says, and `vision` for
+    engine/models/gemma3_vl.py (the SigLIP encoder's shape, the projector's tokens per image,
+    the image token ids)."""
+    v = c.vision_config
+    if v.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+        raise ValueError(f"gemma3: vision hidden_act {v.hidden_act!r} is not supported (gelu_pytorch_tanh, gelu)")
+    side = v.image_size // v.patch_size
+    tokens_side = int(c.mm_tokens_per_image ** 0.5)
+    if tokens_side ** 2 != c.mm_tokens_per_image or side % tokens_side or v.image_size % v.patch_size:
+        raise ValueError(f"gemma3: mm_tokens_per_image {c.mm_tokens_per_image} must be a square whose side divides "
+                         f"the {v.image_size // v.patch_size}-patch side (image_size {v.image_size}, "
+                         f"patch_size {v.patch_size})")
+    vision = {"hidden_size": v.hidden_size, "intermediate_size": v.intermediate_size,
+              "num_layers": v.num_hidden_layers, "num_heads": v.num_attention_heads, "num_channels": v.num_channels,
+              "image_size": v.image_size, "patch_size": v.patch_size, "layer_norm_eps": v.layer_norm_eps,
+              "gelu_tanh": v.hidden_act == "gelu_pytorch_tanh", "mm_tokens_per_image": c.mm_tokens_per_image,
+              "image_token_id": c.image_token_index, "boi_token_id": c.boi_token_index,
+              "eoi_token_id": c.eoi_token_index}
+    return dataclasses.replace(ModelArchConfig.from_hf(c.text_config), model_type="gemma3", vision=vision,
+                               tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", True)))
+
+
+def qwen2_5_vl_config(c) -> ModelArchConfig:
+    """A transformers Qwen2_5_VLConfig: Qwen2's language model (from text_config in transformers
+    5, the top level in older configs) and `vision` for engine/models/qwen2_5_vl.py (the vision
+    tower's shape, the image token ids, and mrope_section: how many of a head's frequency pairs
+    rotate by each of a token's three positions)."""
+    text = getattr(c, "text_config", None) or c
+    v = c.vision_config
+    if v.hidden_act != "silu":
+        raise ValueError(f"qwen2_5_vl: vision hidden_act {v.hidden_act!r} is not supported (silu)")
+    rope = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+    head_dim = text.hidden_size // text.num_attention_heads  # as HF: the config's head_dim is ignored
+    section = tuple(rope.get("mrope_section") or ())
+    if sum(section) != head_dim // 2 or len(section) != 3:
+        raise ValueError(f"qwen2_5_vl: mrope_section {list(section)} must be 3 parts summing to head_dim / 2 "
+                         f"= {head_dim // 2}")
+    vision = {name: getattr(v, name) for name in (
+        "depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size", "temporal_patch_size",
+        "spatial_merge_size", "window_size", "out_hidden_size")}
+    vision.update(fullatt_block_indexes=tuple(v.fullatt_block_indexes),
+                  rope_theta=float((getattr(v, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+                  mrope_section=section, image_token_id=c.image_token_id,
+                  vision_start_token_id=c.vision_start_token_id)
+    cfg = ModelArchConfig.from_hf(text, model_type="qwen2")
+    scaling = cfg.rope_scaling
+    if scaling and (scaling.get("rope_type") or scaling.get("type")) == "mrope":  # older configs' name for M-RoPE
+        scaling = None
+    tied = bool(getattr(c, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
+    return dataclasses.replace(cfg, model_type="qwen2_5_vl", vision=vision, head_dim=head_dim,
+                               rope_scaling=scaling, tie_word_embeddings=tied)
 
 
 def default_layer_types(num_layers: int) -> tuple[str, ...]:

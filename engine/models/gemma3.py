@@ -1,6 +1,7 @@
 """Gemma 3 (text): the Llama skeleton with Gemma's differences.
 
-    embeddings    scaled by sqrt(hidden_size), the factor rounded to the model dtype (as HF)
+    embeddings    scaled by sqrt(hidden_size), the factor rounded to the model dtype (as HF);
+                  a step's image rows (ctx.mm, engine/models/gemma3_vl.py) replace them after
     norms         four per layer (before and after attention, before and after the MLP),
                   each x * (1 + w) in float32 (GemmaRMSNorm); q and k normed per head
     MLP           GeGLU: gelu(tanh approximation) of gate, times up
@@ -97,6 +98,8 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = vocab_parallel_embed(self.embed_tokens, input_ids, self.shard, self.vocab_size)
         x = x * torch.tensor(self.hidden_size ** 0.5).to(x.dtype)  # HF rounds the factor to the dtype
+        if ctx.mm is not None:  # image placeholders take the vision embeddings, unscaled (as HF)
+            x = x.index_copy(0, ctx.mm.rows, ctx.mm.embeds)
         ropes = (self.rotary(positions, x.dtype), self.rotary_local(positions, x.dtype))
         for layer in self.layers:
             x = layer(x, ropes[layer.is_local], ctx)

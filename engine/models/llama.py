@@ -25,6 +25,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.quantized import QuantEmbedding, QuantizedTensor, QuantLinear
 from engine.layers.rotary import Rope, RotaryEmbedding
 from engine.models.config import ModelArchConfig
+from engine.models.multimodal import MultiModalStep
 
 # checkpoint name fragment -> (fused parameter, shard index)
 _STACKED = {
@@ -40,6 +41,7 @@ class ForwardContext:
     backend: AttentionBackend
     meta: AttentionMetadata
     kv_caches: list[torch.Tensor]  # one per layer, shape from backend.kv_cache_shape
+    mm: MultiModalStep | None = None  # image embeddings of this step (vision-language models)
 
 
 class Attention(Layer):
@@ -121,6 +123,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = vocab_parallel_embed(self.embed_tokens, input_ids, self.shard, self.vocab_size)
+        if ctx.mm is not None:  # a vision-language model's step with images (engine/models/multimodal.py)
+            if ctx.mm.embeds is not None:
+                x[ctx.mm.rows] = ctx.mm.embeds
+            if ctx.mm.rope_positions is not None:  # [3, T]: only an M-RoPE table (MRotaryEmbedding) reads it
+                positions = ctx.mm.rope_positions
         rope = self.rotary(positions, x.dtype)
         residual = None
         for layer in self.layers:

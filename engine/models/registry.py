@@ -17,6 +17,8 @@ _CLASSES = {
     "mixtral": ("engine.models.moe", "MoeForCausalLM"),
     "qwen3_moe": ("engine.models.moe", "MoeForCausalLM"),
     "gemma3_text": ("engine.models.gemma3", "Gemma3ForCausalLM"),
+    "gemma3": ("engine.models.gemma3_vl", "Gemma3ForConditionalGeneration"),
+    "qwen2_5_vl": ("engine.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
     "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),
     "bert": ("engine.models.bert", "BertModel"),
 }

@@ -1,0 +1,109 @@
+"""Tiny random-weight vision-language models for tests, saved as HF folders (weights, tokenizer,
+chat template, image processor config), and HF's own model of each as the reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+# Qwen2.5-VL-*-Instruct's chat_template.json: an image part renders as
+# <|vision_start|><|image_pad|><|vision_end|>, which the processor widens to one pad per token.
+QWEN2_5_VL_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: "
+    "{% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Few patches per test image: 56x56 to 224x224 pixels, i.e. 4x4 to 16x16 patches of 14.
+QWEN_VL_PREPROCESSOR = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2, "min_pixels": 56 * 56,
+                        "max_pixels": 28 * 28 * 64}
+
+
+def build_tiny_qwen2_5_vl(folder: Path, tokenizer) -> Path:
+    """Save a random-weight Qwen2.5-VL (float32) into `folder`: a 2-layer language model (hidden
+    64, 4 heads, 2 KV heads, head_dim 16, mrope_section [2, 3, 3]) and a 2-block vision tower
+    (hidden 32, 2 heads, full attention in block 1 only, 56-pixel windows: 2x2 merged tokens).
+    `tokenizer` (not changed) gains Qwen's vision tokens and chat template. transformers 5.24's
+    save_pretrained writes the Hub's tensor names (`visual.*`, `model.*`, `lm_head.weight`)."""
+    import transformers
+    folder = Path(folder)
+    tokenizer.save_pretrained(str(folder))
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))  # a copy: the caller's may be shared
+    tok.add_tokens(list(QWEN_VL_TOKENS), special_tokens=True)
+    tok.chat_template = QWEN2_5_VL_CHAT_TEMPLATE
+    tok.save_pretrained(str(folder))
+    ids = dict(zip(QWEN_VL_TOKENS, tok.convert_tokens_to_ids(list(QWEN_VL_TOKENS))))
+    token_ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": -(-len(tok) // 64) * 64, "max_position_embeddings": 2048,
+            "initializer_range": 0.2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                                          "mrope_section": [2, 3, 3]}, **token_ids}
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+              "fullatt_block_indexes": [1], "initializer_range": 0.2}
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                              image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                              vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+                              **token_ids)
+    torch.manual_seed(0)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).to(torch.float32).eval()
+    with torch.no_grad():  # HF starts norm weights at 1 and biases at 0: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_q" in name:
+                p.normal_(1.0, 0.3)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    _processor_class()(**QWEN_VL_PREPROCESSOR).save_pretrained(str(folder))
+    return folder
+
+
+def hf_qwen2_5_vl(folder: Path):
+    """HF's Qwen2_5_VLForConditionalGeneration from `folder`, float32, eval."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def qwen_vl_image_processor(folder: Path):
+    """transformers' own (PIL) image processor, as `folder`'s preprocessor_config.json sets it."""
+    return _processor_class().from_dict(json.loads((Path(folder) / "preprocessor_config.json").read_text()))
+
+
+def _processor_class() -> type:
+    import transformers.models.qwen2_vl.image_processing_pil_qwen2_vl as pil_processing
+    return pil_processing.Qwen2VLImageProcessorPil
+
+
+def to_module_layout(folder: Path, target: Path) -> Path:
+    """`folder` rewritten with the tensor names of transformers' module tree since 4.52
+    (`model.visual.*`, `model.language_model.*`: its state_dict, as checkpoints saved by some
+    versions and tools hold them), its other files copied."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    target.mkdir(parents=True, exist_ok=True)
+    for path in folder.iterdir():
+        if path.suffix != ".safetensors" and path.is_file():
+            shutil.copy(path, target / path.name)
+
+    def renamed(name: str) -> str:
+        if name.startswith("visual."):
+            return "model." + name
+        return name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+    for path in folder.glob("*.safetensors"):
+        tensors = {renamed(name): t for name, t in load_file(str(path)).items()}
+        save_file(tensors, str(target / path.name), metadata={"format": "pt"})
+    return target
