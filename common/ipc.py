@@ -6,13 +6,19 @@ the same code on both sides of the socket.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
+import numpy as np
+
+from common.errors import InvalidRequest
+from common.multimodal import ImageInput
 from common.outputs import EngineCoreOutput, PlainTokens, plain_output
 from common.sampling_defaults import DEFAULTABLE, NO_DEFAULTS, sampling_params
 from common.sampling_params import SamplingParams
 from common.structured_output.params import StructuredOutputsParams
-from common.v1 import engine_ipc_pb2 as ipc, generation_pb2 as gen
+from common.v1 import engine_ipc_pb2 as ipc
+from common.v1 import generation_pb2 as gen
 
 # SamplingParams fields that proto3 marks `optional` (their default is not zero, or a model's
 # generation config may set it).
@@ -168,3 +174,24 @@ def logprobs_from_proto(msg: gen.PositionLogprobs) -> dict[int, float]:
     logprobs = {t.token_id: t.logprob for t in msg.top}
     logprobs[msg.sampled.token_id] = msg.sampled.logprob
     return logprobs
+
+
+MAX_IMAGE_FLOATS = 64 * 2**20  # 256 MiB of float32 pixels: no preprocessed image comes near
+
+
+def image_to_proto(image: ImageInput) -> ipc.ImageInput:
+    pixels = np.ascontiguousarray(image.pixels, dtype="<f4")
+    return ipc.ImageInput(pixels=pixels.tobytes(), shape=pixels.shape, grid=image.grid or (), hash=image.hash,
+                          offset=image.offset, length=image.length)
+
+
+def image_from_proto(msg: ipc.ImageInput) -> ImageInput:
+    """Raises InvalidRequest when the bytes are not the shape's float32s."""
+    shape = tuple(msg.shape)
+    count = math.prod(shape) if shape else 0
+    if not shape or not 0 < count <= MAX_IMAGE_FLOATS or len(msg.pixels) != 4 * count:
+        raise InvalidRequest(f"images: {len(msg.pixels)} bytes of pixels do not make float32s of shape {shape}")
+    if msg.grid and len(msg.grid) != 3:
+        raise InvalidRequest(f"images: a grid is (t, h, w), got {tuple(msg.grid)}")
+    pixels = np.frombuffer(msg.pixels, dtype="<f4").reshape(shape).astype(np.float32)  # a writable copy
+    return ImageInput(pixels, tuple(msg.grid) or None, msg.hash, msg.offset, msg.length)

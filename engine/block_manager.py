@@ -11,7 +11,9 @@ Prefix caching keys each full block by a chained hash of (parent_hash, tokens, e
 so a key covers the whole prefix before it. The hash is a real digest (BLAKE2b, 64 bits), not
 Python's `hash()`, which salts strings per process: every process computes the same key for
 the same blocks (common.prefix_hash), so a frontend can tell which engine holds a prompt's
-prefix. Blocks dropping to ref 0 join an LRU free queue but keep their hash, and can be hit
+prefix. A prompt's images enter the key of the block where each one's placeholder tokens
+start (common.multimodal.image_block_keys): the same tokens with another image never hit.
+Blocks dropping to ref 0 join an LRU free queue but keep their hash, and can be hit
 until popped for reuse. Free queue, front popped first:
 
     [never used ...] [seq A's last block, ..., seq A's first block] [seq B's ...]
@@ -39,6 +41,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from common.multimodal import image_block_keys
 from common.prefix_hash import ROOT_HASH, hash_block
 
 FREED_BLOCK = -1  # a released table entry, before every window (see the module docstring)
@@ -349,10 +352,10 @@ class BlockManager:
         block_ids: list[int] = []
         parent = ROOT_HASH
         for i in range(max_blocks):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            block_hash = hash_block(parent, tokens, extra_keys)
+            tokens, keys = tuple(token_ids[i * bs:(i + 1) * bs]), image_block_keys(extra_keys, i, bs)
+            block_hash = hash_block(parent, tokens, keys)
             block_id = self._cached.get(block_hash)
-            if block_id is None or not self._blocks[block_id].matches(parent, tokens, extra_keys):
+            if block_id is None or not self._blocks[block_id].matches(parent, tokens, keys):
                 break
             block_ids.append(block_id)
             parent = block_hash
@@ -407,8 +410,8 @@ class BlockManager:
         bs = self.block_size
         for i in range(len(state.block_hashes), min(state.num_tokens, len(token_ids)) // bs):
             parent = state.block_hashes[-1] if state.block_hashes else ROOT_HASH
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            block_hash = hash_block(parent, tokens, state.extra_keys)
+            tokens, keys = tuple(token_ids[i * bs:(i + 1) * bs]), image_block_keys(state.extra_keys, i, bs)
+            block_hash = hash_block(parent, tokens, keys)
             cached_id = self._cached.get(block_hash)
             if cached_id is None and i < state.num_released:  # never: released blocks were full already
                 state.hashable = False
@@ -416,9 +419,9 @@ class BlockManager:
             if cached_id is None:
                 block = self._blocks[state.block_ids[i]]
                 block.block_hash, block.parent_hash = block_hash, parent
-                block.token_ids, block.extra_keys = tokens, state.extra_keys
+                block.token_ids, block.extra_keys = tokens, keys
                 self._cached[block_hash] = block.block_id
-            elif not self._blocks[cached_id].matches(parent, tokens, state.extra_keys):
+            elif not self._blocks[cached_id].matches(parent, tokens, keys):
                 state.hashable = False  # collision: keep the first block, cache nothing after
                 return
             state.block_hashes.append(block_hash)

@@ -14,6 +14,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 from common.errors import EngineOverloaded, InvalidRequest, LoraError
+from common.multimodal import ImageInput, with_images
 from common.outputs import EngineCoreOutput, PlainTokens, sample_request_id
 from common.pooling_params import PoolingParams
 from common.prefix_hash import block_extra_keys
@@ -134,15 +135,17 @@ class EngineCore:
         return min(max_model_len, capacity)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, lora_name: str | None = None) -> None:
+                    priority: int = 0, lora_name: str | None = None, images: list[ImageInput] = ()) -> None:
         """Queue a request; raises ValueError (naming the problem) if it can never run,
         LoraError("not_found") for an adapter not loaded, and EngineOverloaded if
-        `max_waiting_requests` are already waiting. `lora_name`: None or "" is the base model."""
+        `max_waiting_requests` are already waiting. `lora_name`: None or "" is the base model.
+        `images`: the prompt's, preprocessed (common/multimodal.py), by offset."""
         if self.pooler.pools:
             raise InvalidRequest(f"this model serves the {self.pooler.task} task, not generate "
                                  f"(--task {self.pooler.task}); send it to /v1/embeddings, /score or /v1/rerank")
         self._validate(request_id, prompt_token_ids, params)
-        extra_keys = self.lora_block_keys(lora_name)
+        self._check_images(prompt_token_ids, images)
+        extra_keys = with_images(self.lora_block_keys(lora_name), images)
         limit = self.config.max_waiting_requests
         if limit is not None and self.scheduler.num_waiting >= limit:
             raise EngineOverloaded(f"server busy: {self.scheduler.num_waiting} requests are waiting "
@@ -153,6 +156,9 @@ class EngineCore:
             request = Request(sample_request_id(request_id, 0), list(prompt_token_ids), params,
                               self.eos_token_ids, priority, parent_id=request_id)
         request.lora_name, request.block_extra_keys = lora_name or None, extra_keys
+        if images:
+            request.images = list(images)
+            self.model_runner.vision.prepare(request)
         if params.structured_outputs is not None:
             request.structured = self.structured_output.request(params.structured_outputs)
         self.scheduler.add_request(request)
@@ -330,6 +336,14 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_queries=bm.num_cache_queries, num_prefix_cache_hits=bm.num_cache_hits,
             spec_decoding=None if self.speculator is None else self.scheduler.spec_stats.copy())
+
+    def _check_images(self, prompt: list[int], images: list[ImageInput]) -> None:
+        if not images:
+            return
+        vision = getattr(self.model_runner, "vision", None)
+        if vision is None:
+            raise InvalidRequest(f"images: this model ({self.model_runner.arch.model_type}) takes text only")
+        vision.check(prompt, images)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         check_prompt(prompt, params, self.limits)

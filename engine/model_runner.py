@@ -34,6 +34,7 @@ from engine.kv_sizing import GpuMemory, measure_gpu_memory, num_kv_blocks, num_p
 from engine.layers.parallel import check_shardable, local_sizes
 from engine.models.llama import ForwardContext
 from engine.models.loader import DTYPES, linear_formats, load_model, read_arch_config
+from engine.models.multimodal import MultiModalStep
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.pooling import Pooler, pool
 from engine.request import Request
@@ -42,6 +43,7 @@ from engine.sampler import Sampler, prompt_logprobs
 from engine.sampling_batch import SamplingBatch
 from engine.step_rows import (DecodeInputs, ForwardRow, SteadyRows, all_ahead, all_plain_greedy, as_decodes,
                               forward_order, forward_row, num_leading_decodes, padded, prefill_inputs)
+from engine.vision import VisionInputs
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class StepPlan:
     sample: bool = False  # then the LM head on the rows that sample
     steady: SteadyRows | None = None  # steady decodes, which run before `rows`
     pool_slices: list[tuple[int, int]] = field(default_factory=list)  # hidden rows [a, b) of pooling requests
+    mm: MultiModalStep | None = None  # image embeddings and M-RoPE positions (engine/vision.py)
 
 
 @dataclass(slots=True)
@@ -82,6 +85,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.arch = read_arch_config(model_path)
         check_shardable(self.arch, config.tensor_parallel_size)
+        if self.arch.vision is not None and config.tensor_parallel_size > 1:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: a vision-language model "
+                             f"({self.arch.model_type}) runs on one device so far")
         # A quantized checkpoint that cannot be split (W8A8) is refused before workers start.
         linear_formats(model_path, self.arch, config.quantization, config.tensor_parallel_size)
         self.pad_shapes = self.device.type == "cpu"  # few shapes for oneDNN: see cpu_tuning
@@ -121,6 +127,8 @@ class ModelRunner:
             log.warning("cuda_graphs: off, since attention runs on the %s backend (graphs need cupy)",
                         self.backend.name)
         self.graphs = self._capture_graphs() if config.cuda_graphs and self.backend.name == "cupy" else None
+        # A vision-language model's images: the encoder and its cache (engine/vision.py).
+        self.vision = VisionInputs(self.model, self.device) if hasattr(self.model, "embed_images") else None
         self.lora = None  # multi-LoRA: the adapters and their slots (engine/lora)
         if config.enable_lora:
             from engine.lora.manager import LoraManager
@@ -204,6 +212,9 @@ class ModelRunner:
         pooling, pool_slices = self._pool_jobs(order, first_row=num_steady)
         plan = StepPlan(list(sched.blocks_to_copy), rows, slices, bool(sampling),
                         self._steady_rows(steady, steady_requests), pool_slices)
+        if self.vision is not None:
+            plan.mm = self.vision.step(order, num_steady, steady_requests,
+                                       None if plan.steady is None else plan.steady.positions)
         prompt_logits, logits, greedy, pooled_hidden = self.run_plan(plan)
         prompt_lps = self._score_prompts(jobs, prompt_logits)
         if not sampling:
@@ -239,7 +250,8 @@ class ModelRunner:
         n = sched.num_steady
         return (0 < n == len(sched.scheduled) and self.lora is None and self.workers is None
                 and not sched.blocks_to_copy and (self.graphs is None or n <= self.graphs.max_batch)
-                and all_ahead(sched.steady_requests))
+                and all_ahead(sched.steady_requests)
+                and not (self.vision is not None and any(r.rope_table is not None for r in sched.steady_requests)))
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, previous: InflightStep | None = None) -> InflightStep:
@@ -300,18 +312,21 @@ class ModelRunner:
         hidden, last_rows, _ = self._forward(rows, steady)
         return hidden, last_rows
 
-    def _forward(self, rows: list[ForwardRow], steady: SteadyRows | None
+    def _forward(self, rows: list[ForwardRow], steady: SteadyRows | None, mm: MultiModalStep | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, GraphOutputs | None]:
         """`forward`, plus a CUDA graph's outputs where the step ran in one (its logits and
-        argmax cover every row, in order, sampled or not)."""
+        argmax cover every row, in order, sampled or not). `mm`: the step's images."""
         if any(f.num_logits > 1 for f in rows):
             rows = [one for f in rows for one in as_decodes(f)]
-        if self.graphs is not None and self._all_decode(rows, steady):
+        if self.graphs is not None and mm is None and self._all_decode(rows, steady):
             return self._run_graph(rows, steady)
         input_ids, positions, meta, last_rows = self._prepare(rows, steady)
         if self.lora is not None:
             self.lora.set_tokens(rows)
-        hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches))
+        if mm is not None and mm.rope_positions is not None and mm.rope_positions.shape[1] < len(positions):
+            padding = len(positions) - mm.rope_positions.shape[1]  # rows padded to a bucket: position 0
+            mm.rope_positions = torch.nn.functional.pad(mm.rope_positions, (0, padding))
+        hidden = self.model(input_ids, positions, ForwardContext(self.backend, meta, self.kv_caches, mm))
         return hidden, last_rows, None
 
     @torch.inference_mode()
@@ -323,7 +338,7 @@ class ModelRunner:
         if self.workers is not None:
             broadcast_object(plan, self.shard)
         self.copy_blocks(plan.blocks_to_copy)
-        hidden, last_rows, graph = self._forward(plan.rows, plan.steady)
+        hidden, last_rows, graph = self._forward(plan.rows, plan.steady, plan.mm)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in plan.logits_slices]
         pooled = [hidden[a:b] for a, b in plan.pool_slices]
         if not plan.sample:

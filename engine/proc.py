@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 import zmq
 
 from common.errors import EngineOverloaded, InvalidRequest, LoraError
-from common.ipc import (add_plain_tokens, bad_words_from_proto, is_plain_token, output_to_proto, pooler_to_proto,
-                        sampling_defaults_to_proto, sampling_params_from_proto, structured_from_proto)
+from common.ipc import (add_plain_tokens, bad_words_from_proto, image_from_proto, is_plain_token, output_to_proto,
+                        pooler_to_proto, sampling_defaults_to_proto, sampling_params_from_proto, structured_from_proto)
+from common.multimodal import ImageInput
 from common.outputs import EngineCoreOutput, PlainTokens
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ from common.v1 import engine_ipc_pb2 as ipc, info_pb2
 from engine.core import EngineCore, EngineStats
 from engine.metrics import EngineMetrics
 from engine.models.loader import weight_format
+from engine.vision import multimodal_info
 
 log = logging.getLogger("pagedserve.engine")
 
@@ -78,6 +80,7 @@ class _Add:
     priority: int
     lora_name: str = ""
     pooling: PoolingParams | None = None  # a pooling request (embed, score)
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's (vision-language models)
 
 
 @dataclass(slots=True)
@@ -197,7 +200,7 @@ class EngineProc:
                     self.core.add_pooling_request(item.core_id, item.prompt_token_ids, item.pooling, item.priority)
                 else:
                     self.core.add_request(item.core_id, item.prompt_token_ids, item.params, item.priority,
-                                          lora_name=item.lora_name)
+                                          lora_name=item.lora_name, images=item.images)
             except EngineOverloaded as e:
                 self._reject(item.core_id, str(e), ipc.RequestError.KIND_OVERLOADED)
             except LoraError as e:  # an adapter this engine lacks (a frontend's stale list)
@@ -268,7 +271,7 @@ class EngineProc:
             max_loras=cfg.max_loras if cfg.enable_lora else 0,
             sampling_defaults=sampling_defaults_to_proto(core.sampling_defaults),
             pooler=pooler_to_proto(core.pooler, core.max_pooling_tokens),
-            quantization=weight_format(core.model_path, cfg.quantization))
+            quantization=weight_format(core.model_path, cfg.quantization), multimodal=multimodal_info(core))
 
     # -- I/O thread ----------------------------------------------------------------
 
@@ -369,7 +372,15 @@ class EngineProc:
                                        kind=ipc.RequestError.KIND_INVALID)))
             return
         pooling = PoolingParams(add.pooling.token_type_start) if add.HasField("pooling") else None
-        self.inputs.put(_Add(core_id, list(add.prompt_token_ids), params, add.priority, add.lora_name, pooling))
+        try:
+            images = [image_from_proto(im) for im in add.images]
+        except InvalidRequest as e:
+            self._reply(frontend.identity, ipc.EngineResponse(
+                error=ipc.RequestError(request_id=add.request_id, message=str(e),
+                                       kind=ipc.RequestError.KIND_INVALID)))
+            return
+        self.inputs.put(_Add(core_id, list(add.prompt_token_ids), params, add.priority, add.lora_name, pooling,
+                             images))
 
     def _expire_frontends(self) -> None:
         now = time.monotonic()

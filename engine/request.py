@@ -9,6 +9,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
+from common.multimodal import ImageInput
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
 
@@ -93,6 +96,13 @@ class Request:
     decode_entry: object = None
     # A pooling request (task embed / score): its prompt runs in one step, which ends it.
     pooling: PoolingParams | None = None
+    # A vision-language model's prompt images (common.multimodal.ImageInput), by offset; the
+    # step that prefills an image's placeholder tokens puts its embeddings there.
+    images: list[ImageInput] = field(default_factory=list)
+    # M-RoPE (Qwen2-VL family), a prompt with images: its positions [3, prompt length], and the
+    # delta of every later token's (sequence index + rope_delta in all three). None: 1-D.
+    rope_table: np.ndarray | None = None
+    rope_delta: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

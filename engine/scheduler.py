@@ -348,7 +348,8 @@ class Scheduler(SteadyDecodes):
                 parent_id=parent.parent_id, sample_index=index, status=RequestStatus.RUNNING,
                 num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens,
                 scheduled_time=parent.scheduled_time, lora_name=parent.lora_name,
-                block_extra_keys=parent.block_extra_keys,
+                block_extra_keys=parent.block_extra_keys, images=parent.images,
+                rope_table=parent.rope_table, rope_delta=parent.rope_delta,
                 structured=None if parent.structured is None else parent.structured.fork())
             self.block_manager.fork(parent.request_id, child.request_id)
             self.requests[child.request_id] = child

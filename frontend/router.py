@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from common.multimodal import image_block_keys
 from common.prefix_hash import ROOT_HASH, hash_block
 
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
@@ -31,10 +32,12 @@ POLICIES = ("cache_aware", "least_loaded", "round_robin")
 def prompt_block_hashes(prompt: Sequence[int], block_size: int, extra_keys: tuple = ()) -> list[int]:
     """The chained hashes of the prompt's blocks that an engine's prefix cache can serve: the
     full ones, never the one holding the last token (BlockManager.get_computed_blocks).
-    `extra_keys`: the engine's for the request's LoRA adapter (engine.lora.block_extra_keys)."""
+    `extra_keys`: the engine's for the request's LoRA adapter (engine.lora.block_extra_keys)
+    and images (common.multimodal.with_images)."""
     hashes, parent = [], ROOT_HASH
     for i in range((len(prompt) - 1) // block_size):
-        parent = hash_block(parent, prompt[i * block_size:(i + 1) * block_size], extra_keys)
+        parent = hash_block(parent, prompt[i * block_size:(i + 1) * block_size],
+                            image_block_keys(extra_keys, i, block_size))
         hashes.append(parent)
     return hashes
 

@@ -36,7 +36,7 @@ class Hello(_message.Message):
     def __init__(self, frontend_id: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class AddRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "structured_outputs", "lora_name", "bad_words_token_ids", "pooling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "structured_outputs", "lora_name", "bad_words_token_ids", "pooling", "images")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class AddRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generation_pb2.SamplingParams
@@ -53,7 +54,36 @@ class AddRequest(_message.Message):
     lora_name: str
     bad_words_token_ids: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenIds]
     pooling: Pooling
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., lora_name: _Optional[str] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[_generation_pb2.TokenIds, _Mapping]]] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., structured_outputs: _Optional[_Union[StructuredOutputs, _Mapping]] = ..., lora_name: _Optional[str] = ..., bad_words_token_ids: _Optional[_Iterable[_Union[_generation_pb2.TokenIds, _Mapping]]] = ..., pooling: _Optional[_Union[Pooling, _Mapping]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+
+class ImageInput(_message.Message):
+    __slots__ = ("pixels", "shape", "grid", "hash", "offset", "length")
+    PIXELS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    pixels: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    grid: _containers.RepeatedScalarFieldContainer[int]
+    hash: str
+    offset: int
+    length: int
+    def __init__(self, pixels: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., grid: _Optional[_Iterable[int]] = ..., hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class MultiModalInfo(_message.Message):
+    __slots__ = ("model_type", "preprocessor_config", "image_token_id", "tokens_per_image")
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PREPROCESSOR_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    model_type: str
+    preprocessor_config: str
+    image_token_id: int
+    tokens_per_image: int
+    def __init__(self, model_type: _Optional[str] = ..., preprocessor_config: _Optional[str] = ..., image_token_id: _Optional[int] = ..., tokens_per_image: _Optional[int] = ...) -> None: ...
 
 class Pooling(_message.Message):
     __slots__ = ("token_type_start",)
@@ -178,7 +208,7 @@ class LoraResult(_message.Message):
     def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[LoraResult.Kind, str]] = ..., message: _Optional[str] = ..., adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("engine_id", "model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "kv_blocks_total", "dtype", "device", "model_path", "tokenizer_files", "lora_enabled", "max_lora_rank", "max_loras", "lora_adapters", "sampling_defaults", "pooler", "quantization")
+    __slots__ = ("engine_id", "model_name", "architecture", "max_model_len", "vocab_size", "eos_token_ids", "block_size", "kv_blocks_total", "dtype", "device", "model_path", "tokenizer_files", "lora_enabled", "max_lora_rank", "max_loras", "lora_adapters", "sampling_defaults", "pooler", "quantization", "multimodal")
     class TokenizerFilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +235,7 @@ class Welcome(_message.Message):
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     POOLER_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    MULTIMODAL_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     model_name: str
     architecture: str
@@ -224,7 +255,8 @@ class Welcome(_message.Message):
     sampling_defaults: _generation_pb2.SamplingParams
     pooler: Pooler
     quantization: str
-    def __init__(self, engine_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., sampling_defaults: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., pooler: _Optional[_Union[Pooler, _Mapping]] = ..., quantization: _Optional[str] = ...) -> None: ...
+    multimodal: MultiModalInfo
+    def __init__(self, engine_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., sampling_defaults: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., pooler: _Optional[_Union[Pooler, _Mapping]] = ..., quantization: _Optional[str] = ..., multimodal: _Optional[_Union[MultiModalInfo, _Mapping]] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
