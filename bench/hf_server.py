@@ -196,7 +196,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if unsupported:
             raise ValueError(f"not supported by the HF baseline server: {', '.join(unsupported)}")
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        prompt = prompt_from_request(self.hf.input, request, add_special)
+        prompt, _ = prompt_from_request(self.hf.input, request, add_special)  # a text model's: no images
         self.hf.input.check(prompt, params)
         return prompt, params
 
@@ -212,7 +212,7 @@ class TokenizationService(tokenization_pb2_grpc.TokenizationServicer):
     async def Tokenize(self, request, context):  # noqa: N802
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
         try:
-            ids = self.hf.input.check_token_ids(prompt_from_request(self.hf.input, request, add_special))
+            ids = self.hf.input.check_token_ids(prompt_from_request(self.hf.input, request, add_special)[0])
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return tokenization_pb2.TokenizeResponse(token_ids=ids, tokens=self.hf.tokenizer.convert_ids_to_tokens(ids))

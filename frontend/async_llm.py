@@ -25,8 +25,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from common.errors import EngineOverloaded, InvalidRequest, Unavailable
-from common.ipc import (bad_words_to_proto, output_from_proto, sampling_defaults_from_proto, sampling_params_to_proto,
-                        structured_to_proto)
+from common.ipc import (bad_words_to_proto, image_to_proto, output_from_proto, sampling_defaults_from_proto,
+                        sampling_params_to_proto, structured_to_proto)
+from common.multimodal import ImageInput
 from common.outputs import plain_output
 from common.sampling_params import SamplingParams
 from common.v1 import engine_ipc_pb2 as ipc
@@ -34,7 +35,8 @@ from common.validation import PromptLimits
 from frontend.engine_client import EngineLost, Inbox
 from frontend.engine_pool import EnginePool, PooledEngine
 from frontend.harmony import encoding as harmony_encoding
-from frontend.input_processor import InputProcessor, NotFound
+from frontend.input_processor import DEFAULT_MAX_IMAGES, InputProcessor, NotFound
+from frontend.multimodal.processor import MultiModalProcessor
 from frontend.output_processor import ABORT, TIME_LIMIT, RequestState, SampleDelta
 from frontend.pooling import PooledInput, PoolingState, require_task
 from frontend.tokenizer import Tokenizer
@@ -55,6 +57,7 @@ class Generation:
     state: RequestState | PoolingState
     priority: int = 0
     lora_name: str = ""  # its LoRA adapter; "" for the base model
+    images: list[ImageInput] = field(default_factory=list)  # its prompt's (frontend/multimodal)
     arrival: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None  # time.monotonic() of the first token
     inbox: Inbox | None = None  # its outputs, while it runs on an engine
@@ -79,8 +82,9 @@ class Generation:
 
 class AsyncLLM:
     def __init__(self, pool: EnginePool | None, max_concurrent_streams: int, tokenizer_path: str | None = None,
-                 harmony: bool | None = None) -> None:
+                 harmony: bool | None = None, max_images: int = DEFAULT_MAX_IMAGES) -> None:
         self.pool = pool
+        self.max_images = max_images  # per prompt (--limit-mm-per-prompt)
         self.harmony = harmony  # chat in harmony (frontend/harmony): None: where the model speaks it
         self.max_concurrent_streams = max_concurrent_streams
         self.tokenizer_path = tokenizer_path  # --tokenizer: overrides the engine's
@@ -122,8 +126,10 @@ class AsyncLLM:
                               self.pool.min_kv_blocks() or welcome.kv_blocks_total, welcome.block_size)
         if self.input is None:
             tokenizer = _load_tokenizer(welcome, self.tokenizer_path)
+            multimodal = MultiModalProcessor(welcome.multimodal, tokenizer) if welcome.HasField("multimodal") else None
             self.input = InputProcessor(tokenizer, limits, lambda: self.pool.lora_adapters().keys(),
-                                        harmony=harmony_encoding.for_model(welcome.architecture, tokenizer, self.harmony))
+                                        harmony=harmony_encoding.for_model(welcome.architecture, tokenizer, self.harmony),
+                                        multimodal=multimodal, max_images=self.max_images)
         self.input.limits = limits
         self.input.sampling_defaults = sampling_defaults_from_proto(welcome.sampling_defaults)
 
@@ -146,8 +152,10 @@ class AsyncLLM:
         return processor
 
     def admit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-              priority: int = 0, prompt_field: str = "prompt", lora_name: str = "") -> Generation:
-        """Check everything that can be checked before a response starts."""
+              priority: int = 0, prompt_field: str = "prompt", lora_name: str = "",
+              images: list[ImageInput] = ()) -> Generation:
+        """Check everything that can be checked before a response starts. `images`: the
+        prompt's (InputProcessor.chat_prompt)."""
         processor = self.require_ready()
         processor.check_lora(lora_name)
         processor.check(prompt, params, prompt_field)
@@ -156,7 +164,7 @@ class AsyncLLM:
         request_id = self._admit_id(request_id)
         state = RequestState(uuid.uuid4().hex, prompt, params, processor.tokenizer,
                              self.welcome.eos_token_ids)
-        gen = Generation(request_id, state, priority, lora_name)
+        gen = Generation(request_id, state, priority, lora_name, list(images))
         self.admitted[gen.engine_id] = gen
         return gen
 
@@ -245,7 +253,8 @@ class AsyncLLM:
                 add = ipc.AddRequest(
                     request_id=engine_id, prompt_token_ids=gen.state.prompt, sampling=sampling_params_to_proto(params),
                     priority=gen.priority, structured_outputs=structured_to_proto(params.structured_outputs),
-                    lora_name=gen.lora_name, bad_words_token_ids=bad_words_to_proto(params))
+                    lora_name=gen.lora_name, bad_words_token_ids=bad_words_to_proto(params),
+                    images=[image_to_proto(im) for im in gen.images])
             await client.add(add)
             while not gen.done:
                 items = await _next(gen.inbox, deadline)

@@ -18,15 +18,18 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 
 from common.errors import InvalidRequest
+from common.multimodal import ImageInput
 from common.sampling_defaults import NO_DEFAULTS, sampling_params
 from common.sampling_params import SamplingParams
 from common.structured_output import get_backend_class
 from common.structured_output.params import StructuredOutputsParams
 from common.validation import PromptLimits, check_prompt
 from frontend.harmony import prompt as harmony_prompt
+from frontend.multimodal.processor import MultiModalProcessor
 from frontend.tool_calls.prompt import chat_with_tools
 from frontend.tool_calls.tools import ToolUse
 
+DEFAULT_MAX_IMAGES = 16
 MAX_PROMPT_CHARS = 4_000_000  # refuse before tokenizing absurd inputs
 MAX_CHAT_MESSAGES = 1024
 MAX_REMEMBERED_CONSTRAINTS = 1024
@@ -45,8 +48,12 @@ class NotFound(InvalidRequest):
 class InputProcessor:
     def __init__(self, tokenizer, limits: PromptLimits,
                  lora_names: Callable[[], Collection[str]] = tuple,
-                 sampling_defaults: Mapping[str, float | int] = NO_DEFAULTS, harmony=None) -> None:
+                 sampling_defaults: Mapping[str, float | int] = NO_DEFAULTS, harmony=None,
+                 multimodal: MultiModalProcessor | None = None, max_images: int = DEFAULT_MAX_IMAGES) -> None:
         self.tokenizer = tokenizer
+        # A vision-language model's image side (frontend/multimodal); None: text only.
+        self.multimodal = multimodal
+        self.max_images = max_images  # per prompt: --limit-mm-per-prompt image=N
         # openai-harmony's encoding where the model speaks harmony (gpt-oss: frontend/harmony):
         # chat prompts are rendered by it, not by the chat template.
         self.harmony = harmony
@@ -111,6 +118,35 @@ class InputProcessor:
             return chat_with_tools(self.tokenizer.chat_template, messages, tool_use)
         shown = tool_use is not None and tool_use.choice.mode != "none"
         return messages, [t.template_entry() for t in tool_use.tools] if shown else None
+
+    def chat_prompt(self, messages: list[dict], **kwargs) -> tuple[list[int], list[ImageInput]]:
+        """`tokenize_chat` of messages that may hold images (a content list with
+        {"type": "image", "image": PIL image} parts, frontend/multimodal/parts.py): the prompt's
+        ids, each image's placeholder expanded, and its images as the engine takes them."""
+        field = kwargs.get("field", "messages")
+        images = [p["image"] for m in messages if isinstance(m.get("content"), list)
+                  for p in m["content"] if isinstance(p, dict) and p.get("type") == "image"]
+        if not images:
+            return self.tokenize_chat(messages, **kwargs), []
+        self._check_images(images, field)
+        shown = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
+                 if isinstance(m.get("content"), list) else m for m in messages]
+        return self.multimodal.prompt(self.render_chat(shown, **kwargs), images, field)
+
+    def prompt_with_images(self, text: str, images: list, field: str = "prompt") -> tuple[list[int], list[ImageInput]]:
+        """A plain prompt's ids with its images, one per image placeholder in the text (the
+        offline `LLM.generate`'s multi_modal_data, as in vLLM)."""
+        if not isinstance(text, str) or not text:
+            raise InvalidRequest(f"{field}: must be a non-empty string")
+        self._check_images(images, field)
+        return self.multimodal.prompt(text, images, field, add_special_tokens=True)
+
+    def _check_images(self, images: list, field: str) -> None:
+        if self.multimodal is None or self.harmony is not None:
+            raise InvalidRequest(f"{field}: this model takes text only; it cannot read images")
+        if len(images) > self.max_images:
+            raise InvalidRequest(f"{field}: {len(images)} images is more than the {self.max_images} a prompt may "
+                                 "have here (--limit-mm-per-prompt image=N)")
 
     def tokenize_chat(self, messages: list[dict], **kwargs) -> list[int]:
         """The prompt's ids: the chat template's text, encoded (it holds BOS and friends
@@ -180,7 +216,13 @@ class InputProcessor:
         for i, m in enumerate(messages):
             if m.get("role") not in CHAT_ROLES:
                 raise InvalidRequest(f"{field}[{i}].role: {m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}")
-            if not isinstance(m.get("content"), str):
-                raise InvalidRequest(f"{field}[{i}].content: must be text")
-        if sum(len(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
+            content = m.get("content")
+            if not isinstance(content, str) and not (isinstance(content, list) and all(
+                    p.get("type") == "image" or isinstance(p.get("text"), str) for p in content)):
+                raise InvalidRequest(f"{field}[{i}].content: must be text, or text and image parts")
+        if sum(_num_chars(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
             raise InvalidRequest(f"{field}: more than {MAX_PROMPT_CHARS} characters in all")
+
+
+def _num_chars(content: str | list[dict]) -> int:
+    return len(content) if isinstance(content, str) else sum(len(p.get("text", "")) for p in content)

@@ -84,13 +84,22 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", default=None, metavar="DIR",
                    help="where /v1/files and /v1/batches keep their files (default: a folder under "
                         "~/.cache/pagedserve)")
+    p.add_argument("--allowed-media-domains", nargs="+", default=[], metavar="HOST",
+                   help="hosts whose http(s) image URLs the HTTP API fetches (image_url parts, Anthropic url "
+                        "sources, Responses input_image), each matched exactly (example.com does not allow "
+                        "cdn.example.com); redirects are followed on the same host only (default: none: "
+                        "images come as data URLs or base64, and every URL is refused)")
+    p.add_argument("--media-fetch-timeout-s", type=positive_float, default=10.0,
+                   help="how long fetching one image URL may take, redirects and body included, in seconds "
+                        "(default: 10)")
 
 
 def http_options_from_args(args: argparse.Namespace):
     from frontend.http.options import HttpOptions
     return HttpOptions(tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                        response_store_size=args.response_store_size, response_ttl_s=args.response_ttl_s,
-                       data_dir=args.data_dir)
+                       data_dir=args.data_dir, allowed_media_domains=tuple(args.allowed_media_domains),
+                       media_fetch_timeout_s=args.media_fetch_timeout_s)
 
 
 def config_from_args(args: argparse.Namespace, engine_addresses: list[str], engine_dns: str | None = None,

@@ -38,6 +38,7 @@ log = logging.getLogger("pagedserve.frontend")
 GENERATION_SERVICE = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 EMBEDDING_SERVICE = embedding_pb2.DESCRIPTOR.services_by_name["Embedding"].full_name
 ENGINE_SERVICES = (GENERATION_SERVICE, EMBEDDING_SERVICE)  # their health follows the engines'
+MAX_RECEIVE_BYTES = 32 * 2**20  # as the HTTP API's body limit
 
 
 @dataclass
@@ -77,8 +78,10 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
         from common.metrics_http import serve_metrics
         serve_metrics(config.metrics_host, config.metrics_port)
     # The metrics interceptor is outermost, so it counts what the guard refuses.
+    # A chat's images come in the request (ImageData: up to 20 MiB each), past gRPC's 4 MiB default.
+    options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
     server = grpc.aio.server(interceptors=[MetricsInterceptor(metrics), DecodeGuard()],
-                             options=[("grpc.so_reuseport", 1)] if config.reuse_port else None)
+                             options=options + ([("grpc.so_reuseport", 1)] if config.reuse_port else []))
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     address = f"{config.host}:{port}"
     health_servicer = health.aio.HealthServicer()

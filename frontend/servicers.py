@@ -16,12 +16,15 @@ import grpc
 
 from common.errors import EngineOverloaded, InvalidRequest, RequestFailed, Unavailable
 from common.ipc import sampling_params_from_proto
+from common.multimodal import ImageInput
 from common.structured_output.params import StructuredOutputsParams
 from common.v1 import generation_pb2 as gen, generation_pb2_grpc, info_pb2, info_pb2_grpc, tokenization_pb2
 from common.v1 import tokenization_pb2_grpc
 from frontend.async_llm import AsyncLLM, Generation
 from frontend.input_processor import InputProcessor, NotFound
 from frontend.metrics import FrontendMetrics, outcome_code
+from frontend.multimodal import images
+from frontend.multimodal.parts import collapse, image_part, only_in_user, text_part
 from frontend.output_processor import PositionLogprobs, SampleDelta
 from frontend.pooling import served_task
 from frontend.request_log import RequestLog
@@ -79,17 +82,40 @@ def check_request_id(request_id: str) -> None:
         raise InvalidRequest("request_id: 1-128 characters of letters, digits and ._:@=+-")
 
 
-def prompt_from_request(processor: InputProcessor, msg, add_special_tokens: bool = True) -> list[int]:
-    """`msg` has a oneof `input` of text / token_ids / chat (GenerateRequest, TokenizeRequest)."""
+def prompt_from_request(processor: InputProcessor, msg,
+                        add_special_tokens: bool = True) -> tuple[list[int], list[ImageInput]]:
+    """`msg` has a oneof `input` of text / token_ids / chat (GenerateRequest, TokenizeRequest):
+    the prompt's ids and its images (a chat's, InputProcessor.chat_prompt)."""
     kind = msg.WhichOneof("input")
     if kind is None:
         raise InvalidRequest("input: give one of text, token_ids or chat")
     if kind == "text":
-        return processor.tokenize(msg.text, add_special_tokens)
+        return processor.tokenize(msg.text, add_special_tokens), []
     if kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
-        return processor.tokenize_chat(messages, field="chat.messages")
-    return list(msg.token_ids.ids)
+        return processor.chat_prompt(chat_messages(msg.chat), field="chat.messages")
+    return list(msg.token_ids.ids), []
+
+
+def chat_messages(chat: gen.Chat, field: str = "chat.messages") -> list[dict]:
+    """A Chat's messages as the input processor takes them: each its `content`, or its `parts`
+    with their images decoded (frontend/multimodal/parts.py)."""
+    return [_chat_message(m, f"{field}[{i}]") for i, m in enumerate(chat.messages)]
+
+
+def _chat_message(m: gen.ChatMessage, where: str) -> dict:
+    if not m.parts:
+        return {"role": m.role, "content": m.content}
+    if m.content:
+        raise InvalidRequest(f"{where}.content: must be empty when parts is set (put the text in a text part)")
+    parts = []
+    for j, part in enumerate(m.parts):
+        kind = part.WhichOneof("part")
+        if kind is None:
+            raise InvalidRequest(f"{where}.parts[{j}]: set text or image")
+        parts.append(text_part(part.text) if kind == "text"
+                     else image_part(images.from_bytes(part.image.data, f"{where}.parts[{j}].image")))
+    only_in_user(parts, m.role, f"{where}.parts")
+    return {"role": m.role, "content": collapse(parts)}
 
 
 def _constraint(request: gen.GenerateRequest) -> StructuredOutputsParams | None:
@@ -144,9 +170,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                             include_stop_str_in_output=request.include_stop_str_in_output,
                                             structured_outputs=_constraint(request))
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        prompt = prompt_from_request(processor, request, add_special)
+        prompt, images = prompt_from_request(processor, request, add_special)
         field = "token_ids" if request.WhichOneof("input") == "token_ids" else "prompt"
-        return llm.admit(prompt, params, request.request_id or None, request.priority, field, request.lora_name)
+        return llm.admit(prompt, params, request.request_id or None, request.priority, field, request.lora_name,
+                         images)
 
     def _responses(self, generation: Generation, deltas: list[SampleDelta]) -> list[gen.GenerateResponse]:
         state = generation.state
@@ -199,7 +226,9 @@ def _prompt_for_log(request: gen.GenerateRequest) -> object:
     if kind == "token_ids":
         return list(request.token_ids.ids)
     if kind == "chat":
-        return [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        return [{"role": m.role, "content": [p.text if p.WhichOneof("part") == "text"
+                                             else f"<image: {len(p.image.data)} bytes>" for p in m.parts]
+                 if m.parts else m.content} for m in request.chat.messages]
     return request.text
 
 
@@ -211,7 +240,7 @@ class TokenizationService(tokenization_pb2_grpc.TokenizationServicer):
         async with status_codes(context):
             processor = self.ctx.llm.require_engine()
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = prompt_from_request(processor, request, add_special)
+            ids, _ = prompt_from_request(processor, request, add_special)
             ids = processor.check_token_ids(ids)
             tokens = processor.tokenizer.convert_ids_to_tokens(ids)
             return tokenization_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)

@@ -16,18 +16,24 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from common.errors import InvalidRequest
+from common.multimodal import ImageInput
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.lora.adapter import LoraAdapter
 from engine.models.loader import eos_token_ids, load_tokenizer
 from engine.models.source import check_models, model_files, tokenizer_path
+from engine.vision import multimodal_info
 from frontend.input_processor import InputProcessor
+from frontend.multimodal.parts import offline_image, offline_messages
+from frontend.multimodal.processor import MultiModalProcessor
 from frontend.output_processor import STOPPED, OutputProcessor, SampleDelta
 from frontend.pooling import as_inputs, require_task
 from pagedserve.pooling import EmbeddingOutput, OfflinePooling, ScoringOutput
 
-Prompt = str | list[int]
+# A text, token ids, or (as in vLLM) {"prompt": text, "multi_modal_data": {"image": images}}:
+# one image (a PIL image or a path) or a list, one per image placeholder in the text.
+Prompt = str | list[int] | dict
 
 
 @dataclass
@@ -74,8 +80,10 @@ class LLM:
         path = model_files(self.config)
         self.tokenizer = load_tokenizer(path, tokenizer_path(self.config))
         self.engine = EngineCore(self.config, eos_token_ids(self.tokenizer), tokenizer=self.tokenizer)
+        info = multimodal_info(self.engine)
         self.input = InputProcessor(self.tokenizer, self.engine.limits,
-                                    sampling_defaults=self.engine.sampling_defaults)
+                                    sampling_defaults=self.engine.sampling_defaults,
+                                    multimodal=None if info is None else MultiModalProcessor(info, self.tokenizer))
         self.pooling = OfflinePooling(self.engine, self.tokenizer)
         self._ids = map(str, itertools.count())
 
@@ -89,7 +97,43 @@ class LLM:
         model); one not loaded raises LoraError (a ValueError). No `sampling_params`: the
         model's defaults (`get_default_sampling_params`)."""
         require_task(self.pooling.pooler, "generate")
-        prompts = as_inputs(prompts)
+        prompts = [prompts] if isinstance(prompts, dict) else as_inputs(prompts)
+        return self._generate(prompts, [self._prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)],
+                              sampling_params, use_tqdm, lora_name)
+
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+             lora_name: str | None | Sequence[str | None] = None, *, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or several, through the
+        model's chat template. A message's content is text, or a list of parts: {"type":
+        "text", "text"}, {"type": "image", "image": a PIL image or a path}, or OpenAI's
+        {"type": "image_url", "image_url": {"url": a data URL}} (frontend/multimodal/parts.py)."""
+        require_task(self.pooling.pooler, "generate")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        inputs = [self.input.chat_prompt(offline_messages(c), add_generation_prompt=add_generation_prompt,
+                                         chat_template_kwargs=chat_template_kwargs) for c in conversations]
+        return self._generate([None] * len(inputs), inputs, sampling_params, use_tqdm, lora_name)
+
+    def _prompt(self, prompt: Prompt, field: str) -> tuple[list[int], list[ImageInput]]:
+        """A prompt's token ids and images."""
+        if isinstance(prompt, str):
+            return self.input.tokenize(prompt, field=field), []
+        if not isinstance(prompt, dict):
+            return list(prompt), []
+        unknown = set(prompt) - {"prompt", "multi_modal_data"}
+        if unknown or set(prompt.get("multi_modal_data") or {}) - {"image"}:
+            raise InvalidRequest(f"{field}: a dict prompt is {{'prompt': text, 'multi_modal_data': {{'image': "
+                                 f"images}}}}, got keys {sorted(prompt)}")
+        images = (prompt.get("multi_modal_data") or {}).get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        images = [offline_image(im, f"{field}.multi_modal_data.image[{i}]") for i, im in enumerate(images)]
+        if not images:
+            return self.input.tokenize(prompt.get("prompt"), field=f"{field}.prompt"), []
+        return self.input.prompt_with_images(prompt.get("prompt"), images, f"{field}.prompt")
+
+    def _generate(self, prompts: list, inputs: list[tuple[list[int], list[ImageInput]]],
+                  sampling_params, use_tqdm: bool, lora_name) -> list[RequestOutput]:
         params = sampling_params or self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
@@ -99,17 +143,17 @@ class LLM:
             raise InvalidRequest(f"lora_name: got {len(loras)} for {len(prompts)} prompts")
         for name in set(loras):
             self.engine.lora_block_keys(name)  # raises for an adapter not loaded
-        token_ids = [self.input.tokenize(p, field="prompt") if isinstance(p, str) else list(p) for p in prompts]
-        for ids, p in zip(token_ids, params):
+        for (ids, _), p in zip(inputs, params):
             self.input.check(ids, p)
         processor = OutputProcessor(self.tokenizer, self.engine.eos_token_ids)
         results = {}
-        for prompt, ids, p, lora in zip(prompts, token_ids, params, loras):
+        for prompt, (ids, images), p, lora in zip(prompts, inputs, params, loras):
             request_id = next(self._ids)
-            self.engine.add_request(request_id, ids, p, lora_name=lora)
+            self.engine.add_request(request_id, ids, p, lora_name=lora, images=images)
             processor.add_request(request_id, ids, p)
             results[request_id] = RequestOutput(
-                request_id, prompt if isinstance(prompt, str) else None, ids,
+                request_id, prompt if isinstance(prompt, str) else prompt.get("prompt") if isinstance(prompt, dict)
+                else None, ids,
                 [CompletionOutput(i, logprobs=[] if p.logprobs is not None else None) for i in range(p.n)])
         self._run(processor, results, use_tqdm)
         return list(results.values())

@@ -22,14 +22,16 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from common.errors import InvalidRequest
 from frontend.async_llm import Generation
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import from_exception
 from frontend.http.params import anthropic_template_kwargs, anthropic_tool_use, messages_params
-from frontend.http.protocol import (AnthropicMessage, MessagesRequest, TextPart, ThinkingBlock, ToolResultBlock,
-                                    ToolUseBlock)
+from frontend.http.protocol import (AnthropicMessage, Base64Source, ImageBlock, MessagesRequest, TextPart,
+                                    ThinkingBlock, ToolResultBlock, ToolUseBlock, UrlSource)
 from frontend.http.runner import run_to_end, unless_disconnected
 from frontend.http.sample_output import AnthropicBlocks, anthropic_blocks
+from frontend.multimodal.parts import ImageRef, collapse, image_part, load_images, only_in_user, text_part, url_ref
 from frontend.output_processor import EOS, LENGTH, STOP_STRING, STOPPED
 from frontend.sample_parser import SampleParser
 from frontend.tool_calls import arguments as call_arguments
@@ -60,15 +62,33 @@ def _chat_messages(m: AnthropicMessage, i: int) -> list[dict]:
     for j, b in enumerate(m.content):
         if isinstance(b, ToolUseBlock):
             call_arguments.check(b.input, f"messages[{i}].content[{j}].input")
+        elif isinstance(b, ToolResultBlock) and not isinstance(b.content, str):
+            k = next((k for k, c in enumerate(b.content) if isinstance(c, ImageBlock)), None)
+            if k is not None:
+                raise InvalidRequest(f"messages[{i}].content[{j}].content[{k}]: images in a tool_result are not "
+                                     "supported; send them in the user message's content")
     results = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
                for b in m.content if isinstance(b, ToolResultBlock)]
-    text = "".join(b.text for b in m.content if isinstance(b, TextPart))
+    parts = [text_part(b.text) if isinstance(b, TextPart) else image_part(_image_ref(b, f"messages[{i}].content[{j}]"))
+             for j, b in enumerate(m.content) if isinstance(b, (TextPart, ImageBlock))]
+    only_in_user(parts, m.role, f"messages[{i}].content")
+    content = collapse(parts)
     calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
              for b in m.content if isinstance(b, ToolUseBlock)]
     thinking = "".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
-    message = {"role": m.role, "content": text, **({"tool_calls": calls} if calls else {}),
+    message = {"role": m.role, "content": content, **({"tool_calls": calls} if calls else {}),
                **({"reasoning_content": thinking} if thinking else {})}
-    return results + ([message] if text or calls or not results else [])
+    return results + ([message] if content or calls or not results else [])
+
+
+def _image_ref(block: ImageBlock, where: str) -> ImageRef:
+    source = block.source
+    if isinstance(source, Base64Source):
+        return ImageRef(f"{where}.source.data", data=source.data, media_type=source.media_type)
+    if isinstance(source, UrlSource):
+        return url_ref(source.url, f"{where}.source.url")
+    raise InvalidRequest(f"{where}.source: file sources (the Files API) are not supported; send the image as "
+                         "base64 or a url")
 
 
 async def create_message(ctx: HttpContext, request: Request):
@@ -79,14 +99,15 @@ async def create_message(ctx: HttpContext, request: Request):
     template_kwargs = anthropic_template_kwargs(body)
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
     messages += [chat for i, m in enumerate(body.messages) for chat in _chat_messages(m, i)]
+    messages = await load_images(messages, ctx.media.load)
     # A conversation ending with the assistant's words asks the model to continue them.
     continue_final = messages[-1]["role"] == "assistant" if messages else False
     messages, template_tools = processor.chat_with_tools(messages, tools)
-    prompt = processor.tokenize_chat(messages, add_generation_prompt=not continue_final,
-                                     continue_final_message=continue_final, chat_template_kwargs=template_kwargs,
-                                     tools=template_tools)
+    prompt, images = processor.chat_prompt(messages, add_generation_prompt=not continue_final,
+                                           continue_final_message=continue_final,
+                                           chat_template_kwargs=template_kwargs, tools=template_tools)
     params = messages_params(body, tools, processor, ctx.parser_names(tools)[0], prompt)
-    generation = ctx.llm.admit(prompt, params, lora_name=lora_name)
+    generation = ctx.llm.admit(prompt, params, lora_name=lora_name, images=images)
     message_id = f"msg_{uuid.uuid4().hex}"
     omit_thinking = body.thinking is not None and body.thinking.display == "omitted"
     if body.stream:

@@ -39,10 +39,11 @@ from frontend.http.batches_api import add_batch_routes
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import HTTPError, from_exception, not_found
 from frontend.http.lora_admin import add_lora_admin_routes
-from frontend.http.openai_api import create_chat_completion, create_completion
+from frontend.http.openai_api import chat_content, create_chat_completion, create_completion
 from frontend.http.pooling_api import add_pooling_routes
 from frontend.http.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
 from frontend.http.responses.routes import add_responses_routes
+from frontend.multimodal.parts import load_images
 
 log = logging.getLogger("pagedserve.http")
 VERSION = "0.1.0"
@@ -187,8 +188,8 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
         if body.prompt is not None:
             ids = processor.tokenize(body.prompt, body.add_special_tokens, field="prompt")
         else:
-            ids = processor.tokenize_chat([_message(m) for m in body.messages],
-                                          add_generation_prompt=body.add_generation_prompt)
+            messages = await load_images([_message(m, i) for i, m in enumerate(body.messages)], ctx.media.load)
+            ids, _ = processor.chat_prompt(messages, add_generation_prompt=body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": processor.limits.max_model_len, "tokens": ids,
                 "token_strs": processor.tokenizer.convert_ids_to_tokens(ids)}
 
@@ -201,9 +202,8 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
         return {"prompt": processor.tokenizer.decode(ids)}
 
 
-def _message(m: ChatMessage) -> dict:
-    content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-    return {"role": m.role, "content": content or ""}
+def _message(m: ChatMessage, i: int) -> dict:
+    return {"role": m.role, "content": chat_content(m, i)}
 
 
 class _Server(uvicorn.Server):

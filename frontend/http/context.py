@@ -17,6 +17,7 @@ from frontend.async_llm import AsyncLLM
 from frontend.http.errors import bad_request
 from frontend.http.options import AUTO, HARMONY, HttpOptions
 from frontend.metrics import FrontendMetrics
+from frontend.multimodal.fetch import MediaFetcher
 from frontend.output_events import Event
 from frontend.reasoning import parsers as reasoning_parsers
 from frontend.sample_parser import SampleParser, parse_sample
@@ -35,9 +36,11 @@ class HttpContext:
     api_key: str | None = None
     allow_runtime_lora: bool = False  # admin LoRA routes without --api-key (a trusted network)
     options: HttpOptions = field(default_factory=HttpOptions)
+    media: MediaFetcher = field(init=False)  # loads the images of a request's messages
 
     def __post_init__(self) -> None:
         self.token_text = lru_cache(maxsize=65536)(self._token_text)
+        self.media = MediaFetcher(frozenset(self.options.allowed_media_domains), self.options.media_fetch_timeout_s)
 
     def model_names(self) -> list[str]:
         if self.served_names:

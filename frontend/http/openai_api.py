@@ -20,9 +20,10 @@ from frontend.async_llm import Generation
 from frontend.http.context import HttpContext, parse_body
 from frontend.http.errors import from_exception
 from frontend.http.params import chat_params, chat_template_kwargs, completion_params, openai_tool_use
-from frontend.http.protocol import ChatCompletionRequest, CompletionRequest
+from frontend.http.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, ImageUrlPart, TextPart
 from frontend.http.runner import SampleResult, merged, run_to_end, unless_disconnected
 from frontend.http.sample_output import OpenAIDeltas, openai_message
+from frontend.multimodal.parts import ImageRef, collapse, image_part, load_images, only_in_user, text_part, url_ref
 from frontend.output_processor import STOPPED, PositionLogprobs, SampleDelta
 from frontend.tool_calls import arguments as call_arguments
 
@@ -67,14 +68,14 @@ async def create_chat_completion(ctx: HttpContext, request: Request):
     lora_name = ctx.resolve_model(body.model)
     processor = ctx.llm.require_ready()
     tools = openai_tool_use(body)
-    messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
+    messages = await chat_messages(ctx, body.messages)
     messages, template_tools = processor.chat_with_tools(messages, tools)
-    prompt = processor.tokenize_chat(
+    prompt, images = processor.chat_prompt(
         messages, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
         continue_final_message=body.continue_final_message, chat_template_kwargs=chat_template_kwargs(body),
         tools=template_tools)
     params = chat_params(body, tools, processor, ctx.parser_names(tools)[0], prompt)
-    generation = ctx.llm.admit(prompt, params, priority=body.priority, lora_name=lora_name)
+    generation = ctx.llm.admit(prompt, params, priority=body.priority, lora_name=lora_name, images=images)
     response = _Response(ctx, "chatcmpl", "chat.completion", body.model, [generation], body.stream_options)
     if body.stream:
         return StreamingResponse(ctx.counted(response.stream(_chat_chunk(ctx, tools), role_first=True)),
@@ -227,13 +228,31 @@ def _chat_logprobs(ctx: HttpContext, positions: list[PositionLogprobs]) -> dict:
                          "top_logprobs": [entry(t.token_id, t.logprob) for t in p.top]} for p in positions]}
 
 
-def _chat_message(m, i: int) -> dict:
-    content = m.content
-    if isinstance(content, list):
-        content = "".join(part.text for part in content)
-    message = {**(m.model_extra or {}), "role": m.role, "content": content or ""}
+async def chat_messages(ctx: HttpContext, messages: list[ChatMessage]) -> list[dict]:
+    """The request's messages as the template takes them, every image fetched and decoded."""
+    return await load_images([_chat_message(m, i) for i, m in enumerate(messages)], ctx.media.load)
+
+
+def chat_content(m: ChatMessage, i: int) -> str | list[dict]:
+    """messages[i]'s content: its text, or its parts where it holds an image (multimodal/parts.py)."""
+    if not isinstance(m.content, list):
+        return m.content or ""
+    parts = [text_part(p.text) if isinstance(p, TextPart) else image_part(_image_ref(p, f"messages[{i}].content[{j}]"))
+             for j, p in enumerate(m.content)]
+    only_in_user(parts, m.role, f"messages[{i}].content")
+    return collapse(parts)
+
+
+def _image_ref(part: ImageUrlPart, where: str) -> ImageRef:
+    if isinstance(part.image_url, str):
+        return url_ref(part.image_url, f"{where}.image_url")
+    return url_ref(part.image_url.url, f"{where}.image_url.url")
+
+
+def _chat_message(m: ChatMessage, i: int) -> dict:
     if m.role not in ("system", "user", "assistant", "tool", "developer"):
         raise InvalidRequest(f"messages[{i}].role: {m.role!r} is not one of system, user, assistant, tool, developer")
+    message = {**(m.model_extra or {}), "role": m.role, "content": chat_content(m, i)}
     calls = message.get("tool_calls")
     for j, call in enumerate(calls if isinstance(calls, list) else []):
         function = call.get("function") if isinstance(call, dict) else None

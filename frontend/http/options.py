@@ -24,6 +24,10 @@ class HttpOptions:
     response_ttl_s: float = 3600.0
     # /v1/files and /v1/batches keep their files here; None: a folder under the cache.
     data_dir: str | None = None
+    # Image URLs (http, https) are fetched only from these hosts, matched exactly; none: only
+    # data URLs are taken (frontend/multimodal/fetch.py). A fetch ends after media_fetch_timeout_s.
+    allowed_media_domains: tuple[str, ...] = ()
+    media_fetch_timeout_s: float = 10.0
 
     @property
     def harmony(self) -> bool | None:

@@ -92,11 +92,26 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    url: str  # a data URL, or an http(s) URL on a host of --allowed-media-domains
+    detail: Literal["auto", "low", "high", "original"] | None = None  # accepted, not acted on
+
+
+class ImageUrlPart(BaseModel):
+    """OpenAI's image part; `image_url` may be the URL itself (the older form clients still send)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl | str
+
+
+ChatPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: passed to the template
 
     role: str
-    content: str | list[TextPart] | None = None
+    content: str | list[ChatPart] | None = None
 
 
 class FunctionDefinition(BaseModel):
@@ -145,6 +160,32 @@ class AnthropicText(TextPart):
     cache_control: CacheControl | None = None
 
 
+class Base64Source(BaseModel):
+    type: Literal["base64"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"]
+    data: str
+
+
+class UrlSource(BaseModel):
+    type: Literal["url"]
+    url: str  # an http(s) URL on a host of --allowed-media-domains
+
+
+class FileSource(BaseModel):
+    """Anthropic's Files API image: refused by name (this server keeps no such files)."""
+
+    type: Literal["file"]
+    file_id: str
+
+
+class ImageBlock(BaseModel):
+    """An image in a user message."""
+
+    type: Literal["image"]
+    source: Annotated[Base64Source | UrlSource | FileSource, Field(discriminator="type")]
+    cache_control: CacheControl | None = None
+
+
 class ToolUseBlock(BaseModel):
     """An assistant's earlier call."""
 
@@ -160,7 +201,7 @@ class ToolResultBlock(BaseModel):
 
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[AnthropicText] = ""
+    content: str | list[Annotated[AnthropicText | ImageBlock, Field(discriminator="type")]] = ""
     is_error: StrictBool = False
     cache_control: CacheControl | None = None
 
@@ -181,8 +222,8 @@ class RedactedThinkingBlock(BaseModel):
     data: str
 
 
-ContentBlock = Annotated[AnthropicText | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-                         Field(discriminator="type")]
+ContentBlock = Annotated[AnthropicText | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
+                         | RedactedThinkingBlock, Field(discriminator="type")]
 
 
 class AnthropicMessage(BaseModel):

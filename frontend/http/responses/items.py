@@ -13,19 +13,25 @@ blocks. Anything malformed is a 400 naming its place, e.g. `input[2].call_id`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from common.errors import InvalidRequest
+from frontend.multimodal import parts as mm
 from frontend.tool_calls import arguments as call_arguments
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal", "reasoning_text": "text"}
+_DETAILS = ("auto", "low", "high", "original")
+_WITH_IMAGES = f"{', '.join(_TEXT_PARTS)} or input_image"
 
 
 @dataclass(frozen=True)
 class Message:
     role: str
-    text: str
+    text: str  # its text parts joined
+    # A user message with images: its parts in order (multimodal/parts.py), each image an
+    # ImageRef until load_item_images loads it; empty: the message is `text`.
+    parts: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ def parse_item(item, where: str) -> Item:
         role = item.get("role")
         if role not in _ROLES:
             raise InvalidRequest(f"{where}.role: must be one of {', '.join(_ROLES)}, got {role!r}")
-        return Message(role, _text(item.get("content"), f"{where}.content"))
+        return _message(role, item.get("content"), f"{where}.content")
     if kind == "function_call":
         call = FunctionCall(*(_string(item, key, where) for key in ("call_id", "name", "arguments")))
         call_arguments.check(call.arguments, f"{where}.arguments")
@@ -111,23 +117,62 @@ def _string(item: dict, key: str, where: str) -> str:
     return value
 
 
+def _message(role: str, content, where: str) -> Message:
+    """A message item; a user message may hold input_image parts (an image_url: a data URL or an
+    http(s) URL; a file_id is refused)."""
+    if not isinstance(content, list) or not any(map(_is_image, content)):
+        return Message(role, _text(content, where))
+    parts = [mm.image_part(_image_ref(p, f"{where}[{i}]")) if _is_image(p)
+             else mm.text_part(_part_text(p, f"{where}[{i}]", _WITH_IMAGES)) for i, p in enumerate(content)]
+    mm.only_in_user(parts, role, where)
+    return Message(role, "".join(p["text"] for p in parts if not mm.is_image(p)), tuple(parts))
+
+
+def _is_image(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "input_image"
+
+
+def _image_ref(part: dict, where: str) -> mm.ImageRef:
+    detail = part.get("detail")
+    if detail is not None and detail not in _DETAILS:
+        raise InvalidRequest(f"{where}.detail: must be one of {', '.join(_DETAILS)}, got {detail!r}")
+    if part.get("file_id") is not None:
+        raise InvalidRequest(f"{where}.file_id: images by file_id are not supported; send image_url (a data URL "
+                             "or an http(s) URL)")
+    return mm.url_ref(part.get("image_url"), f"{where}.image_url")
+
+
+async def load_item_images(items: list[Item], load) -> list[Item]:
+    """The items with their messages' images loaded (MediaFetcher.load), all concurrently; a
+    conversation is stored loaded, so previous_response_id does not load them again."""
+    pending = [i for i, item in enumerate(items) if isinstance(item, Message) and item.parts]
+    if not pending:
+        return items
+    loaded = await mm.load_images([{"content": list(items[i].parts)} for i in pending], load)
+    items = list(items)
+    for i, m in zip(pending, loaded):
+        items[i] = replace(items[i], parts=tuple(m["content"]))
+    return items
+
+
 def _text(content, where: str) -> str:
-    """Text content: a string, or text parts joined (images and files can't be read by a text model)."""
+    """Text content: a string, or text parts joined (files can't be read here; images only in
+    a user message: _message)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise InvalidRequest(f"{where}: must be a string or a list of content parts")
-    texts = []
-    for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise InvalidRequest(f"{where}[{i}].type: {kind!r} is not supported; parts may be "
-                                 f"{', '.join(_TEXT_PARTS)} (text only)")
-        text = part.get(_TEXT_PARTS[kind])
-        if not isinstance(text, str):
-            raise InvalidRequest(f"{where}[{i}].{_TEXT_PARTS[kind]}: must be a string")
-        texts.append(text)
-    return "".join(texts)
+    return "".join(_part_text(part, f"{where}[{i}]") for i, part in enumerate(content))
+
+
+def _part_text(part, where: str, kinds: str = f"{', '.join(_TEXT_PARTS)} (text only)") -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind not in _TEXT_PARTS:
+        raise InvalidRequest(f"{where}.type: {kind!r} is not supported; parts may be {kinds}")
+    text = part.get(_TEXT_PARTS[kind])
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{where}.{_TEXT_PARTS[kind]}: must be a string")
+    return text
 
 
 def chat_messages(items: list[Item], instructions: str | None) -> list[dict]:
@@ -138,7 +183,8 @@ def chat_messages(items: list[Item], instructions: str | None) -> list[dict]:
     for item in items:
         if isinstance(item, Message) and item.role != "assistant":
             turn = None
-            messages.append({"role": "system" if item.role == "developer" else item.role, "content": item.text})
+            messages.append({"role": "system" if item.role == "developer" else item.role,
+                             "content": list(item.parts) if item.parts else item.text})
         elif isinstance(item, CallOutput):
             turn = None
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from common.errors import InvalidRequest
 from frontend.http.context import HttpContext, parse_body
-from frontend.http.responses.items import chat_messages, parse_input
+from frontend.http.responses.items import chat_messages, load_item_images, parse_input
 from frontend.http.responses.request import ResponsesRequest
 from frontend.http.responses.run import Run
 from frontend.http.responses.sampling import responses_params, responses_template_kwargs, responses_tool_use
@@ -60,13 +60,13 @@ async def create_response(ctx: HttpContext, store: ResponseStore, request: Reque
     lora_name = ctx.resolve_model(req.model)
     processor = ctx.llm.require_ready()
     earlier = store.conversation(req.previous_response_id)
-    conversation = earlier + parse_input(req.input, earlier)
+    conversation = earlier + await load_item_images(parse_input(req.input, earlier), ctx.media.load)
     tools = responses_tool_use(req)
     messages, template_tools = processor.chat_with_tools(chat_messages(conversation, req.instructions), tools)
-    prompt = processor.tokenize_chat(messages, add_generation_prompt=True, tools=template_tools,
-                                     chat_template_kwargs=responses_template_kwargs(req))
+    prompt, images = processor.chat_prompt(messages, add_generation_prompt=True, tools=template_tools,
+                                           chat_template_kwargs=responses_template_kwargs(req))
     params = responses_params(req, tools, processor, ctx.parser_names(tools)[0], prompt)
-    run = Run(ctx, store, req, tools, conversation, ctx.llm.admit(prompt, params, lora_name=lora_name))
+    run = Run(ctx, store, req, tools, conversation, ctx.llm.admit(prompt, params, lora_name=lora_name, images=images))
     if req.background:
         return JSONResponse(run.background())
     if req.stream:

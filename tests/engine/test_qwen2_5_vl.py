@@ -1,0 +1,160 @@
+"""Qwen2.5-VL end to end in the offline `LLM` against HF transformers, greedy, in float32: a
+tiny random-weight model with a real vision tower, conversations with 0, 1 and 3 images of
+different sizes and aspect ratios, batched with text-only ones, under chunked prefill that
+splits images, prefix caching (a repeated image hits and skips the encoder, a changed pixel
+misses) and preemption. The prompt and pixels our frontend makes equal transformers'
+processor's exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from helpers import assert_no_leak, check_outputs_match
+from pagedserve import LLM, SamplingParams
+from vl_models import build_tiny_qwen2_5_vl, hf_qwen2_5_vl, qwen_vl_image_processor
+
+pytestmark = pytest.mark.heavy(60)
+
+MAX_NEW = 10
+CONFIGS = {
+    "batched": {},
+    # 16-token chunks: every image (16 to 56 tokens) is split across steps
+    "chunked": dict(max_num_batched_tokens=16, enable_prefix_caching=False),
+    "preempted": dict(num_kv_blocks=8, enable_prefix_caching=False),
+    "all_at_once": dict(num_kv_blocks=10, max_num_batched_tokens=24, enable_prefix_caching=True),
+}
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+IMAGES = [picture(84, 56, 0), picture(56, 150, 1), picture(200, 130, 2)]
+
+
+def conversation(text: str, images: list[Image.Image]) -> list[dict]:
+    if not images:
+        return [{"role": "user", "content": text}]
+    parts = [{"type": "image", "image": im} for im in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+CONVERSATIONS = [
+    conversation("Describe the picture.", IMAGES[:1]),
+    conversation("What is the same in these?", IMAGES),
+    conversation("Hello there, how are you today?", []),
+    conversation("And this one?", IMAGES[1:2]),
+    [{"role": "user", "content": [{"type": "text", "text": "First"}, {"type": "image", "image": IMAGES[2]},
+                                  {"type": "text", "text": "then"}, {"type": "image", "image": IMAGES[0]}]}],
+]
+
+
+def hf_processor(folder):
+    """transformers' Qwen2_5_VLProcessor over its PIL image processor. Its constructor checks
+    each part's class, the video processor's too, which needs torchvision (not installed, and
+    no video here): that check is skipped."""
+    from unittest import mock
+
+    from transformers import AutoTokenizer, ProcessorMixin, Qwen2_5_VLProcessor
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+        return Qwen2_5_VLProcessor(image_processor=qwen_vl_image_processor(folder), tokenizer=tokenizer,
+                                   chat_template=tokenizer.chat_template)
+
+
+def hf_inputs(processor, messages: list[dict]):
+    shown = [{**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
+             if isinstance(m["content"], list) else m for m in messages]
+    text = processor.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
+    images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+              if p["type"] == "image"]
+    return processor(text=[text], images=images or None, return_tensors="pt")
+
+
+@torch.inference_mode()
+def hf_greedy(model, inputs) -> tuple[list[int], list[dict]]:
+    out = model.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [dict(zip(*[t.tolist() for t in reversed(torch.log_softmax(step[0].float(), -1).topk(5))]))
+                for step in out.logits]
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, bundled_tokenizer):
+    folder = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), bundled_tokenizer)
+    processor, hf = hf_processor(folder), hf_qwen2_5_vl(folder)
+    inputs = [hf_inputs(processor, c) for c in CONVERSATIONS]
+    return folder, inputs, [hf_greedy(hf, i) for i in inputs]
+
+
+def ours(llm: LLM, conversations=CONVERSATIONS) -> list[tuple[list[int], list[dict]]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.chat(conversations, params)]
+
+
+def test_prompt_and_pixels_equal_transformers_processor(tiny):
+    folder, inputs, _ = tiny
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
+    for conv, ref in zip(CONVERSATIONS, inputs):
+        ids, images = llm.input.chat_prompt(conv, add_generation_prompt=True)
+        assert ids == ref["input_ids"][0].tolist()
+        if images:
+            assert np.array_equal(np.concatenate([im.pixels for im in images]), ref["pixel_values"].numpy())
+            assert [im.grid for im in images] == [tuple(g) for g in ref["image_grid_thw"].tolist()]
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_matches_hf(tiny, config):
+    folder, _, reference = tiny
+    llm = LLM(str(folder), dtype="float32", **CONFIGS[config])
+    runs = 2 if llm.config.enable_prefix_caching else 1
+    for _ in range(runs):
+        assert check_outputs_match(ours(llm), reference) <= 1
+    stats = llm.engine.stats()
+    if "num_kv_blocks" in CONFIGS[config]:
+        assert stats.num_preemptions > 0
+    if llm.config.enable_prefix_caching:
+        assert stats.num_prefix_cache_hits > 0
+    cache = llm.engine.model_runner.vision.cache
+    assert 0 < cache.num_bytes <= cache.max_bytes
+    assert_no_leak(llm)
+
+
+def test_a_repeated_image_hits_the_prefix_cache_and_skips_the_encoder(tiny):
+    folder, _, _ = tiny
+    llm = LLM(str(folder), dtype="float32")
+    encoder = llm.engine.model_runner.vision.cache
+    question = [IMAGES[2]]
+    first = llm.chat(conversation("What is in the picture?", question), SamplingParams(max_tokens=2))[0]
+    assert first.num_cached_tokens == 0 and encoder.num_encoded == 1
+    # The same image, a new question: every full block before the question comes from the
+    # prefix cache; the image's last tokens share a block with the question, and take their
+    # embeddings from the encoder cache.
+    again = llm.chat(conversation("What colour is it?", question), SamplingParams(max_tokens=2))[0]
+    common = next(i for i, (a, b) in enumerate(zip(first.prompt_token_ids, again.prompt_token_ids)) if a != b)
+    assert again.num_cached_tokens == common // 16 * 16 > 16 and encoder.num_encoded == 1
+    # One changed pixel: the block where the image starts and all after it miss.
+    changed = np.asarray(IMAGES[2]).copy()
+    changed[0, 0, 0] ^= 0xFF
+    other = llm.chat(conversation("What colour is it?", [Image.fromarray(changed)]), SamplingParams(max_tokens=2))[0]
+    first_image_token = again.prompt_token_ids.index(llm.engine.model_runner.model.image_token_id)
+    assert other.num_cached_tokens <= first_image_token and encoder.num_encoded == 2
+    assert_no_leak(llm)
+
+
+def test_images_to_a_text_model_and_bad_image_counts_are_refused(tiny, bundled_path):
+    from common.errors import InvalidRequest
+    folder, _, _ = tiny
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
+    with pytest.raises(InvalidRequest, match="1 image\\(s\\) for 2 image placeholder"):
+        llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>" * 2, "multi_modal_data": {"image": IMAGES[0]}})
+    text_llm = LLM(str(bundled_path), num_kv_blocks=64)
+    with pytest.raises(InvalidRequest, match="takes text only"):
+        text_llm.chat(conversation("Hi", IMAGES[:1]))
+    assert_no_leak(llm)
