@@ -35,7 +35,8 @@ from common.validation import PromptLimits
 from frontend.engine_client import EngineLost, Inbox
 from frontend.engine_pool import EnginePool, PooledEngine
 from frontend.harmony import encoding as harmony_encoding
-from frontend.input_processor import DEFAULT_MAX_IMAGES, InputProcessor, NotFound
+from frontend.input_processor import InputProcessor, NotFound
+from frontend.multimodal import DEFAULT_MAX_IMAGES
 from frontend.multimodal.processor import MultiModalProcessor
 from frontend.output_processor import ABORT, TIME_LIMIT, RequestState, SampleDelta
 from frontend.pooling import PooledInput, PoolingState, require_task

@@ -25,11 +25,11 @@ from common.structured_output import get_backend_class
 from common.structured_output.params import StructuredOutputsParams
 from common.validation import PromptLimits, check_prompt
 from frontend.harmony import prompt as harmony_prompt
+from frontend.multimodal import DEFAULT_MAX_IMAGES
 from frontend.multimodal.processor import MultiModalProcessor
 from frontend.tool_calls.prompt import chat_with_tools
 from frontend.tool_calls.tools import ToolUse
 
-DEFAULT_MAX_IMAGES = 16
 MAX_PROMPT_CHARS = 4_000_000  # refuse before tokenizing absurd inputs
 MAX_CHAT_MESSAGES = 1024
 MAX_REMEMBERED_CONSTRAINTS = 1024
@@ -128,7 +128,7 @@ class InputProcessor:
                   for p in m["content"] if isinstance(p, dict) and p.get("type") == "image"]
         if not images:
             return self.tokenize_chat(messages, **kwargs), []
-        self._check_images(images, field)
+        self.check_images(len(images), field)
         shown = [{**m, "content": [{"type": "image"} if p.get("type") == "image" else p for p in m["content"]]}
                  if isinstance(m.get("content"), list) else m for m in messages]
         return self.multimodal.prompt(self.render_chat(shown, **kwargs), images, field)
@@ -138,14 +138,15 @@ class InputProcessor:
         offline `LLM.generate`'s multi_modal_data, as in vLLM)."""
         if not isinstance(text, str) or not text:
             raise InvalidRequest(f"{field}: must be a non-empty string")
-        self._check_images(images, field)
+        self.check_images(len(images), field)
         return self.multimodal.prompt(text, images, field, add_special_tokens=True)
 
-    def _check_images(self, images: list, field: str) -> None:
-        if self.multimodal is None or self.harmony is not None:
+    def check_images(self, count: int, field: str = "messages") -> None:
+        """A prompt may have `count` images here: checked before any is fetched or decoded."""
+        if count and (self.multimodal is None or self.harmony is not None):
             raise InvalidRequest(f"{field}: this model takes text only; it cannot read images")
-        if len(images) > self.max_images:
-            raise InvalidRequest(f"{field}: {len(images)} images is more than the {self.max_images} a prompt may "
+        if count > self.max_images:
+            raise InvalidRequest(f"{field}: {count} images is more than the {self.max_images} a prompt may "
                                  "have here (--limit-mm-per-prompt image=N)")
 
     def tokenize_chat(self, messages: list[dict], **kwargs) -> list[int]:

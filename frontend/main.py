@@ -9,6 +9,7 @@ import os
 from common.metrics_http import add_metrics_args
 from common.process_args import (DEFAULT_ADDRESS, add_drain_arg, add_log_level_arg, configure_logging,
                                   non_negative_int, positive_float)
+from frontend.multimodal import DEFAULT_MAX_IMAGES, image_limit
 from frontend.router import POLICIES
 
 
@@ -89,6 +90,10 @@ def add_http_arguments(p: argparse.ArgumentParser) -> None:
                         "sources, Responses input_image), each matched exactly (example.com does not allow "
                         "cdn.example.com); redirects are followed on the same host only (default: none: "
                         "images come as data URLs or base64, and every URL is refused)")
+    p.add_argument("--limit-mm-per-prompt", type=image_limit, default=DEFAULT_MAX_IMAGES, metavar="image=N",
+                   help="the most images one prompt may have, as vLLM's flag takes it (image=N, or JSON "
+                        "'{\"image\": N}'); more get a 400 / INVALID_ARGUMENT, checked before any is fetched "
+                        f"or decoded (default: image={DEFAULT_MAX_IMAGES})")
     p.add_argument("--media-fetch-timeout-s", type=positive_float, default=10.0,
                    help="how long fetching one image URL may take, redirects and body included, in seconds "
                         "(default: 10)")
@@ -99,7 +104,7 @@ def http_options_from_args(args: argparse.Namespace):
     return HttpOptions(tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                        response_store_size=args.response_store_size, response_ttl_s=args.response_ttl_s,
                        data_dir=args.data_dir, allowed_media_domains=tuple(args.allowed_media_domains),
-                       media_fetch_timeout_s=args.media_fetch_timeout_s)
+                       media_fetch_timeout_s=args.media_fetch_timeout_s, max_images=args.limit_mm_per_prompt)
 
 
 def config_from_args(args: argparse.Namespace, engine_addresses: list[str], engine_dns: str | None = None,

@@ -129,7 +129,8 @@ async def _drain(llm: AsyncLLM, health_servicer, timeout_s: float, force: asynci
 
 
 def _async_llm(config: FrontendConfig, address: str, health_servicer, metrics: FrontendMetrics) -> AsyncLLM:
-    llm = AsyncLLM(None, config.max_concurrent_streams, config.tokenizer, config.http_options.harmony)
+    llm = AsyncLLM(None, config.max_concurrent_streams, config.tokenizer, config.http_options.harmony,
+                   config.http_options.max_images)
     announced, serving = False, None
 
     def on_welcome(welcome) -> None:

@@ -92,6 +92,8 @@ def prompt_from_request(processor: InputProcessor, msg,
     if kind == "text":
         return processor.tokenize(msg.text, add_special_tokens), []
     if kind == "chat":
+        processor.check_images(sum(p.WhichOneof("part") == "image" for m in msg.chat.messages for p in m.parts),
+                               "chat.messages")  # before any is decoded
         return processor.chat_prompt(chat_messages(msg.chat), field="chat.messages")
     return list(msg.token_ids.ids), []
 

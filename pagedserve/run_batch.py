@@ -103,7 +103,7 @@ async def _run(args: argparse.Namespace, address: str, engine: subprocess.Popen,
     from frontend.pooling import served_task
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-    llm, ready = _frontend(address, args.max_concurrency)
+    llm, ready = _frontend(address, args.max_concurrency, args.limit_mm_per_prompt)
     exited = asyncio.ensure_future(_exit_code(engine))
     await llm.pool.start([address])
     try:
@@ -162,7 +162,7 @@ async def _exit_code(engine: subprocess.Popen) -> int:
     return engine.returncode
 
 
-def _frontend(address: str, max_streams: int):
+def _frontend(address: str, max_streams: int, max_images: int):
     """AsyncLLM over one engine, as frontend/server.py makes it, without its listeners; and an
     event set once the engine's handshake has come (llm.input is None if the tokenizer it
     handed over could not be loaded)."""
@@ -170,7 +170,7 @@ def _frontend(address: str, max_streams: int):
     from frontend.engine_pool import FRONTEND_ID, EnginePool
     from frontend.router import make_policy
 
-    llm, ready = AsyncLLM(None, max_streams), asyncio.Event()
+    llm, ready = AsyncLLM(None, max_streams, max_images=max_images), asyncio.Event()
 
     def on_welcome(welcome) -> None:
         try:

@@ -66,7 +66,7 @@ _FRONTEND_ONLY = {"--host": 1, "--grpc-port": 1, "--max-concurrent-streams": 1, 
                   "--data-parallel-size": 1, "--routing-policy": 1, "--allow-runtime-lora": 0,
                   "--api-server-count": 1, "--tool-call-parser": 1, "--reasoning-parser": 1,
                   "--response-store-size": 1, "--response-ttl-s": 1, "--data-dir": 1,
-                  "--allowed-media-domains": -1, "--media-fetch-timeout-s": 1,
+                  "--allowed-media-domains": -1, "--media-fetch-timeout-s": 1, "--limit-mm-per-prompt": 1,
                   "--hf-token": 1}  # the token reaches the engine in its environment, not its command line
 
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -107,3 +109,18 @@ def to_module_layout(folder: Path, target: Path) -> Path:
         tensors = {renamed(name): t for name, t in load_file(str(path)).items()}
         save_file(tensors, str(target / path.name), metadata={"format": "pt"})
     return target
+
+
+def picture(width: int, height: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+IMAGES = [picture(84, 56, 0), picture(56, 150, 1), picture(200, 130, 2)]
+
+
+def conversation(text: str, images: list[Image.Image]) -> list[dict]:
+    if not images:
+        return [{"role": "user", "content": text}]
+    parts = [{"type": "image", "image": im} for im in images]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]

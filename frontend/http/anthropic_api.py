@@ -99,7 +99,7 @@ async def create_message(ctx: HttpContext, request: Request):
     template_kwargs = anthropic_template_kwargs(body)
     messages = [{"role": "system", "content": _text(body.system)}] if body.system else []
     messages += [chat for i, m in enumerate(body.messages) for chat in _chat_messages(m, i)]
-    messages = await load_images(messages, ctx.media.load)
+    messages = await load_images(messages, ctx.media.load, processor.check_images)
     # A conversation ending with the assistant's words asks the model to continue them.
     continue_final = messages[-1]["role"] == "assistant" if messages else False
     messages, template_tools = processor.chat_with_tools(messages, tools)

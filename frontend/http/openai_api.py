@@ -229,8 +229,10 @@ def _chat_logprobs(ctx: HttpContext, positions: list[PositionLogprobs]) -> dict:
 
 
 async def chat_messages(ctx: HttpContext, messages: list[ChatMessage]) -> list[dict]:
-    """The request's messages as the template takes them, every image fetched and decoded."""
-    return await load_images([_chat_message(m, i) for i, m in enumerate(messages)], ctx.media.load)
+    """The request's messages as the template takes them, every image fetched and decoded
+    (once the model is known to take that many)."""
+    return await load_images([_chat_message(m, i) for i, m in enumerate(messages)], ctx.media.load,
+                             ctx.llm.require_engine().check_images)
 
 
 def chat_content(m: ChatMessage, i: int) -> str | list[dict]:

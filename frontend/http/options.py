@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from frontend.harmony import NAME as HARMONY
+from frontend.multimodal import DEFAULT_MAX_IMAGES
 
 AUTO = "auto"
 
@@ -28,6 +29,7 @@ class HttpOptions:
     # data URLs are taken (frontend/multimodal/fetch.py). A fetch ends after media_fetch_timeout_s.
     allowed_media_domains: tuple[str, ...] = ()
     media_fetch_timeout_s: float = 10.0
+    max_images: int = DEFAULT_MAX_IMAGES  # per prompt (--limit-mm-per-prompt), on every API
 
     @property
     def harmony(self) -> bool | None:

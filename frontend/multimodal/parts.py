@@ -82,10 +82,14 @@ def url_ref(url: object, part: str) -> ImageRef:
     return ImageRef(part, url=url)
 
 
-async def load_images(messages: list[dict], load: Callable[[ImageRef], Awaitable[Image.Image]]) -> list[dict]:
+async def load_images(messages: list[dict], load: Callable[[ImageRef], Awaitable[Image.Image]],
+                      check: Callable[[int], None] | None = None) -> list[dict]:
     """The messages with every ImageRef replaced by its image, loaded concurrently by `load`
-    (MediaFetcher.load); the first failure cancels the rest and is raised."""
+    (MediaFetcher.load); the first failure cancels the rest and is raised. `check`: called
+    with the number of images first (InputProcessor.check_images: may the prompt have them?)."""
     refs = [p["image"] for m in messages if isinstance(m.get("content"), list) for p in m["content"] if _pending(p)]
+    if check is not None:
+        check(len(refs))
     if not refs:
         return messages
     tasks = [asyncio.ensure_future(load(ref)) for ref in refs]

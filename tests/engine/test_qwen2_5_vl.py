@@ -14,7 +14,7 @@ from PIL import Image
 
 from helpers import assert_no_leak, check_outputs_match
 from pagedserve import LLM, SamplingParams
-from vl_models import build_tiny_qwen2_5_vl, hf_qwen2_5_vl, qwen_vl_image_processor
+from vl_models import IMAGES, build_tiny_qwen2_5_vl, conversation, hf_qwen2_5_vl, qwen_vl_image_processor
 
 pytestmark = pytest.mark.heavy(60)
 
@@ -26,21 +26,6 @@ CONFIGS = {
     "preempted": dict(num_kv_blocks=8, enable_prefix_caching=False),
     "all_at_once": dict(num_kv_blocks=10, max_num_batched_tokens=24, enable_prefix_caching=True),
 }
-
-
-def picture(width: int, height: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-IMAGES = [picture(84, 56, 0), picture(56, 150, 1), picture(200, 130, 2)]
-
-
-def conversation(text: str, images: list[Image.Image]) -> list[dict]:
-    if not images:
-        return [{"role": "user", "content": text}]
-    parts = [{"type": "image", "image": im} for im in images]
-    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
 CONVERSATIONS = [

@@ -142,13 +142,14 @@ def _image_ref(part: dict, where: str) -> mm.ImageRef:
     return mm.url_ref(part.get("image_url"), f"{where}.image_url")
 
 
-async def load_item_images(items: list[Item], load) -> list[Item]:
+async def load_item_images(items: list[Item], load, check=None) -> list[Item]:
     """The items with their messages' images loaded (MediaFetcher.load), all concurrently; a
-    conversation is stored loaded, so previous_response_id does not load them again."""
+    conversation is stored loaded, so previous_response_id does not load them again. `check`:
+    as load_images'."""
     pending = [i for i, item in enumerate(items) if isinstance(item, Message) and item.parts]
     if not pending:
         return items
-    loaded = await mm.load_images([{"content": list(items[i].parts)} for i in pending], load)
+    loaded = await mm.load_images([{"content": list(items[i].parts)} for i in pending], load, check)
     items = list(items)
     for i, m in zip(pending, loaded):
         items[i] = replace(items[i], parts=tuple(m["content"]))

@@ -60,7 +60,8 @@ async def create_response(ctx: HttpContext, store: ResponseStore, request: Reque
     lora_name = ctx.resolve_model(req.model)
     processor = ctx.llm.require_ready()
     earlier = store.conversation(req.previous_response_id)
-    conversation = earlier + await load_item_images(parse_input(req.input, earlier), ctx.media.load)
+    conversation = earlier + await load_item_images(parse_input(req.input, earlier), ctx.media.load,
+                                                    processor.check_images)
     tools = responses_tool_use(req)
     messages, template_tools = processor.chat_with_tools(chat_messages(conversation, req.instructions), tools)
     prompt, images = processor.chat_prompt(messages, add_generation_prompt=True, tools=template_tools,
