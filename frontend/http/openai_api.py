@@ -68,7 +68,7 @@ async def create_chat_completion(ctx: HttpContext, request: Request):
     lora_name = ctx.resolve_model(body.model)
     processor = ctx.llm.require_ready()
     tools = openai_tool_use(body)
-    messages = await chat_messages(ctx, body.messages)
+    messages = await chat_messages(ctx, body.messages, processor.check_images)
     messages, template_tools = processor.chat_with_tools(messages, tools)
     prompt, images = processor.chat_prompt(
         messages, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
@@ -228,11 +228,10 @@ def _chat_logprobs(ctx: HttpContext, positions: list[PositionLogprobs]) -> dict:
                          "top_logprobs": [entry(t.token_id, t.logprob) for t in p.top]} for p in positions]}
 
 
-async def chat_messages(ctx: HttpContext, messages: list[ChatMessage]) -> list[dict]:
+async def chat_messages(ctx: HttpContext, messages: list[ChatMessage], check=None) -> list[dict]:
     """The request's messages as the template takes them, every image fetched and decoded
-    (once the model is known to take that many)."""
-    return await load_images([_chat_message(m, i) for i, m in enumerate(messages)], ctx.media.load,
-                             ctx.llm.require_engine().check_images)
+    (`check`: as load_images')."""
+    return await load_images([_chat_message(m, i) for i, m in enumerate(messages)], ctx.media.load, check)
 
 
 def chat_content(m: ChatMessage, i: int) -> str | list[dict]:

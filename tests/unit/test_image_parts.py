@@ -318,6 +318,33 @@ def test_grpc_text_chat_prompt_is_as_before_and_images_reach_the_processor(bundl
         servicers.prompt_from_request(processor, gen.GenerateRequest(chat=chat))
 
 
+def test_a_text_model_and_the_image_limit_refuse_before_any_image_is_loaded(bundled_tokenizer):
+    processor = InputProcessor(bundled_tokenizer, PromptLimits(bundled_tokenizer.vocab_size, 2048, 128, 16))
+    processor.check_images(0)  # text is fine
+    fetched = []
+
+    async def load(ref):
+        fetched.append(ref)
+        raise AssertionError("loaded")
+    messages = [{"role": "user", "content": [parts.image_part(parts.ImageRef("m[0].c[0]", url=data_url()))]}]
+    with pytest.raises(InvalidRequest, match="takes text only"):
+        asyncio.run(parts.load_images(messages, load, processor.check_images))
+    processor.multimodal, processor.max_images = object(), 1  # a vision model taking one image per prompt
+    with pytest.raises(InvalidRequest, match="2 images is more than the 1 .*--limit-mm-per-prompt"):
+        asyncio.run(parts.load_images(messages * 2, load, processor.check_images))
+    assert not fetched
+
+
+def test_limit_mm_per_prompt_takes_vllms_forms():
+    import argparse
+
+    from frontend.multimodal import image_limit
+    assert image_limit("image=3") == 3 and image_limit('{"image": 0}') == 0
+    for bad in ("video=2", "image=x", '{"image": -1}', "3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            image_limit(bad)
+
+
 # -- the offline LLM ------------------------------------------------------------------------------
 
 def test_offline_messages_every_form(tmp_path):
@@ -369,6 +396,9 @@ class _Recorder:
         raise InvalidRequest("messages: recorded")
 
     tokenize_chat = chat_prompt = chat_with_tools
+
+    def check_images(self, count: int, field: str = "messages") -> None:
+        pass
 
 
 def _app(recorder: _Recorder, data_dir):
