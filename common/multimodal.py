@@ -57,3 +57,14 @@ def image_block_keys(extra_keys: tuple, index: int, block_size: int) -> tuple:
     start = index * block_size
     hashes = tuple(h for offset, h in images if start <= offset < start + block_size)
     return (*base, (IMAGES_KEY, hashes)) if hashes else tuple(base)
+
+
+def whole_image_end(images: list[ImageInput], start: int, end: int) -> int:
+    """The end of a prefill chunk [start, end) cut so that it ends inside no image, for a model
+    whose image tokens attend to each other both ways (Gemma 3): before the image it would
+    split, or `start` (nothing this step) when the chunk starts inside that image, whose rest
+    must then come whole in a later step. `images` by offset, apart."""
+    for im in images:
+        if im.offset < end < im.end:
+            return im.offset if im.offset > start else start
+    return end

@@ -112,7 +112,7 @@ class ModelRunner:
         windows = [self.arch.layer_window(i) for i in range(self.arch.num_layers)]
         # Every layer windowed (Mistral): blocks older than the widest window can be released.
         self.kv_window = max(windows) if None not in windows else None
-        self.backend = get_attention_backend(config.attention_backend, local["num_heads"], self.num_kv_heads,
+        self.backend = get_attention_backend(self._attention_backend(config), local["num_heads"], self.num_kv_heads,
                                              self.arch.head_dim, config.device, DTYPES[config.dtype])
         self.block_size = config.block_size
         self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), config.max_num_seqs)
@@ -129,11 +129,26 @@ class ModelRunner:
         self.graphs = self._capture_graphs() if config.cuda_graphs and self.backend.name == "cupy" else None
         # A vision-language model's images: the encoder and its cache (engine/vision.py).
         self.vision = VisionInputs(self.model, self.device) if hasattr(self.model, "embed_images") else None
+        bidirectional = getattr(self.model, "bidirectional_images", False)
+        if bidirectional and config.max_num_batched_tokens < self.model.tokens_per_image:
+            raise ValueError(f"max_num_batched_tokens {config.max_num_batched_tokens}: {self.arch.model_type} "
+                             f"prefills each image's {self.model.tokens_per_image} tokens in one step; raise it to "
+                             "at least that")
         self.lora = None  # multi-LoRA: the adapters and their slots (engine/lora)
         if config.enable_lora:
             from engine.lora.manager import LoraManager
             self.lora = LoraManager(self.model, self.arch, config.max_loras, config.max_lora_rank,
                                     DTYPES[config.dtype], self.device)
+
+    def _attention_backend(self, config: EngineConfig) -> str:
+        """The backend to ask for: the torch one for a model whose image tokens attend to each
+        other both ways (Gemma 3) on CUDA, whose kernels mask causally only so far."""
+        if not (getattr(self.model, "bidirectional_images", False) and self.device.type == "cuda"):
+            return config.attention_backend
+        if config.attention_backend == "cupy":
+            raise ValueError(f"attention_backend 'cupy': {self.arch.model_type}'s image tokens attend both ways, "
+                             "which the CUDA kernels do not mask yet; use 'torch' or 'auto'")
+        return "torch"
 
     def close(self) -> None:
         """Stop the tensor-parallel workers (nothing to do on one rank)."""
@@ -425,9 +440,10 @@ class ModelRunner:
             slots.append(chunks.slots)
             last_rows.append(chunks.logits_rows)
             prefill_tables = self._tensor(chunks.block_tables)
-            prefills = [PrefillChunk(start, n, context, table[:k]) for start, n, context, k, table in zip(
-                chunks.token_starts.tolist(), chunks.num_tokens.tolist(), chunks.context_lens.tolist(),
-                chunks.num_blocks.tolist(), prefill_tables.unbind(0))]
+            prefills = [PrefillChunk(start, n, context, table[:k], row.bidirectional)
+                        for start, n, context, k, table, row in zip(
+                            chunks.token_starts.tolist(), chunks.num_tokens.tolist(), chunks.context_lens.tolist(),
+                            chunks.num_blocks.tolist(), prefill_tables.unbind(0), rows[num_leading:])]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(np.concatenate(slots)), num_decode_tokens=num_decode,
             decode_block_tables=self._tensor(decode.block_tables) if num_decode else None,

@@ -103,6 +103,9 @@ class Request:
     # delta of every later token's (sequence index + rope_delta in all three). None: 1-D.
     rope_table: np.ndarray | None = None
     rope_delta: int = 0
+    # Its images' tokens attend to each other both ways (Gemma 3): a prefill chunk never ends
+    # inside an image (engine/vision.py: whole_image_end).
+    whole_images: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -26,6 +26,7 @@ import heapq
 import time
 
 from common.errors import InvalidRequest
+from common.multimodal import whole_image_end
 from common.outputs import EngineCoreOutput, PlainTokens, sample_request_id
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
@@ -143,6 +144,10 @@ class Scheduler(SteadyDecodes):
         lookahead = self.config.num_lookahead_tokens
         computed = request.num_computed_tokens
         num_new = min(len(request.all_token_ids) - computed, budget)
+        if request.whole_images:
+            num_new = whole_image_end(request.images, computed, computed + num_new) - computed
+            if num_new == 0:  # the next image does not fit what is left of this step
+                return budget
         # Drafts follow a decode's one token, as far as the budget goes.
         drafts = request.spec_token_ids[:max(0, budget - num_new)] if request.spec_token_ids else ()
         if drafts and request.structured is not None and request.structured.waiting:
@@ -189,6 +194,10 @@ class Scheduler(SteadyDecodes):
                 cached_blocks, num_cached = self.block_manager.get_computed_blocks(
                     request.all_token_ids, request.block_extra_keys)
             num_new = min(request.num_tokens - num_cached, budget)
+            if request.whole_images:
+                num_new = whole_image_end(request.images, num_cached, num_cached + num_new) - num_cached
+                if num_new == 0:
+                    break  # its next image waits for a step with room for all of it
             if request.pooling is not None and num_new < request.num_tokens - num_cached:
                 break  # a pooling prompt runs whole (it fits the budget: EngineCore checks); next step
             if not self.block_manager.allocate(request.request_id, request.all_token_ids,
@@ -349,7 +358,7 @@ class Scheduler(SteadyDecodes):
                 num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens,
                 scheduled_time=parent.scheduled_time, lora_name=parent.lora_name,
                 block_extra_keys=parent.block_extra_keys, images=parent.images,
-                rope_table=parent.rope_table, rope_delta=parent.rope_delta,
+                rope_table=parent.rope_table, rope_delta=parent.rope_delta, whole_images=parent.whole_images,
                 structured=None if parent.structured is None else parent.structured.fork())
             self.block_manager.fork(parent.request_id, child.request_id)
             self.requests[child.request_id] = child

@@ -25,6 +25,8 @@ class ForwardRow:
     block_ids: list[int]  # its block table
     num_logits: int  # trailing rows whose logits are needed: 0, 1, or 1 + drafts
     lora_slot: int = -1  # the LoRA adapter slot its tokens use; -1: the base model
+    # Positions [a, b) whose tokens attend to each other both ways (an image's, in Gemma 3).
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(slots=True)
@@ -73,7 +75,11 @@ def forward_row(s: ScheduledRequest) -> ForwardRow:
     tokens = r.all_token_ids[start:start + s.num_new_tokens - len(drafts)]
     if drafts:
         tokens += drafts
-    return ForwardRow(tokens, start, s.block_ids, (1 + len(drafts)) if s.num_samples else 0)
+    spans = ()
+    if r.whole_images:
+        end = start + len(tokens)
+        spans = tuple((im.offset, im.end) for im in r.images if im.offset < end and im.end > start)
+    return ForwardRow(tokens, start, s.block_ids, (1 + len(drafts)) if s.num_samples else 0, bidirectional=spans)
 
 
 @dataclass(slots=True)

@@ -92,7 +92,9 @@ class VisionInputs:
             end = im.end
 
     def prepare(self, request: Request) -> None:
-        """At admission: an M-RoPE model's positions of the prompt, where it has images."""
+        """At admission: an M-RoPE model's positions of the prompt, where it has images; for a
+        model whose image tokens attend both ways, whole images in every prefill chunk."""
+        request.whole_images = getattr(self.model, "bidirectional_images", False)
         if self.mrope and request.images:
             table, delta = self.model.mrope_positions(request.prompt_token_ids, [im.grid for im in request.images])
             request.rope_table, request.rope_delta = np.asarray(table, dtype=np.int64), int(delta)

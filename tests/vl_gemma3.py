@@ -45,7 +45,9 @@ def build_tiny_gemma3_vl(folder: Path, tokenizer, **overrides) -> Path:
     from transformers import AutoTokenizer, Gemma3ForConditionalGeneration
     folder = Path(folder)
     tokenizer.save_pretrained(str(folder))  # a copy: the caller's tokenizer stays as it was
+    from engine.models.gemma3 import CHAT_TEMPLATE
     tok = AutoTokenizer.from_pretrained(str(folder), extra_special_tokens=IMAGE_TOKENS)
+    tok.chat_template = CHAT_TEMPLATE  # Gemma 3's, which renders image parts
     tok.save_pretrained(str(folder))
     image_ids = {key: tok.convert_tokens_to_ids(token) for key, token in IMAGE_TOKENS.items()}
     torch.manual_seed(0)

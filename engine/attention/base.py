@@ -36,6 +36,9 @@ class PrefillChunk:
     context_len: int  # cached + new tokens: what the last new token attends to
     block_table: torch.Tensor  # [ceil(context_len / block_size)] int64 (the runner's: a view of
     # AttentionMetadata.prefill_block_tables' row)
+    # Positions [a, b) whose tokens also see each other's later keys (a Gemma 3 image's tokens;
+    # the chunk holds the rest of each span: b <= context_len). Empty: causal.
+    bidirectional: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass

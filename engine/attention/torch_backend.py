@@ -102,10 +102,10 @@ class TorchAttentionBackend:
         masks = []
         for chunk in meta.prefills:
             start = chunk.context_len - chunk.num_tokens
-            if start:  # attends to a cached prefix: causal mask offset by `start`
+            if start or chunk.bidirectional:  # a cached prefix: causal mask offset by `start`
                 q_pos = torch.arange(start, chunk.context_len, device=chunk.block_table.device)
                 k_pos = torch.arange(chunk.context_len, device=chunk.block_table.device)
-                masks.append((0, k_pos[None, :] <= q_pos[:, None]))
+                masks.append((0, _both_ways(k_pos[None, :] <= q_pos[:, None], chunk.bidirectional, q_pos, k_pos)))
             else:
                 masks.append((0, None))  # plain causal attention
         return masks
@@ -254,7 +254,16 @@ def _window_mask(chunk: PrefillChunk, window: int, block_size: int) -> tuple[int
     q_pos = torch.arange(start, chunk.context_len, device=device)
     k_pos = torch.arange(first_block * block_size, chunk.context_len, device=device)
     distance = q_pos[:, None] - k_pos[None, :]
-    return first_block, (distance >= 0) & (distance < window)
+    return first_block, _both_ways(distance >= 0, chunk.bidirectional, q_pos, k_pos) & (distance < window)
+
+
+def _both_ways(allowed: torch.Tensor, spans: tuple[tuple[int, int], ...], q_pos: torch.Tensor,
+               k_pos: torch.Tensor) -> torch.Tensor:
+    """`allowed` [queries, keys], and a query in a span [a, b) sees every key of its span
+    (HF Gemma 3's mask for an image's tokens; a window still bounds it)."""
+    for a, b in spans:
+        allowed |= ((q_pos >= a) & (q_pos < b))[:, None] & ((k_pos >= a) & (k_pos < b))[None, :]
+    return allowed
 
 
 def _pad_decode(tables: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -120,8 +120,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.model.rotary_local.build(device)
 
 
-# Gemma 3's chat template (from its tokenizer_config.json, image parts left out), for GGUF
-# files converted without one: a system message prefixes the first user turn.
+# Gemma 3's chat template (from its tokenizer_config.json), for GGUF files converted without
+# one: a system message prefixes the first user turn; an image part is <start_of_image>.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if messages[0]['role'] == 'system' -%}"
@@ -134,7 +134,11 @@ CHAT_TEMPLATE = (
     "{%- endif -%}"
     "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
     "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
-    "{{ message['content'] | trim }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
     "{{ '<end_of_turn>\n' }}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"

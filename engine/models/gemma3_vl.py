@@ -152,10 +152,22 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """Gemma3ForCausalLM (its `model`, `lm_head`, forward and logits) plus `vision_tower` and
     `multi_modal_projector`, with `embed_images` (engine/models/multimodal.py)."""
 
+    # An image's tokens attend to each other both ways (HF's token_type_ids mask, every
+    # Gemma3ForConditionalGeneration): the engine prefills each image's tokens in one chunk.
+    bidirectional_images = True
+
     def __init__(self, cfg: ModelArchConfig, max_positions: int, shard: TPShard = SINGLE) -> None:
         super().__init__(cfg, max_positions, shard)
         self.vision_tower = SiglipVisionTower(cfg.vision)
         self.multi_modal_projector = Gemma3MultiModalProjector(cfg.vision, cfg.hidden_size)
+        self.image_token_id = cfg.vision["image_token_id"]
+        self.tokens_per_image = cfg.vision["mm_tokens_per_image"]
+
+    def num_image_tokens(self, shape: tuple[int, ...], grid: tuple[int, int, int] | None) -> int:
+        size = self.config.vision["image_size"]
+        if tuple(shape) != (self.config.vision["num_channels"], size, size) or grid is not None:
+            raise ValueError(f"gemma3: an image's pixels are [3, {size}, {size}] with no grid, got {list(shape)}")
+        return self.tokens_per_image
 
     @staticmethod
     def linear_sources(cfg: ModelArchConfig) -> dict[str, list[str]]:

@@ -1,0 +1,138 @@
+"""Gemma 3 with images end to end in the offline `LLM` against HF transformers, greedy, in
+float32: a tiny random-weight Gemma3ForConditionalGeneration (SigLIP encoder, projector, an
+image's tokens attending to each other both ways, windowed layers), conversations with 0, 1
+and 3 images, under batching, chunked prefill (which never splits an image), prefix caching
+and preemption. The prompt and pixels our frontend makes equal transformers' processor's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common.multimodal import whole_image_end
+from helpers import assert_no_leak, check_outputs_match
+from pagedserve import LLM, SamplingParams
+from vl_gemma3 import build_tiny_gemma3_vl
+from vl_models import IMAGES, conversation
+
+pytestmark = pytest.mark.heavy(40)
+
+MAX_NEW = 10
+CONFIGS = {
+    "batched": {},
+    # 7-token chunks: every 4-token image (with its 2 + 2 boundary tokens) moves to a chunk of its own
+    "chunked": dict(max_num_batched_tokens=7, enable_prefix_caching=False),
+    "preempted": dict(num_kv_blocks=6, enable_prefix_caching=False),
+    "all_at_once": dict(num_kv_blocks=7, max_num_batched_tokens=9, enable_prefix_caching=True),
+}
+CONVERSATIONS = [
+    conversation("Describe the picture.", IMAGES[:1]),
+    conversation("What is the same in these?", IMAGES),
+    conversation("Hello there, how are you today?", []),
+    [{"role": "user", "content": [{"type": "text", "text": "First"}, {"type": "image", "image": IMAGES[2]},
+                                  {"type": "text", "text": "then"}, {"type": "image", "image": IMAGES[0]}]}],
+]
+
+
+def hf_processor(folder):
+    """transformers' Gemma3Processor over its PIL image processor (its class check wants
+    torchvision's classes, which are not installed: skipped)."""
+    import json
+    from unittest import mock
+
+    from transformers import AutoTokenizer, Gemma3Processor, ProcessorMixin
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    images = Gemma3ImageProcessorPil.from_dict(json.loads((folder / "preprocessor_config.json").read_text()))
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+        return Gemma3Processor(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
+                               image_seq_length=images.image_seq_length)
+
+
+def hf_inputs(processor, messages: list[dict]):
+    shown = [{**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
+             if isinstance(m["content"], list) else m for m in messages]
+    text = processor.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
+    images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+              if p["type"] == "image"]
+    return processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
+
+
+@torch.inference_mode()
+def hf_greedy(model, inputs) -> tuple[list[int], list[dict]]:
+    out = model.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [dict(zip(*[t.tolist() for t in reversed(torch.log_softmax(step[0].float(), -1).topk(5))]))
+                for step in out.logits]
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, bundled_tokenizer):
+    from transformers import Gemma3ForConditionalGeneration
+    folder = build_tiny_gemma3_vl(tmp_path_factory.mktemp("gemma3_vl"), bundled_tokenizer)
+    processor = hf_processor(folder)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+    inputs = [hf_inputs(processor, c) for c in CONVERSATIONS]
+    return folder, inputs, [hf_greedy(hf, i) for i in inputs]
+
+
+def ours(llm: LLM) -> list[tuple[list[int], list[dict]]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.chat(CONVERSATIONS, params)]
+
+
+def test_prompt_and_pixels_equal_transformers_processor(tiny):
+    folder, inputs, _ = tiny
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
+    for conv, ref in zip(CONVERSATIONS, inputs):
+        ids, images = llm.input.chat_prompt(conv, add_generation_prompt=True)
+        assert ids == ref["input_ids"][0].tolist()
+        if images:
+            assert np.array_equal(np.stack([im.pixels for im in images]), ref["pixel_values"].numpy())
+            image_rows = ref["token_type_ids"][0].nonzero().flatten().tolist()
+            assert [i for im in images for i in range(im.offset, im.end)] == image_rows
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_matches_hf(tiny, config):
+    folder, _, reference = tiny
+    llm = LLM(str(folder), dtype="float32", **CONFIGS[config])
+    for _ in range(2 if llm.config.enable_prefix_caching else 1):
+        assert check_outputs_match(ours(llm), reference) <= 1
+    stats = llm.engine.stats()
+    if "num_kv_blocks" in CONFIGS[config]:
+        assert stats.num_preemptions > 0
+    if llm.config.enable_prefix_caching:
+        assert stats.num_prefix_cache_hits > 0
+    assert_no_leak(llm)
+
+
+def test_without_both_ways_attention_the_answer_differs(tiny, monkeypatch):
+    """The bidirectional mask matters: causal attention over the image tokens changes the logits."""
+    from engine.models import gemma3_vl
+    folder, _, reference = tiny
+    monkeypatch.setattr(gemma3_vl.Gemma3ForConditionalGeneration, "bidirectional_images", False)
+    llm = LLM(str(folder), dtype="float32")
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+    out = llm.chat(CONVERSATIONS[:1], params)[0].outputs[0]
+    assert out.logprobs[0] != pytest.approx(reference[0][1][0], abs=1e-4)
+
+
+def test_a_chunk_never_ends_inside_an_image():
+    from common.multimodal import ImageInput
+    pixels = np.zeros(1, np.float32)
+    images = [ImageInput(pixels, None, "a", 10, 4), ImageInput(pixels, None, "b", 20, 4)]
+    assert whole_image_end(images, 0, 12) == 10  # cut before the image
+    assert whole_image_end(images, 0, 14) == 14  # ends with it
+    assert whole_image_end(images, 10, 12) == 10  # starts in it: nothing this step
+    assert whole_image_end(images, 11, 16) == 16  # the rest of a cached image, whole
+    assert whole_image_end(images, 14, 22) == 20
+
+
+def test_a_step_budget_smaller_than_an_image_is_refused(tiny):
+    folder, _, _ = tiny
+    with pytest.raises(ValueError, match="max_num_batched_tokens 3: gemma3 prefills each image's 4 tokens"):
+        LLM(str(folder), dtype="float32", max_num_batched_tokens=3)
