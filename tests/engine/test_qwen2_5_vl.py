@@ -7,6 +7,8 @@ processor's exactly."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -138,8 +140,56 @@ def test_images_to_a_text_model_and_bad_image_counts_are_refused(tiny, bundled_p
     folder, _, _ = tiny
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
     with pytest.raises(InvalidRequest, match="1 image\\(s\\) for 2 image placeholder"):
-        llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>" * 2, "multi_modal_data": {"image": IMAGES[0]}})
+        llm.generate({"prompt": "<|vision_start|><|image_pad|><|vision_end|>" * 2,
+                      "multi_modal_data": {"image": IMAGES[0]}})
     text_llm = LLM(str(bundled_path), num_kv_blocks=64)
     with pytest.raises(InvalidRequest, match="takes text only"):
         text_llm.chat(conversation("Hi", IMAGES[:1]))
     assert_no_leak(llm)
+
+
+def test_speculation_and_forks_with_images(tiny):
+    """Verification rows after an image (M-RoPE positions past the prompt) and n=2 siblings
+    (which keep the request's positions): an oracle drafts HF's answer, every draft verified."""
+    from helpers import Oracle
+    folder, _, reference = tiny
+    llm = LLM(str(folder), dtype="float32", speculative_method="ngram", num_speculative_tokens=3)
+    prompts = [llm.input.chat_prompt(c, add_generation_prompt=True)[0] for c in CONVERSATIONS]
+    llm.engine.speculator.proposer = Oracle({tuple(p): r[0] for p, r in zip(prompts, reference)})
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, n=2)
+    for out, (tokens, _) in zip(llm.chat(CONVERSATIONS, params), reference):
+        assert [c.token_ids for c in out.outputs] == [tokens, tokens]
+    assert llm.engine.stats().spec_decoding.num_accepted_tokens > 0
+    assert_no_leak(llm)
+
+
+def test_structured_output_with_an_image(tiny):
+    from common.structured_output.params import StructuredOutputsParams
+    folder, _, _ = tiny
+    llm = LLM(str(folder), dtype="float32")
+    pattern = "[0-9]{3}-[a-z]+"
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex=pattern))
+    text = llm.chat(CONVERSATIONS[:2], params)[1].outputs[0].text
+    assert re.fullmatch(pattern, text), text
+    assert_no_leak(llm)
+
+
+def test_lora_on_the_language_model_with_images(tiny, tmp_path):
+    """A PEFT adapter on the language model's q/v projections (the vision tower's are named
+    qkv: untouched) gives HF's merged model's answer, images and all."""
+    from bench.lora_adapters import save_random_adapter
+    folder, inputs, _ = tiny
+    adapter = save_random_adapter(hf_qwen2_5_vl(folder), tmp_path / "vl_lora", 8, ["q_proj", "v_proj"], seed=3)
+    hf = _merged_vl(folder, adapter)
+    expected = [hf_greedy(hf, i) for i in inputs[:2]]
+    llm = LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8)
+    llm.load_lora("vl", str(adapter))
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
+    outs = llm.chat(CONVERSATIONS[:2], params, lora_name="vl")
+    assert check_outputs_match([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], expected) <= 1
+    assert_no_leak(llm)
+
+
+def _merged_vl(folder, adapter):
+    from peft import PeftModel
+    return PeftModel.from_pretrained(hf_qwen2_5_vl(folder), str(adapter)).merge_and_unload()
