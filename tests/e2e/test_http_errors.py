@@ -407,3 +407,20 @@ def test_no_engine_is_503(orphan):
     assert info.value.status_code == 503
     assert httpx.get(f"{url}/version", timeout=10).status_code == 200
     assert not server_errors(orphan)
+
+
+PIXEL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAA"
+         "AABJRU5ErkJggg==")
+
+
+def test_images_to_a_text_model_are_400_on_every_api(frontend, model):
+    """The bundled model reads text only: an image is refused on every route, naming it."""
+    image_part = {"type": "image_url", "image_url": {"url": PIXEL}}
+    chat = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": [image_part]}]}
+    assert_error(post(frontend, "/v1/chat/completions", chat), 400, BAD, "text only")
+    source = {"type": "base64", "media_type": "image/png", "data": PIXEL.split(",", 1)[1]}
+    message = {"model": model, "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": source}]}]}
+    assert_error(post(frontend, "/v1/messages", message), 400, None, "text only", anthropic_shape=True)
+    response = {"model": model, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": PIXEL}]}]}
+    assert_error(post(frontend, "/v1/responses", response), 400, BAD, "text only")

@@ -19,6 +19,7 @@ import zlib
 import grpc
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
 from common.v1 import generation_pb2 as gen
@@ -190,6 +191,36 @@ def test_bad_images_get_a_400_naming_the_part(frontend, media, case):
     r = post(frontend, "/v1/chat/completions", body)
     assert r.status_code == 400, r.text
     assert "messages[0].content[1].image_url" in r.json()["error"]["message"]
+
+
+def _with_header(data: bytes, kind: str) -> bytes:
+    """Random bytes behind a real format's signature, so the decoder gets past its first check."""
+    return {"png": b"\x89PNG\r\n\x1a\n", "jpeg": b"\xff\xd8\xff\xe0", "gif": b"GIF89a", "raw": b""}[kind] + data
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.binary(max_size=300), kind=st.sampled_from(["png", "jpeg", "gif", "raw"]),
+       mime=st.sampled_from(["image/png", "image/jpeg", "image/gif", "image/webp", "text/html", "", "image/svg+xml"]),
+       api=st.sampled_from(["openai", "anthropic", "grpc"]))
+def test_fuzzed_image_bytes_get_4xx_never_5xx(frontend, data, kind, mime, api):
+    raw = _with_header(data, kind)
+    b64 = base64.b64encode(raw).decode()
+    model = model_name(frontend)
+    if api == "grpc":
+        message = gen.ChatMessage(role="user", parts=[gen.ContentPart(image=gen.ImageData(data=raw))])
+        with pytest.raises(grpc.RpcError) as e:
+            list(frontend.generation.Generate(gen.GenerateRequest(chat=gen.Chat(messages=[message])), timeout=30))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return
+    if api == "openai":
+        part = {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{b64}"}}
+        r = post(frontend, "/v1/chat/completions", {"model": model, "max_tokens": 1,
+                                                     "messages": [{"role": "user", "content": [part]}]})
+    else:
+        block = {"type": "image", "source": {"type": "base64", "media_type": mime, "data": b64}}
+        r = post(frontend, "/v1/messages", {"model": model, "max_tokens": 1,
+                                            "messages": [{"role": "user", "content": [block]}]})
+    assert r.status_code == 400, r.text
 
 
 def test_too_many_images_and_misplaced_images_are_refused(frontend):
