@@ -124,3 +124,182 @@ def conversation(text: str, images: list[Image.Image]) -> list[dict]:
         return [{"role": "user", "content": text}]
     parts = [{"type": "image", "image": im} for im in images]
     return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
+
+
+# Qwen3-VL-*-Instruct's chat_template.json, as shipped: unlike Qwen2.5-VL's, no default system
+# prompt; an image part renders as <|vision_start|><|image_pad|><|vision_end|> all the same.
+QWEN3_VL_CHAT_TEMPLATE = r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {%- if messages[0].content is string %}
+            {{- messages[0].content }}
+        {%- else %}
+            {%- for content in messages[0].content %}
+                {%- if 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' }}
+        {%- if messages[0].content is string %}
+            {{- messages[0].content }}
+        {%- else %}
+            {%- for content in messages[0].content %}
+                {%- if 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- for message in messages %}
+    {%- if message.role == "user" %}
+        {{- '<|im_start|>' + message.role + '\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content in message.content %}
+                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+                    <|vision_start|><|image_pad|><|vision_end|>
+                {%- elif content.type == 'video' or 'video' in content %}
+                    {%- set video_count.value = video_count.value + 1 %}
+                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
+                    <|vision_start|><|video_pad|><|vision_end|>
+                {%- elif 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role + '\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content_item in message.content %}
+                {%- if 'text' in content_item %}
+                    {{- content_item.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and message.content) or (not loop.first) %}
+                    {{- '\n' }}
+                {%- endif %}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<tool_call>\n{"name": "' }}
+                {{- tool_call.name }}
+                {{- '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {%- if message.content is string %}
+            {{- message.content }}
+        {%- else %}
+            {%- for content in message.content %}
+                {%- if content.type == 'image' or 'image' in content or 'image_url' in content %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                    {%- if add_vision_id %}Picture {{ image_count.value }}: {% endif -%}
+                    <|vision_start|><|image_pad|><|vision_end|>
+                {%- elif content.type == 'video' or 'video' in content %}
+                    {%- set video_count.value = video_count.value + 1 %}
+                    {%- if add_vision_id %}Video {{ video_count.value }}: {% endif -%}
+                    <|vision_start|><|video_pad|><|vision_end|>
+                {%- elif 'text' in content %}
+                    {{- content.text }}
+                {%- endif %}
+            {%- endfor %}
+        {%- endif %}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+
+# Qwen3-VL's preprocessor_config.json (16-pixel patches, mean and std 0.5) with few pixels: an
+# image is resized to 64x64 .. 256x256 pixels, i.e. 4 to 64 tokens of 32x32 pixels.
+QWEN3_VL_PREPROCESSOR = {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2,
+                         "size": {"shortest_edge": 64 * 64, "longest_edge": 256 * 256},
+                         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
+
+
+def build_tiny_qwen3_vl(folder: Path, tokenizer) -> Path:
+    """Save a random-weight Qwen3-VL (float32) into `folder`: a 3-layer language model (hidden
+    64, 4 heads of 32 (wider than hidden / heads), 2 KV heads, interleaved M-RoPE section
+    [6, 5, 5]) and a 3-block vision tower (hidden 32, 2 heads, 16-pixel patches, an 8x8
+    learned position table) whose blocks 0 and 1 feed DeepStack (added after decoder layers 0
+    and 1). `tokenizer` (not changed) gains Qwen's vision tokens and Qwen3-VL's chat template.
+    transformers 5.24's save_pretrained writes its module tree's tensor names
+    (`model.visual.*`, `model.language_model.*`, `lm_head.weight`), as the Hub's Qwen3-VL."""
+    import transformers
+    folder = Path(folder)
+    tokenizer.save_pretrained(str(folder))
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))  # a copy: the caller's may be shared
+    tok.add_tokens(list(QWEN_VL_TOKENS), special_tokens=True)
+    tok.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    tok.save_pretrained(str(folder))
+    ids = dict(zip(QWEN_VL_TOKENS, tok.convert_tokens_to_ids(list(QWEN_VL_TOKENS))))
+    token_ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 32, "vocab_size": -(-len(tok) // 64) * 64,
+            "max_position_embeddings": 2048, "initializer_range": 0.2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
+                                "mrope_interleaved": True}, **token_ids}
+    vision = {"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64,
+              "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2, "num_position_embeddings": 64,
+              "deepstack_visual_indexes": [0, 1], "initializer_range": 0.2}
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                                        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                                        vision_start_token_id=ids["<|vision_start|>"],
+                                        vision_end_token_id=ids["<|vision_end|>"], **token_ids)
+    torch.manual_seed(0)
+    model = transformers.Qwen3VLForConditionalGeneration(config).to(torch.float32).eval()
+    with torch.no_grad():  # HF starts norm weights at 1 and biases at 0: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.2)
+            elif "norm" in name:
+                p.normal_(1.0, 0.3)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    _processor_class()(**QWEN3_VL_PREPROCESSOR).save_pretrained(str(folder))
+    return folder
+
+
+def hf_qwen3_vl(folder: Path):
+    """HF's Qwen3VLForConditionalGeneration from `folder`, float32, eval."""
+    from transformers import Qwen3VLForConditionalGeneration
+    return Qwen3VLForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()

@@ -155,14 +155,19 @@ class MRotaryEmbedding(RotaryEmbedding):
     """Qwen2-VL's multimodal rotary (M-RoPE, HF's apply_multimodal_rotary_pos_emb): a token has
     three positions (time, height, width), and the head's frequency pairs fall into three
     sections of `mrope_section` pairs, section s rotating by position s. A text token's three
-    positions are equal, which is plain RoPE: given [T] positions, this is RotaryEmbedding."""
+    positions are equal, which is plain RoPE: given [T] positions, this is RotaryEmbedding.
+
+    `interleaved` (Qwen3-VL): the sections' pairs alternate instead, t h w t h w ... (pair j
+    turns with height where j % 3 == 1 and j < 3 * section[1], with width where j % 3 == 2 and
+    j < 3 * section[2], else with time), as HF's Qwen3VLTextRotaryEmbedding."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None,
-                 mrope_section: tuple[int, ...]) -> None:
+                 mrope_section: tuple[int, ...], interleaved: bool = False) -> None:
         if len(mrope_section) != 3 or sum(mrope_section) != head_dim // 2:
             raise ValueError(f"mrope_section {list(mrope_section)}: 3 sections of head_dim / 2 = {head_dim // 2} pairs")
         super().__init__(head_dim, max_positions, theta, scaling)
         self.sections = [*mrope_section, *mrope_section]  # the table's columns: cos(f) then again for the other half
+        self.interleaved = interleaved
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         """`positions` [T] (plain RoPE) or [3, T] (M-RoPE)."""
@@ -176,6 +181,14 @@ class MRotaryEmbedding(RotaryEmbedding):
 
     def _pick(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Each column from the row of its section's position."""
+        if self.interleaved:
+            rows = table[positions]  # [3, T, D]
+            out, half = rows[0].clone(), self.head_dim // 2
+            for axis in (1, 2):
+                for first in (0, half):
+                    columns = slice(first + axis, first + min(3 * self.sections[axis], half), 3)
+                    out[:, columns] = rows[axis][:, columns]
+            return out
         parts = table[positions].split(self.sections, dim=-1)  # 6 x [3, T, cols]
         return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1)
 

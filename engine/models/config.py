@@ -19,6 +19,9 @@ SUPPORTED = {
     "gemma3": {"qk_norm": True, "gguf": False},  # Gemma 3 4B+ with its SigLIP encoder: engine/models/gemma3_vl.py
     # Qwen2.5-VL: Qwen2's language model with M-RoPE, and its vision tower: engine/models/qwen2_5_vl.py
     "qwen2_5_vl": {"qkv_bias": True, "gguf": False, "vision": True},
+    # Qwen3-VL (dense): Qwen3's language model with interleaved M-RoPE and DeepStack, and its
+    # vision tower: engine/models/qwen3_vl.py
+    "qwen3_vl": {"qk_norm": True, "gguf": False, "vision": True},
     # engine/models/gpt_oss.py: attention sinks, biased attention and experts, alternating windows.
     "gpt_oss": {"moe": True, "gguf": False, "attention_sinks": True},
     # Encoders (engine/models/bert.py): bidirectional, no KV cache, served for embed / score.
@@ -111,6 +114,8 @@ class ModelArchConfig:
             return gemma3_vl_config(c)
         if model_type == "qwen2_5_vl":
             return qwen2_5_vl_config(c)
+        if model_type == "qwen3_vl":
+            return qwen3_vl_config(c)
         if flags.get("encoder"):
             return _encoder_from_hf(c)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -281,6 +286,35 @@ def qwen2_5_vl_config(c) -> ModelArchConfig:
     tied = bool(getattr(c, "tie_word_embeddings", False) or getattr(text, "tie_word_embeddings", False))
     return dataclasses.replace(cfg, model_type="qwen2_5_vl", vision=vision, head_dim=head_dim,
                                rope_scaling=scaling, tie_word_embeddings=tied)
+
+
+def qwen3_vl_config(c) -> ModelArchConfig:
+    """A transformers Qwen3VLConfig: Qwen3's language model (text_config, its head_dim as
+    given) and `vision` for engine/models/qwen3_vl.py (the tower's shape, the blocks DeepStack
+    reads, the image token ids, mrope_section). HF's Qwen3-VL interleaves M-RoPE's sections
+    whatever the config's mrope_interleaved says, and ties the head as the top level says."""
+    text, v = c.text_config, c.vision_config
+    if v.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+        raise ValueError(f"qwen3_vl: vision hidden_act {v.hidden_act!r} is not supported (gelu_pytorch_tanh, gelu)")
+    rope = dict(getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {})
+    cfg = ModelArchConfig.from_hf(text, model_type="qwen3")
+    section = tuple(rope.get("mrope_section") or ())
+    if sum(section) != cfg.head_dim // 2 or len(section) != 3:
+        raise ValueError(f"qwen3_vl: mrope_section {list(section)} must be 3 parts summing to head_dim / 2 "
+                         f"= {cfg.head_dim // 2}")
+    deepstack = tuple(v.deepstack_visual_indexes)
+    if any(not 0 <= i < v.depth for i in deepstack) or len(set(deepstack)) != len(deepstack):
+        raise ValueError(f"qwen3_vl: deepstack_visual_indexes {list(deepstack)} must be distinct blocks of "
+                         f"0..{v.depth - 1}")
+    vision = {name: getattr(v, name) for name in (
+        "depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size", "temporal_patch_size",
+        "spatial_merge_size", "out_hidden_size", "num_position_embeddings")}
+    vision.update(deepstack_visual_indexes=deepstack, gelu_tanh=v.hidden_act == "gelu_pytorch_tanh",
+                  rope_theta=float((getattr(v, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+                  mrope_section=section, image_token_id=c.image_token_id,
+                  vision_start_token_id=c.vision_start_token_id)
+    return dataclasses.replace(cfg, model_type="qwen3_vl", vision=vision,
+                               tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)))
 
 
 def default_layer_types(num_layers: int) -> tuple[str, ...]:

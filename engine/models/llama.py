@@ -123,15 +123,19 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = vocab_parallel_embed(self.embed_tokens, input_ids, self.shard, self.vocab_size)
+        deepstack = ()  # Qwen3-VL: image features added to the image rows' hidden states after layer i
         if ctx.mm is not None:  # a vision-language model's step with images (engine/models/multimodal.py)
             if ctx.mm.embeds is not None:
-                x[ctx.mm.rows] = ctx.mm.embeds
+                embeds, *deepstack = ctx.mm.embeds.split(x.shape[-1], dim=-1)
+                x[ctx.mm.rows] = embeds
             if ctx.mm.rope_positions is not None:  # [3, T]: only an M-RoPE table (MRotaryEmbedding) reads it
                 positions = ctx.mm.rope_positions
         rope = self.rotary(positions, x.dtype)
         residual = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, ctx)
+            if i < len(deepstack):  # x + residual is the hidden state: the next norm adds them
+                x[ctx.mm.rows] += deepstack[i]
         return self.norm(x, residual)[0]
 
 

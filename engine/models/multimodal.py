@@ -11,7 +11,8 @@ M-RoPE) also gets each row's positions there.
 A model class that takes images implements:
 
     embed_images(pixels: list[Tensor], grids: list[tuple[int, int, int] | None]) -> list[Tensor]
-        Each image's embeddings, [num_placeholder_tokens_i, hidden] in the model's dtype, for
+        Each image's embeddings, [num_placeholder_tokens_i, hidden] (Qwen3-VL: wider, see
+        MultiModalStep.embeds) in the model's dtype, for
         the images' preprocessed pixels as the frontend computed them (frontend/multimodal/:
         Qwen2-VL's patch rows [patches, C * temporal_patch * patch^2] and (t, h, w) grid;
         Gemma 3's [3, H, W] image and no grid). Called with every image a step needs
@@ -44,7 +45,9 @@ class MultiModalStep:
     """One forward pass's image inputs."""
 
     rows: torch.Tensor  # [N] int64: rows of the step's flat token batch that are image placeholders
-    embeds: torch.Tensor  # [N, hidden]: their embeddings, in the model's dtype, row for row
+    # [N, hidden]: their embeddings, in the model's dtype, row for row. Qwen3-VL's DeepStack:
+    # [N, hidden * (1 + k)], the embeddings then k levels added after decoder layers 0 .. k-1.
+    embeds: torch.Tensor
     # M-RoPE models: [3, T] int64 positions of every row of the step (text rows: the sequence
     # position, + the request's delta after an image). None: the step's `positions`.
     rope_positions: torch.Tensor | None = None

@@ -96,7 +96,7 @@ class Qwen2_5_VLForConditionalGeneration(LlamaForCausalLM):
                     continue
                 name = name.removeprefix("visual.")
                 if name not in vision:
-                    raise ValueError(f"checkpoint tensor 'visual.{name}' has no place in qwen2_5_vl")
+                    raise ValueError(f"checkpoint tensor 'visual.{name}' has no place in {self.config.model_type}")
                 if isinstance(tensor, QuantizedTensor):
                     tensor = tensor.dequantize()
                 target = vision[name]
@@ -187,21 +187,23 @@ class VisionTransformer(nn.Module):
         rows = (order[:, None] * unit + torch.arange(unit)).flatten()  # their patch rows
         proj = self.patch_embed["proj"]
         x = proj(pixels.to(proj.weight.dtype))[rows.to(device)]
-        rope = self._rope(patch_positions(grids, self.merge)[rows].to(device))
+        rope = axial_rope(patch_positions(grids, self.merge)[rows].to(device), self.head_dim,
+                          self.config["rope_theta"])
         frames = [h * w for t, h, w in grids for _ in range(t)]
         full, windows = segment_groups(frames, device), segment_groups(window_lens, device)
         for i, block in enumerate(self.blocks):
             x = block(x, rope, full if i in self.full_blocks else windows)
         return self.merger(x)[torch.argsort(order).to(device)]
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 cos, sin [N, 1, head_dim] for (row, column) patch positions [N, 2]: a quarter of
-        the head's pairs turn with the row, a quarter with the column, as HF's axial rope."""
-        half = self.head_dim // 2
-        inv_freq = 1.0 / (self.config["rope_theta"] ** (torch.arange(0, half, 2, dtype=torch.float) / half))
-        freqs = (positions[..., None].float() * inv_freq.to(positions.device)).flatten(1)  # [N, (row, col) freqs]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None]
-        return emb.cos(), emb.sin()
+
+def axial_rope(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos, sin [N, 1, head_dim] for (row, column) patch positions [N, 2]: a quarter of
+    the head's pairs turn with the row, a quarter with the column, as HF's axial rope."""
+    half = head_dim // 2
+    inv_freq = 1.0 / (theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+    freqs = (positions[..., None].float() * inv_freq.to(positions.device)).flatten(1)  # [N, (row, col) freqs]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos(), emb.sin()
 
 
 class VisionBlock(Layer):

@@ -19,6 +19,7 @@ _CLASSES = {
     "gemma3_text": ("engine.models.gemma3", "Gemma3ForCausalLM"),
     "gemma3": ("engine.models.gemma3_vl", "Gemma3ForConditionalGeneration"),
     "qwen2_5_vl": ("engine.models.qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+    "qwen3_vl": ("engine.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
     "gpt_oss": ("engine.models.gpt_oss", "GptOssForCausalLM"),
     "bert": ("engine.models.bert", "BertModel"),
 }

@@ -23,6 +23,7 @@ FAMILIES = {
     # in <|vision_start|> ... <|vision_end|> already).
     "qwen2_vl": Family("<|image_pad|>"),
     "qwen2_5_vl": Family("<|image_pad|>"),
+    "qwen3_vl": Family("<|image_pad|>"),  # Qwen3VLProcessor: images as Qwen2-VL's (videos differ)
     # Gemma3Processor: each <start_of_image> becomes "\n\n<start_of_image>", the soft tokens,
     # then "<end_of_image>\n\n".
     "gemma3": Family("<start_of_image>", "\n\n<start_of_image>", "<end_of_image>\n\n"),

@@ -25,6 +25,7 @@ import numpy as np
 PROCESSORS = {
     "qwen2_vl": ("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"),
     "qwen2_5_vl": ("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"),
+    "qwen3_vl": ("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"),
     "gemma3": ("transformers.models.gemma3.image_processing_pil_gemma3", "Gemma3ImageProcessorPil"),
 }
 
