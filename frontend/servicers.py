@@ -7,6 +7,7 @@ INTERNAL with a generic message, never a stack trace."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from contextlib import asynccontextmanager
@@ -98,6 +99,15 @@ def prompt_from_request(processor: InputProcessor, msg,
     return list(msg.token_ids.ids), []
 
 
+async def prompt_off_loop(processor: InputProcessor, msg, add_special_tokens: bool = True
+                          ) -> tuple[list[int], list[ImageInput]]:
+    """`prompt_from_request` on the event loop: a chat with images is decoded and preprocessed
+    in a worker thread (InputProcessor.chat_prompt_async says why)."""
+    if msg.WhichOneof("input") == "chat" and any(p.HasField("image") for m in msg.chat.messages for p in m.parts):
+        return await asyncio.to_thread(prompt_from_request, processor, msg, add_special_tokens)
+    return prompt_from_request(processor, msg, add_special_tokens)
+
+
 def chat_messages(chat: gen.Chat, field: str = "chat.messages") -> list[dict]:
     """A Chat's messages as the input processor takes them: each its `content`, or its `parts`
     with their images decoded (frontend/multimodal/parts.py)."""
@@ -143,7 +153,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.ctx.metrics.active_streams.labels("grpc").inc()
         try:
             async with status_codes(context):
-                generation = self._admit(request)
+                generation = await self._admit(request)
                 time_limit_s = request.time_limit_ms / 1000 if request.HasField("time_limit_ms") else None
                 started = False
                 async for deltas in self.ctx.llm.generate(generation, time_limit_s):
@@ -159,7 +169,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self.ctx.metrics.active_streams.labels("grpc").dec()
             record.write(outcome_code(context, error).name, generation, _prompt_for_log(request))
 
-    def _admit(self, request: gen.GenerateRequest) -> Generation:
+    async def _admit(self, request: gen.GenerateRequest) -> Generation:
         llm = self.ctx.llm
         processor = llm.require_ready()
         check_request_id(request.request_id)
@@ -172,7 +182,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                             include_stop_str_in_output=request.include_stop_str_in_output,
                                             structured_outputs=_constraint(request))
         add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        prompt, images = prompt_from_request(processor, request, add_special)
+        prompt, images = await prompt_off_loop(processor, request, add_special)
         field = "token_ids" if request.WhichOneof("input") == "token_ids" else "prompt"
         return llm.admit(prompt, params, request.request_id or None, request.priority, field, request.lora_name,
                          images)
@@ -242,7 +252,7 @@ class TokenizationService(tokenization_pb2_grpc.TokenizationServicer):
         async with status_codes(context):
             processor = self.ctx.llm.require_engine()
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids, _ = prompt_from_request(processor, request, add_special)
+            ids, _ = await prompt_off_loop(processor, request, add_special)
             ids = processor.check_token_ids(ids)
             tokens = processor.tokenizer.convert_ids_to_tokens(ids)
             return tokenization_pb2.TokenizeResponse(token_ids=ids, tokens=tokens)

@@ -103,9 +103,9 @@ async def create_message(ctx: HttpContext, request: Request):
     # A conversation ending with the assistant's words asks the model to continue them.
     continue_final = messages[-1]["role"] == "assistant" if messages else False
     messages, template_tools = processor.chat_with_tools(messages, tools)
-    prompt, images = processor.chat_prompt(messages, add_generation_prompt=not continue_final,
-                                           continue_final_message=continue_final,
-                                           chat_template_kwargs=template_kwargs, tools=template_tools)
+    prompt, images = await processor.chat_prompt_async(
+        messages, add_generation_prompt=not continue_final, continue_final_message=continue_final,
+        chat_template_kwargs=template_kwargs, tools=template_tools)
     params = messages_params(body, tools, processor, ctx.parser_names(tools)[0], prompt)
     generation = ctx.llm.admit(prompt, params, lora_name=lora_name, images=images)
     message_id = f"msg_{uuid.uuid4().hex}"

@@ -190,7 +190,7 @@ def _add_server_routes(app: FastAPI, ctx: HttpContext) -> None:
         else:
             messages = await load_images([_message(m, i) for i, m in enumerate(body.messages)], ctx.media.load,
                                          processor.check_images)
-            ids, _ = processor.chat_prompt(messages, add_generation_prompt=body.add_generation_prompt)
+            ids, _ = await processor.chat_prompt_async(messages, add_generation_prompt=body.add_generation_prompt)
         return {"count": len(ids), "max_model_len": processor.limits.max_model_len, "tokens": ids,
                 "token_strs": processor.tokenizer.convert_ids_to_tokens(ids)}
 

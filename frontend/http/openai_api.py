@@ -70,7 +70,7 @@ async def create_chat_completion(ctx: HttpContext, request: Request):
     tools = openai_tool_use(body)
     messages = await chat_messages(ctx, body.messages, processor.check_images)
     messages, template_tools = processor.chat_with_tools(messages, tools)
-    prompt, images = processor.chat_prompt(
+    prompt, images = await processor.chat_prompt_async(
         messages, add_generation_prompt=body.add_generation_prompt and not body.continue_final_message,
         continue_final_message=body.continue_final_message, chat_template_kwargs=chat_template_kwargs(body),
         tools=template_tools)

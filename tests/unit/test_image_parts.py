@@ -397,6 +397,9 @@ class _Recorder:
 
     tokenize_chat = chat_prompt = chat_with_tools
 
+    async def chat_prompt_async(self, messages, **kwargs):
+        return self.chat_prompt(messages, **kwargs)
+
     def check_images(self, count: int, field: str = "messages") -> None:
         pass
 

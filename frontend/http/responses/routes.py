@@ -64,8 +64,8 @@ async def create_response(ctx: HttpContext, store: ResponseStore, request: Reque
                                                     processor.check_images)
     tools = responses_tool_use(req)
     messages, template_tools = processor.chat_with_tools(chat_messages(conversation, req.instructions), tools)
-    prompt, images = processor.chat_prompt(messages, add_generation_prompt=True, tools=template_tools,
-                                           chat_template_kwargs=responses_template_kwargs(req))
+    prompt, images = await processor.chat_prompt_async(messages, add_generation_prompt=True, tools=template_tools,
+                                                       chat_template_kwargs=responses_template_kwargs(req))
     params = responses_params(req, tools, processor, ctx.parser_names(tools)[0], prompt)
     run = Run(ctx, store, req, tools, conversation, ctx.llm.admit(prompt, params, lora_name=lora_name, images=images))
     if req.background:
