@@ -85,10 +85,12 @@ def folder(tmp_path_factory, bundled_tokenizer):
 
 @pytest.fixture(scope="module")
 def frontend(procs, folder):
+    engine_address = f"tcp://127.0.0.1:{procs.free_port()}"
     with procs.serving("--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "128",
                        "--num-threads", "1", "--allowed-media-domains", "127.0.0.1",
                        "--media-fetch-timeout-s", "1", "--limit-mm-per-prompt", f"image={MAX_IMAGES}",
-                       timeout_s=300) as fe:
+                       "--engine-address", engine_address, timeout_s=300) as fe:
+        fe.vl_engine_address = engine_address
         yield fe
 
 
@@ -246,3 +248,34 @@ def test_a_repeated_image_is_served_from_the_prefix_cache(frontend):
     again = client.chat.completions.create(model=model, messages=ask, max_tokens=1)
     assert again.usage.prompt_tokens_details.cached_tokens >= 48
     assert httpx.get(f"{frontend.http_url}/health", timeout=10).status_code == 200
+
+
+def test_the_frontend_preprocesses_images_without_torch(frontend, procs, tmp_path, expected):
+    """A second frontend on the same engine, its modules recorded (test_frontend_light's hook):
+    it decodes, preprocesses and expands an image with transformers' numpy paths, no torch."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from test_frontend_light import HEAVY, RECORD_MODULES, ROOT
+    modules_file = tmp_path / "modules.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RECORD_MODULES, str(modules_file), "frontend", "--engine-address",
+         frontend.vl_engine_address, "--grpc-port", "0", "--http-port", "0"], cwd=ROOT, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    light = procs.Frontend(proc, *procs.read_addresses(proc))
+    try:
+        light.wait_serving()
+        answer = openai_client(light).chat.completions.create(
+            model=model_name(light), messages=[{"role": "user", "content": openai_parts("Describe it.", IMAGES[:1])}],
+            **GREEDY)
+        assert answer.choices[0].message.content == expected[0]
+    finally:
+        light.channel.close()
+        code = procs.stop(proc, signal.SIGTERM)
+    assert code == 0, procs.log_tail(proc)
+    modules = set(json.loads(modules_file.read_text()))
+    assert "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl" in modules
+    assert [m for m in modules if any(m == h or m.startswith(h + ".") for h in HEAVY)] == []
