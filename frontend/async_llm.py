@@ -219,7 +219,7 @@ class AsyncLLM:
         failed: tuple[PooledEngine, Exception] | None = None  # the last attempt's engine and error
         try:
             while True:
-                engine = self.pool.route(gen.state.prompt, tried, gen.lora_name)
+                engine = self.pool.route(gen.state.prompt, tried, gen.lora_name, gen.images)
                 if engine is None:  # the last engine's error says most (RESOURCE_EXHAUSTED or UNAVAILABLE)
                     raise failed[1] if failed else self._no_engine(gen)
                 if failed:

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from common.errors import Unavailable
+from common.multimodal import ImageInput, with_images
 from common.prefix_hash import block_extra_keys
 from common.v1 import engine_ipc_pb2 as ipc
 from frontend.engine_client import EngineClient
@@ -251,17 +252,20 @@ class EnginePool:
         """Engines that agree with the pool and answer (ready or draining)."""
         return [e for e in self.engines.values() if e.state in (EngineState.READY, EngineState.DRAINING)]
 
-    def route(self, prompt: list[int], exclude: set[str] = frozenset(), lora_name: str = "") -> PooledEngine | None:
+    def route(self, prompt: list[int], exclude: set[str] = frozenset(), lora_name: str = "",
+              images: list[ImageInput] = ()) -> PooledEngine | None:
         """The engine for this request, or None if none may take it. Engines whose breaker is
         open are skipped while another can take it: with no other, trying one beats refusing.
-        A request for an adapter goes only to engines that have it."""
+        A request for an adapter goes only to engines that have it. `images`: the prompt's,
+        whose hashes are in the engines' block keys."""
         now = time.monotonic()
         ready = [e for e in self.engines.values() if e.state is EngineState.READY and e.address not in exclude
                  and (not lora_name or lora_name in e.client.lora_adapters)]
         candidates = [e for e in ready if e.breaker.available(now)] or ready
         if not candidates:
             return None
-        hashes = (prompt_block_hashes(prompt, self.welcome.block_size, _extra_keys(candidates, lora_name))
+        hashes = (prompt_block_hashes(prompt, self.welcome.block_size,
+                                      with_images(_extra_keys(candidates, lora_name), images))
                   if self.policy.needs_block_hashes and self.welcome is not None else [])
         route = self.policy.choose([e.view() for e in candidates], hashes)
         engine = self.engines[route.address]
