@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from common.errors import InvalidRequest
-from common.multimodal import ImageInput
+from common.multimodal import MAX_PIXEL_BYTES, ImageInput
 from common.outputs import EngineCoreOutput, PlainTokens, plain_output
 from common.sampling_defaults import DEFAULTABLE, NO_DEFAULTS, sampling_params
 from common.sampling_params import SamplingParams
@@ -176,7 +176,6 @@ def logprobs_from_proto(msg: gen.PositionLogprobs) -> dict[int, float]:
     return logprobs
 
 
-MAX_IMAGE_FLOATS = 64 * 2**20  # 256 MiB of float32 pixels: no preprocessed image comes near
 
 
 def image_to_proto(image: ImageInput) -> ipc.ImageInput:
@@ -189,7 +188,7 @@ def image_from_proto(msg: ipc.ImageInput) -> ImageInput:
     """Raises InvalidRequest when the bytes are not the shape's float32s."""
     shape = tuple(msg.shape)
     count = math.prod(shape) if shape else 0
-    if not shape or not 0 < count <= MAX_IMAGE_FLOATS or len(msg.pixels) != 4 * count:
+    if not shape or not 0 < count <= MAX_PIXEL_BYTES // 4 or len(msg.pixels) != 4 * count:
         raise InvalidRequest(f"images: {len(msg.pixels)} bytes of pixels do not make float32s of shape {shape}")
     if msg.grid and len(msg.grid) != 3:
         raise InvalidRequest(f"images: a grid is (t, h, w), got {tuple(msg.grid)}")

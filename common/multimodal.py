@@ -15,6 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 
 IMAGES_KEY = "images"  # the tag of a request's image entry in its prefix-cache extra keys
+# The preprocessed pixels (float32) one request may carry, all its images together: a
+# 1024x1024 image is 25.8 MB for Qwen2.5-VL, one at its largest (max_pixels) 308 MB. The
+# frontend refuses more with a 400; the engine's socket takes messages this large.
+MAX_PIXEL_BYTES = 512 * 2**20
 
 
 @dataclass(eq=False)

@@ -34,7 +34,7 @@ import zmq
 from common.errors import EngineOverloaded, InvalidRequest, LoraError
 from common.ipc import (add_plain_tokens, bad_words_from_proto, image_from_proto, is_plain_token, output_to_proto,
                         pooler_to_proto, sampling_defaults_to_proto, sampling_params_from_proto, structured_from_proto)
-from common.multimodal import ImageInput
+from common.multimodal import MAX_PIXEL_BYTES, ImageInput
 from common.outputs import EngineCoreOutput, PlainTokens
 from common.pooling_params import PoolingParams
 from common.sampling_params import SamplingParams
@@ -48,9 +48,10 @@ log = logging.getLogger("pagedserve.engine")
 
 FRONTEND_TIMEOUT_S = 10.0  # a frontend silent this long is gone: abort its requests
 NUM_REMEMBERED_FRONTENDS = 1024  # ids kept after a frontend leaves, to tell a reconnect from a new one
-# Far above any real message (a max-length prompt is ~40 KB); ZeroMQ drops the connection of a
-# peer that sends more, before the bytes are held in memory.
-MAX_MESSAGE_BYTES = 16 * 2**20
+# Far above any real message (a max-length prompt is ~40 KB, a request's images at most
+# MAX_PIXEL_BYTES); ZeroMQ drops the connection of a peer that sends more, before the bytes
+# are held in memory.
+MAX_MESSAGE_BYTES = MAX_PIXEL_BYTES + 16 * 2**20
 _FRONTEND_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 _OUTPUTS_INPROC = "inproc://engine-outputs"
 

@@ -9,7 +9,7 @@ import json
 import math
 
 from common.errors import InvalidRequest
-from common.multimodal import ImageInput, image_hash
+from common.multimodal import MAX_PIXEL_BYTES, ImageInput, image_hash
 from common.v1 import engine_ipc_pb2 as ipc
 from frontend.multimodal.families import FAMILIES
 from frontend.multimodal.image_processors import ImageProcessor
@@ -42,6 +42,11 @@ class MultiModalProcessor:
             raise InvalidRequest(f"{field}: {len(images)} image(s) for {len(pieces) - 1} image placeholder(s) "
                                  f"({self.family.placeholder}) in the prompt")
         processed = self.images(images)
+        size = sum(p.pixels.nbytes for p in processed)
+        if size > MAX_PIXEL_BYTES:
+            raise InvalidRequest(f"{field}: the images make {size / 2**20:,.0f} MiB of pixels for the model, more "
+                                 f"than the {MAX_PIXEL_BYTES // 2**20} MiB a request may carry; send fewer or smaller "
+                                 "images")
         counts = [self._num_tokens(p.grid) for p in processed]
         expanded = pieces[0] + "".join(self.family.expand(self.image_token, n) + piece
                                        for n, piece in zip(counts, pieces[1:]))

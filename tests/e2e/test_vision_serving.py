@@ -18,6 +18,7 @@ import zlib
 
 import grpc
 import httpx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
@@ -80,7 +81,12 @@ def media():
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, bundled_tokenizer):
-    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_serve"), bundled_tokenizer)
+    """The tiny model, taking images as large as the real ones (Qwen2.5-VL's max_pixels)."""
+    import json
+    folder = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl_serve"), bundled_tokenizer)
+    config = folder / "preprocessor_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "max_pixels": 12845056}))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +131,15 @@ def test_openai_chat_with_data_urls_streamed_and_not(frontend, expected):
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected[1]
     assert chunks[-1].usage.prompt_tokens == expected[2] > 60  # usage counts every image's tokens
+
+
+def test_a_1024_pixel_image_crosses_to_the_engine(frontend):
+    """25.8 MB of float32 pixels in one AddRequest: within what the engine's socket takes."""
+    big = Image.fromarray(np.random.default_rng(5).integers(0, 256, (1024, 1024, 3), dtype=np.uint8))
+    answer = openai_client(frontend).chat.completions.create(
+        model=model_name(frontend), messages=[{"role": "user", "content": openai_parts("What is it?", [big])}],
+        max_tokens=2)
+    assert answer.usage.prompt_tokens > 1369  # 74 x 74 patches, merged 2 x 2
 
 
 def test_openai_responses_input_image(frontend, expected):

@@ -135,6 +135,18 @@ def test_a_repeated_image_hits_the_prefix_cache_and_skips_the_encoder(tiny):
     assert_no_leak(llm)
 
 
+def test_a_request_over_the_pixel_budget_is_refused(tiny, monkeypatch):
+    from common.errors import InvalidRequest
+    from frontend.multimodal import processor
+    folder, _, _ = tiny
+    llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
+    _, [one] = llm.input.chat_prompt(CONVERSATIONS[0])
+    monkeypatch.setattr(processor, "MAX_PIXEL_BYTES", one.pixels.nbytes)
+    llm.input.chat_prompt(CONVERSATIONS[0])  # exactly the budget
+    with pytest.raises(InvalidRequest, match="MiB of pixels for the model, more than the 0 MiB a request may carry"):
+        llm.input.chat_prompt(CONVERSATIONS[1])
+
+
 def test_images_to_a_text_model_and_bad_image_counts_are_refused(tiny, bundled_path):
     from common.errors import InvalidRequest
     folder, _, _ = tiny
