@@ -42,8 +42,8 @@
 #    then HTTP again from a server with --api-server-count 4;
 # 5. step 2 again with --no-async-scheduling (no HF), then with `--attention-backend torch`;
 # 6. in the time left, `bench gpu-busy` on a random llama-3-8b (weights built on the GPU).
-# quick: the GPU tests of the layer kernels, the cupy backend (both prefill paths), test_gpu_e2e.py and
-# test_gpu_families.py; `bench gpu-busy` with the fused layer kernels, with --no-layer-kernels and with the
+# quick: the GPU tests of the layer kernels, the cupy backend (both prefill paths), test_gpu_e2e.py,
+# test_gpu_families.py and test_gpu_vision.py (Qwen2.5-VL, Qwen3-VL, Gemma 3 with images); `bench gpu-busy` with the fused layer kernels, with --no-layer-kernels and with the
 # tensor-core decode (PAGEDSERVE_CUPY_DECODE=mma); one server over gRPC and HTTP, one with
 # --api-server-count 4 over HTTP, one with --async-admission-steps 0 over gRPC; one offline
 # run. The same workload as throughput.
@@ -54,7 +54,7 @@
 # Besides the image it needs these wheels (cp312, manylinux x86-64; docs/kernels.md says how to
 # fetch and carry them): llguidance pyzmq grpcio grpcio-health-checking grpcio-reflection
 # protobuf fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn
-# annotated-doc opentelemetry-api typing-extensions, at the versions of the dev environment.
+# annotated-doc opentelemetry-api typing-extensions pillow, at the versions of the dev environment.
 # With them in .whl/ (carried), the script installs them into /tmp/site itself; if the imports
 # fail it stops at once. Afterwards: unpack $OUT/results.tar (the JSONs) into bench/results/,
 # draw the chart (python -m bench.throughput_report --plot PNG JSON...) and commit them; the
@@ -238,7 +238,7 @@ quick_session() {  # a short lease: this change's correctness, then its A/Bs, ea
   first_steps || { finish; return 1; }
   step kernel-tests 180 "$res/kernel-tests.log" $PY -m pytest -q -rfE -p no:cacheprovider \
     tests/kernels/test_layer_kernel.py tests/kernels/test_cupy_backend.py tests/kernels/test_gpu_e2e.py \
-    tests/kernels/test_gpu_families.py
+    tests/kernels/test_gpu_families.py tests/kernels/test_gpu_vision.py
   step gpu-busy 60 "$res/gpu-busy.log" $PY "${busy[@]}"
   step gpu-busy-eager 60 "$res/gpu-busy-eager.log" $PY "${busy[@]}" --no-layer-kernels
   step gpu-busy-mma 60 "$res/gpu-busy-mma.log" env PAGEDSERVE_CUPY_DECODE=mma $PY "${busy[@]}"

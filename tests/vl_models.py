@@ -303,3 +303,53 @@ def hf_qwen3_vl(folder: Path):
     """HF's Qwen3VLForConditionalGeneration from `folder`, float32, eval."""
     from transformers import Qwen3VLForConditionalGeneration
     return Qwen3VLForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+# -- HF's side of the comparisons --------------------------------------------------------------
+
+_HF_PROCESSORS = {  # model_type -> (transformers processor, its PIL image processor's module, class)
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", "qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"),
+    "qwen3_vl": ("Qwen3VLProcessor", "qwen2_vl.image_processing_pil_qwen2_vl", "Qwen2VLImageProcessorPil"),
+    "gemma3": ("Gemma3Processor", "gemma3.image_processing_pil_gemma3", "Gemma3ImageProcessorPil"),
+}
+
+
+def hf_processor(folder: Path):
+    """transformers' own processor of the folder's family over its PIL image processor, as the
+    folder configures them. Its constructor checks each part's class, the video processor's
+    too, which needs torchvision (not installed, and no video here): that check is skipped."""
+    import importlib
+    from unittest import mock
+
+    import transformers
+    from transformers import AutoTokenizer, ProcessorMixin
+    folder = Path(folder)
+    processor, module, image_class = _HF_PROCESSORS[json.loads((folder / "config.json").read_text())["model_type"]]
+    config = json.loads((folder / "preprocessor_config.json").read_text())
+    images = getattr(importlib.import_module(f"transformers.models.{module}"), image_class).from_dict(config)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    extra = {"image_seq_length": images.image_seq_length} if processor == "Gemma3Processor" else {}
+    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
+        return getattr(transformers, processor)(image_processor=images, tokenizer=tokenizer,
+                                                chat_template=tokenizer.chat_template, **extra)
+
+
+def hf_inputs(processor, messages: list[dict]):
+    """The processor's model inputs for a conversation in LLM.chat's form (PIL images in parts)."""
+    shown = [{**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
+             if isinstance(m["content"], list) else m for m in messages]
+    text = processor.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
+    images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+              if p["type"] == "image"]
+    return processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
+
+
+@torch.inference_mode()
+def hf_greedy(model, inputs, max_new: int) -> tuple[list[int], list[dict]]:
+    """HF generate's greedy tokens and top-5 logprobs per step (check_outputs_match's form)."""
+    out = model.generate(**inputs, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    logprobs = [dict(zip(*[t.tolist() for t in reversed(torch.log_softmax(step[0].float(), -1).topk(5))]))
+                for step in out.logits]
+    return tokens, logprobs

@@ -15,6 +15,7 @@ compares the two, and checks that torch stays out). A process that has loaded to
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ PROCESSORS = {
 }
 
 _NO_ADVICE = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
+log = logging.getLogger(__name__)
 
 
 def without_torch() -> None:
@@ -79,6 +81,10 @@ class ImageProcessor:
             else:
                 os.environ[_NO_ADVICE] = previous
         self.model_type = model_type
+        if config.get("do_pan_and_scan"):  # crops of one image, each with its own placeholder: not taken yet
+            log.warning("images: %s's do_pan_and_scan is turned off (transformers' default): each image is "
+                        "read whole, at the model's size", model_type)
+            config = {**config, "do_pan_and_scan": False}
         # from_dict reads the file as from_pretrained does, older key names included
         # (Qwen2.5-VL's min_pixels / max_pixels).
         self.processor = cls.from_dict(config)

@@ -14,7 +14,7 @@ from common.multimodal import whole_image_end
 from helpers import assert_no_leak, check_outputs_match
 from pagedserve import LLM, SamplingParams
 from vl_gemma3 import build_tiny_gemma3_vl
-from vl_models import IMAGES, conversation
+from vl_models import IMAGES, conversation, hf_greedy, hf_inputs, hf_processor
 
 pytestmark = pytest.mark.heavy(40)
 
@@ -35,40 +35,6 @@ CONVERSATIONS = [
 ]
 
 
-def hf_processor(folder):
-    """transformers' Gemma3Processor over its PIL image processor (its class check wants
-    torchvision's classes, which are not installed: skipped)."""
-    import json
-    from unittest import mock
-
-    from transformers import AutoTokenizer, Gemma3Processor, ProcessorMixin
-    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    images = Gemma3ImageProcessorPil.from_dict(json.loads((folder / "preprocessor_config.json").read_text()))
-    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
-        return Gemma3Processor(image_processor=images, tokenizer=tokenizer, chat_template=tokenizer.chat_template,
-                               image_seq_length=images.image_seq_length)
-
-
-def hf_inputs(processor, messages: list[dict]):
-    shown = [{**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
-             if isinstance(m["content"], list) else m for m in messages]
-    text = processor.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
-    images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
-              if p["type"] == "image"]
-    return processor(text=[text], images=images or None, return_tensors="pt", add_special_tokens=False)
-
-
-@torch.inference_mode()
-def hf_greedy(model, inputs) -> tuple[list[int], list[dict]]:
-    out = model.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    logprobs = [dict(zip(*[t.tolist() for t in reversed(torch.log_softmax(step[0].float(), -1).topk(5))]))
-                for step in out.logits]
-    return tokens, logprobs
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, bundled_tokenizer):
     from transformers import Gemma3ForConditionalGeneration
@@ -76,7 +42,7 @@ def tiny(tmp_path_factory, bundled_tokenizer):
     processor = hf_processor(folder)
     hf = Gemma3ForConditionalGeneration.from_pretrained(str(folder), dtype=torch.float32).eval()
     inputs = [hf_inputs(processor, c) for c in CONVERSATIONS]
-    return folder, inputs, [hf_greedy(hf, i) for i in inputs]
+    return folder, inputs, [hf_greedy(hf, i, MAX_NEW) for i in inputs]
 
 
 def ours(llm: LLM) -> list[tuple[list[int], list[dict]]]:

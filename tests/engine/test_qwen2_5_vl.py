@@ -11,12 +11,11 @@ import re
 
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 
 from helpers import assert_no_leak, check_outputs_match
 from pagedserve import LLM, SamplingParams
-from vl_models import IMAGES, build_tiny_qwen2_5_vl, conversation, hf_qwen2_5_vl, qwen_vl_image_processor
+from vl_models import IMAGES, build_tiny_qwen2_5_vl, conversation, hf_greedy, hf_inputs, hf_processor, hf_qwen2_5_vl
 
 pytestmark = pytest.mark.heavy(60)
 
@@ -40,44 +39,12 @@ CONVERSATIONS = [
 ]
 
 
-def hf_processor(folder):
-    """transformers' Qwen2_5_VLProcessor over its PIL image processor. Its constructor checks
-    each part's class, the video processor's too, which needs torchvision (not installed, and
-    no video here): that check is skipped."""
-    from unittest import mock
-
-    from transformers import AutoTokenizer, ProcessorMixin, Qwen2_5_VLProcessor
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
-        return Qwen2_5_VLProcessor(image_processor=qwen_vl_image_processor(folder), tokenizer=tokenizer,
-                                   chat_template=tokenizer.chat_template)
-
-
-def hf_inputs(processor, messages: list[dict]):
-    shown = [{**m, "content": [{"type": "image"} if p["type"] == "image" else p for p in m["content"]]}
-             if isinstance(m["content"], list) else m for m in messages]
-    text = processor.tokenizer.apply_chat_template(shown, tokenize=False, add_generation_prompt=True)
-    images = [p["image"] for m in messages if isinstance(m["content"], list) for p in m["content"]
-              if p["type"] == "image"]
-    return processor(text=[text], images=images or None, return_tensors="pt")
-
-
-@torch.inference_mode()
-def hf_greedy(model, inputs) -> tuple[list[int], list[dict]]:
-    out = model.generate(**inputs, max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    tokens = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
-    logprobs = [dict(zip(*[t.tolist() for t in reversed(torch.log_softmax(step[0].float(), -1).topk(5))]))
-                for step in out.logits]
-    return tokens, logprobs
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, bundled_tokenizer):
     folder = build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"), bundled_tokenizer)
     processor, hf = hf_processor(folder), hf_qwen2_5_vl(folder)
     inputs = [hf_inputs(processor, c) for c in CONVERSATIONS]
-    return folder, inputs, [hf_greedy(hf, i) for i in inputs]
+    return folder, inputs, [hf_greedy(hf, i, MAX_NEW) for i in inputs]
 
 
 def ours(llm: LLM, conversations=CONVERSATIONS) -> list[tuple[list[int], list[dict]]]:
@@ -193,7 +160,7 @@ def test_lora_on_the_language_model_with_images(tiny, tmp_path):
     folder, inputs, _ = tiny
     adapter = save_random_adapter(hf_qwen2_5_vl(folder), tmp_path / "vl_lora", 8, ["q_proj", "v_proj"], seed=3)
     hf = _merged_vl(folder, adapter)
-    expected = [hf_greedy(hf, i) for i in inputs[:2]]
+    expected = [hf_greedy(hf, i, MAX_NEW) for i in inputs[:2]]
     llm = LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8)
     llm.load_lora("vl", str(adapter))
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)

@@ -9,18 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import assert_no_leak, check_outputs_match
 from PIL import Image
-from test_qwen2_5_vl import CONVERSATIONS, hf_greedy, hf_inputs, ours
-from vl_models import (
-    build_tiny_qwen3_vl,
-    conversation,
-    hf_qwen3_vl,
-    picture,
-    qwen_vl_image_processor,
-)
 
+from helpers import assert_no_leak, check_outputs_match
 from pagedserve import LLM, SamplingParams
+from test_qwen2_5_vl import CONVERSATIONS, MAX_NEW, ours
+from vl_models import build_tiny_qwen3_vl, conversation, hf_greedy, hf_inputs, hf_processor, hf_qwen3_vl, picture
 
 pytestmark = pytest.mark.heavy(25)
 
@@ -33,24 +27,12 @@ CONFIGS = {
 }
 
 
-def hf_processor(folder):
-    """transformers' Qwen3VLProcessor over its PIL image processor (its class check skipped,
-    as test_qwen2_5_vl's: the video processor needs torchvision, and there is no video)."""
-    from unittest import mock
-
-    from transformers import AutoTokenizer, ProcessorMixin, Qwen3VLProcessor
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class", lambda *args: None):
-        return Qwen3VLProcessor(image_processor=qwen_vl_image_processor(folder), tokenizer=tokenizer,
-                                chat_template=tokenizer.chat_template)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, bundled_tokenizer):
     folder = build_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3_vl"), bundled_tokenizer)
     processor, hf = hf_processor(folder), hf_qwen3_vl(folder)
     inputs = [hf_inputs(processor, c) for c in CONVERSATIONS]
-    return folder, inputs, [hf_greedy(hf, i) for i in inputs]
+    return folder, inputs, [hf_greedy(hf, i, MAX_NEW) for i in inputs]
 
 
 def test_prompt_and_pixels_equal_transformers_processor(tiny):

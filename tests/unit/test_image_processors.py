@@ -87,3 +87,16 @@ def test_in_a_process_with_torch_it_is_transformers_as_it_is(tmp_path):
 def test_a_family_without_a_processor_is_named():
     with pytest.raises(ValueError, match="no image processor for 'llama'"):
         ImageProcessor("llama", {})
+
+
+def test_gemma3_pan_and_scan_is_turned_off(caplog):
+    """Pan-and-scan would add crops, each with a placeholder of its own: one image stays one."""
+    from PIL import Image
+
+    from frontend.multimodal.image_processors import ImageProcessor
+    config = {"image_processor_type": "Gemma3ImageProcessor", "do_pan_and_scan": True,
+              "size": {"height": 56, "width": 56}, "pan_and_scan_min_crop_size": 16, "pan_and_scan_max_num_crops": 4,
+              "pan_and_scan_min_ratio_to_activate": 1.2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+              "rescale_factor": 1 / 255}
+    [image] = ImageProcessor("gemma3", config)([Image.new("RGB", (400, 100))])
+    assert image.pixels.shape == (3, 56, 56) and "do_pan_and_scan is turned off" in caplog.text
