@@ -241,8 +241,8 @@ BAD = [  # (body fields, the field the 400 names)
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id"),
     ({"input": [{"role": "robot", "content": "Hi"}]}, "input[0].role"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "x"}]}]}, "input[0].content[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input[0].content[0].image_url"),
+    # the bundled model reads no images: refused as such, before the URL is looked at
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
     ({"input": [], "instructions": "x"}, "input"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),

@@ -61,7 +61,7 @@ async def create_response(ctx: HttpContext, store: ResponseStore, request: Reque
     processor = ctx.llm.require_ready()
     earlier = store.conversation(req.previous_response_id)
     conversation = earlier + await load_item_images(parse_input(req.input, earlier), ctx.media.load,
-                                                    processor.check_images)
+                                                    lambda count: processor.check_images(count, "input"))
     tools = responses_tool_use(req)
     messages, template_tools = processor.chat_with_tools(chat_messages(conversation, req.instructions), tools)
     prompt, images = await processor.chat_prompt_async(messages, add_generation_prompt=True, tools=template_tools,
