@@ -70,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
     files = tokenizer_files(tokenizer)
     if core.structured_output is not None and "tokenizer.json" in files:
         core.structured_output.tokenizer_json = files["tokenizer.json"].decode()
+    if core.structured_output is not None:
+        core.structured_output.prepare()  # before the sockets: it holds the GIL (manager.py)
     proc = EngineProc(core, args.address, name, metrics, args.drain_timeout_s, files)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: proc.on_signal())

@@ -14,11 +14,13 @@ A grammar the vocabulary cannot write (it needs a character whose bytes no token
 caller's to fix, as one that does not compile: refused when it compiles if its start is a dead
 end, else its request ends "invalid" where the matcher finds out (`StructuredRequest.failure`).
 
-The grammar library and its tokenizer load on the first constrained request (about 0.4 s
-for a 49k vocabulary), in the worker, so servers that never constrain never pay for it. A
-served engine hands it the tokenizer.json it already wrote for its frontends
-(`tokenizer_json`): serializing the tokenizer again in the worker would hold the GIL long
-enough (seconds for a 200k vocabulary under load) to starve the I/O thread's heartbeats.
+The grammar library's tokenizer is built from the tokenizer.json in one call that holds the
+GIL throughout: 1.7 s for gpt-oss's 201k vocabulary, 0.4 s for 49k. Offline it is built on the
+first constrained request, in the worker, so a run that never constrains never pays for it. A
+served engine builds it at start (`prepare`), before its sockets: built later, that stretch
+kept its I/O thread from answering heartbeats, and a frontend under load dropped the engine
+(stop 56's open bug). It hands over the tokenizer.json it already wrote for its frontends
+(`tokenizer_json`), which spares serializing the tokenizer again (another second of GIL).
 """
 
 from __future__ import annotations
@@ -127,6 +129,18 @@ class StructuredOutputManager:
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._tokenizer = tokenizer
         self._markers: dict[tuple[int, ...], Marker] = {}
+
+    def prepare(self) -> None:
+        """Build the grammar library's tokenizer now, in this thread (see the top). A failure
+        is kept for the constrained requests to report, as when it is built on demand."""
+        if self._backend is not None:
+            return
+        self._backend = Future()
+        try:
+            self._backend.set_result(self._make_backend())
+        except Exception as e:  # noqa: BLE001 - the library could not read this tokenizer
+            log.warning("structured output: the grammar library cannot use this tokenizer: %s", e)
+            self._backend.set_exception(e)
 
     def request(self, params: StructuredOutputsParams) -> StructuredRequest:
         return StructuredRequest(params, self._compiled(params), self._marker(params.starts_after))

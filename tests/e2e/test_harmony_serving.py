@@ -41,13 +41,12 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 @pytest.fixture(scope="module")
 def frontend(procs, tmp_path_factory):
     folder = save_tiny_gpt_oss(tmp_path_factory.mktemp("gpt_oss_harmony"))
-    # --engine-timeout-s 30: under a loaded `make test` (3 workers on 2 cores) this engine has
-    # gone 3 s without answering a heartbeat on its first constrained request (the grammar
-    # library setting up gpt-oss's 201,088-token vocabulary holds the GIL in stretches), and
-    # the frontend dropped it. That starvation is an open bug (the stop's note); this module
-    # tests harmony, tests/e2e/test_heartbeat.py the heartbeats.
+    # The default --engine-timeout-s (3 s): this engine once went 3 s without answering a
+    # heartbeat under a loaded `make test`, on its first constrained request (the grammar
+    # library building its 201k-token tokenizer held the GIL); a served engine now builds it
+    # at start (engine/structured_output/manager.py).
     with procs.serving("--model", str(folder), "--dtype", "float32", "--num-kv-blocks", "256",
-                       "--max-model-len", "512", "--num-threads", "1", "--engine-timeout-s", "30",
+                       "--max-model-len", "512", "--num-threads", "1",
                        timeout_s=300) as fe:
         yield fe
 

@@ -348,3 +348,19 @@ def test_forced_tool_calls_have_arguments_that_validate(which, mode, request):
                      for i in range(len(names))]
         for name, args in zip(names, arguments):
             jsonschema.validate(json.loads(args), schemas[name])
+
+
+def test_prepare_builds_the_grammar_tokenizer_before_any_request(bundled_tokenizer):
+    """A served engine calls prepare() before its sockets (engine/main.py): the library's
+    tokenizer, a GIL-holding stretch, is built then, not on the first constrained request."""
+    from engine.structured_output.manager import StructuredOutputManager
+    manager = StructuredOutputManager(bundled_tokenizer, 49152, (2,))
+    calls = []
+    make = manager._make_backend
+    manager._make_backend = lambda: calls.append(threading.current_thread()) or make()
+    manager.prepare()
+    assert calls == [threading.current_thread()] and manager._backend.done()
+    grammar = manager.request(StructuredOutputsParams(regex="[ab]+")).grammar
+    assert grammar.result(timeout=30).matcher().accepts(bundled_tokenizer.encode("a", add_special_tokens=False)[0])
+    assert len(calls) == 1  # the request found it built
+    manager.shutdown()
