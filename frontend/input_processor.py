@@ -228,7 +228,8 @@ class InputProcessor:
                 raise InvalidRequest(f"{field}[{i}].role: {m.get('role')!r} is not one of {', '.join(CHAT_ROLES)}")
             content = m.get("content")
             if not isinstance(content, str) and not (isinstance(content, list) and all(
-                    p.get("type") == "image" or isinstance(p.get("text"), str) for p in content)):
+                    isinstance(p, dict) and (p.get("type") == "image" or isinstance(p.get("text"), str))
+                    for p in content)):
                 raise InvalidRequest(f"{field}[{i}].content: must be text, or text and image parts")
         if sum(_num_chars(m["content"]) for m in messages) > MAX_PROMPT_CHARS:
             raise InvalidRequest(f"{field}: more than {MAX_PROMPT_CHARS} characters in all")

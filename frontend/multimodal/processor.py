@@ -28,10 +28,6 @@ class MultiModalProcessor:
         self.tokens_per_image = info.tokens_per_image  # 0: from each image's grid
         self.merge_size = int(config.get("merge_size", 1))
 
-    @property
-    def placeholder(self) -> str:
-        return self.family.placeholder
-
     def prompt(self, text: str, images: list, field: str = "prompt", add_special_tokens: bool = False
                ) -> tuple[list[int], list[ImageInput]]:
         """The token ids of `text` with one image per placeholder, in order, and the images as
