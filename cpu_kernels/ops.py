@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpu_kernels.compile import unavailable_reason
+from cpu_kernels.int4_int8_format import ENCODINGS
 from cpu_kernels.quant_format import NIBBLE_FORMATS
 
 if TYPE_CHECKING:
     from cpu_kernels.fp8_format import PackedFp8
+    from cpu_kernels.int4_int8_format import PackedInt4Int8
 
 
 def _ensure(family: str) -> None:
@@ -119,6 +121,24 @@ def mxfp4_int8_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Te
     integer dot products (--cpu-arithmetic int8; the same bits for a row alone or in any
     batch). The op checks shapes and dtypes itself (in C++): it sits on the experts' hot path."""
     return torch.ops.pagedserve_cpu.mxfp4_int8_linear(x, packed, n)
+
+
+# --- int4_int8: int4 weights x 8-bit activations, integer dot products (csrc/int4_int8.cpp) ---
+
+def int4_int8_supported() -> bool:
+    """Whether this CPU runs the integer int4 kernel (VPDPBUSD, as `int8_dot_supported`). Never raises."""
+    from cpu_kernels.compile import available
+    return int8_dot_supported() and available("int4_int8")
+
+
+def int4_int8_linear(x: torch.Tensor, packed: PackedInt4Int8) -> torch.Tensor:
+    """x [M, K] bfloat16 or float32 (contiguous) @ W^T -> [M, N] of x's dtype, W an int4 weight
+    packed by `int4_int8_format.pack`: the activations rounded to 8 bits per block of 32, exact
+    integer dot products, then one fixed float order per output (the same bits for a row alone
+    or in any batch; `int4_int8_format.reference` computes them). Refuses (RuntimeError) where
+    `int4_int8_supported()` is false; the op checks shapes and dtypes itself (in C++)."""
+    _ensure("int4_int8")
+    return torch.ops.pagedserve_cpu.int4_int8_linear(x, packed.data, packed.n, ENCODINGS.index(packed.encoding))
 
 
 # --- paged_attention: decode reading K/V blocks in place (csrc/paged_attention.cpp) ---------

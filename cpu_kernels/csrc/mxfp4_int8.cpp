@@ -32,7 +32,9 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// (AVX512-BF16 too: the output's rounding to bf16 is VCVTNEPS2BF16. A CPU with VNNI and no
+// BF16, Ice Lake, builds the stub and reports no integer kernel.)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512BF16__)
 #define PAGEDSERVE_INT8_DOT 1
 #include <immintrin.h>
 #endif
