@@ -67,6 +67,12 @@ def from_bytes(data: bytes, part: str, limits: ImageLimits = ImageLimits()) -> I
         raise InvalidRequest(f"{part}: not an image this server can read ({', '.join(FORMATS)})") from None
     if image.format not in FORMATS:
         raise InvalidRequest(f"{part}: {image.format} images are not taken ({', '.join(FORMATS)})")
+    return loaded(image, part, limits)
+
+
+def loaded(image: Image.Image, part: str, limits: ImageLimits = ImageLimits()) -> Image.Image:
+    """An opened image (a file's, or a PIL image a caller made) within the pixel limit, then
+    its pixels loaded."""
     width, height = image.size
     if width <= 0 or height <= 0:
         raise InvalidRequest(f"{part}: the image is empty ({width} x {height})")

@@ -154,7 +154,7 @@ def _offline_part(part: object, where: str, limits: ImageLimits) -> dict:
 def offline_image(image: object, where: str, limits: ImageLimits = LIMITS) -> Image.Image:
     """An image the offline API was given: a PIL image, a path, or a data URL."""
     if isinstance(image, Image.Image):
-        return checked(image, where, limits)
+        return images.loaded(image, where, limits)
     if isinstance(image, str) and image.strip().lower().startswith(("data:", *REMOTE_SCHEMES)):
         return decode(ImageRef(where, url=image), limits)
     if isinstance(image, (str, Path)):
@@ -168,16 +168,3 @@ def offline_image(image: object, where: str, limits: ImageLimits = LIMITS) -> Im
         return images.from_bytes(data, where, limits)
     raise InvalidRequest(f"{where}: must be a PIL image, a path or a data URL, got {type(image).__name__}")
 
-
-def checked(image: Image.Image, where: str, limits: ImageLimits = LIMITS) -> Image.Image:
-    """A PIL image the caller made: within the pixel limit, its pixels loaded."""
-    width, height = image.size
-    if width <= 0 or height <= 0:
-        raise InvalidRequest(f"{where}: the image is empty ({width} x {height})")
-    if width * height > limits.max_pixels:
-        raise InvalidRequest(f"{where}: the image is {width} x {height}, over {limits.max_pixels:,} pixels")
-    try:
-        image.load()
-    except (OSError, SyntaxError, ValueError):
-        raise InvalidRequest(f"{where}: the image data is broken (truncated or corrupt)") from None
-    return image
