@@ -136,20 +136,22 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int, top_logprobs
     return results
 
 
-def greedy_with_logprobs(llm, prompts: list[list[int]], max_new: int) -> list[tuple[list[int], list[dict]]]:
-    """Our greedy tokens and top-5 logprobs per prompt, in check_outputs_match's form."""
+def greedy_with_logprobs(llm, prompts: list, max_new: int, chat: bool = False) -> list[tuple[list[int], list[dict]]]:
+    """Our greedy tokens and top-5 logprobs per prompt, in check_outputs_match's form.
+    `chat`: the prompts are conversations (LLM.chat's; images in them, say)."""
     from pagedserve import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=max_new, min_tokens=max_new, logprobs=5)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, params)]
+    outputs = llm.chat(prompts, params) if chat else llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
 
 
-def assert_matches_hf(llm, prompts: list[list[int]], reference, max_new: int, preempted: bool) -> None:
+def assert_matches_hf(llm, prompts: list, reference, max_new: int, preempted: bool, chat: bool = False) -> None:
     """The HF-equality check every family runs under batching, chunking, caching and
     preemption: greedy output equals HF's (check_outputs_match); with prefix caching a second
     run is served from the cache (hits > 0); a pool sized to preempt did (`preempted`); no
-    block leaked."""
+    block leaked. `chat`: as greedy_with_logprobs'."""
     for _ in range(2 if llm.config.enable_prefix_caching else 1):
-        assert check_outputs_match(greedy_with_logprobs(llm, prompts, max_new), reference) <= 1
+        assert check_outputs_match(greedy_with_logprobs(llm, prompts, max_new, chat), reference) <= 1
     stats = llm.engine.stats()
     if preempted:
         assert stats.num_preemptions > 0

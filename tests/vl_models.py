@@ -34,6 +34,21 @@ QWEN_VL_PREPROCESSOR = {"patch_size": 14, "merge_size": 2, "temporal_patch_size"
                         "max_pixels": 28 * 28 * 64}
 
 
+def _qwen_vl_tokenizer(folder: Path, tokenizer, chat_template: str) -> tuple:
+    """A copy of `tokenizer` (the caller's may be shared) with Qwen's vision tokens and
+    `chat_template`, saved into `folder`: (it, the vision tokens' ids by name, the config's
+    bos/eos/pad ids)."""
+    from transformers import AutoTokenizer
+    tokenizer.save_pretrained(str(folder))
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.add_tokens(list(QWEN_VL_TOKENS), special_tokens=True)
+    tok.chat_template = chat_template
+    tok.save_pretrained(str(folder))
+    ids = dict(zip(QWEN_VL_TOKENS, tok.convert_tokens_to_ids(list(QWEN_VL_TOKENS))))
+    return tok, ids, {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+                      "pad_token_id": tok.pad_token_id}
+
+
 def build_tiny_qwen2_5_vl(folder: Path, tokenizer) -> Path:
     """Save a random-weight Qwen2.5-VL (float32) into `folder`: a 2-layer language model (hidden
     64, 4 heads, 2 KV heads, head_dim 16, mrope_section [2, 3, 3]) and a 2-block vision tower
@@ -42,13 +57,7 @@ def build_tiny_qwen2_5_vl(folder: Path, tokenizer) -> Path:
     save_pretrained writes the Hub's tensor names (`visual.*`, `model.*`, `lm_head.weight`)."""
     import transformers
     folder = Path(folder)
-    tokenizer.save_pretrained(str(folder))
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder))  # a copy: the caller's may be shared
-    tok.add_tokens(list(QWEN_VL_TOKENS), special_tokens=True)
-    tok.chat_template = QWEN2_5_VL_CHAT_TEMPLATE
-    tok.save_pretrained(str(folder))
-    ids = dict(zip(QWEN_VL_TOKENS, tok.convert_tokens_to_ids(list(QWEN_VL_TOKENS))))
-    token_ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    tok, ids, token_ids = _qwen_vl_tokenizer(folder, tokenizer, QWEN2_5_VL_CHAT_TEMPLATE)
     text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
             "num_key_value_heads": 2, "vocab_size": -(-len(tok) // 64) * 64, "max_position_embeddings": 2048,
             "initializer_range": 0.2, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
@@ -267,13 +276,7 @@ def build_tiny_qwen3_vl(folder: Path, tokenizer) -> Path:
     (`model.visual.*`, `model.language_model.*`, `lm_head.weight`), as the Hub's Qwen3-VL."""
     import transformers
     folder = Path(folder)
-    tokenizer.save_pretrained(str(folder))
-    tok = transformers.AutoTokenizer.from_pretrained(str(folder))  # a copy: the caller's may be shared
-    tok.add_tokens(list(QWEN_VL_TOKENS), special_tokens=True)
-    tok.chat_template = QWEN3_VL_CHAT_TEMPLATE
-    tok.save_pretrained(str(folder))
-    ids = dict(zip(QWEN_VL_TOKENS, tok.convert_tokens_to_ids(list(QWEN_VL_TOKENS))))
-    token_ids = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+    tok, ids, token_ids = _qwen_vl_tokenizer(folder, tokenizer, QWEN3_VL_CHAT_TEMPLATE)
     text = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 32, "vocab_size": -(-len(tok) // 64) * 64,
             "max_position_embeddings": 2048, "initializer_range": 0.2,

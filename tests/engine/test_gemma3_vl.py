@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.multimodal import whole_image_end
-from helpers import assert_no_leak, check_outputs_match
+from helpers import assert_matches_hf
 from pagedserve import LLM, SamplingParams
 from vl_gemma3 import build_tiny_gemma3_vl
 from vl_models import IMAGES, conversation, hf_greedy, hf_inputs, hf_processor
@@ -45,11 +45,6 @@ def tiny(tmp_path_factory, bundled_tokenizer):
     return folder, inputs, [hf_greedy(hf, i, MAX_NEW) for i in inputs]
 
 
-def ours(llm: LLM) -> list[tuple[list[int], list[dict]]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.chat(CONVERSATIONS, params)]
-
-
 def test_prompt_and_pixels_equal_transformers_processor(tiny):
     folder, inputs, _ = tiny
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
@@ -66,14 +61,7 @@ def test_prompt_and_pixels_equal_transformers_processor(tiny):
 def test_matches_hf(tiny, config):
     folder, _, reference = tiny
     llm = LLM(str(folder), dtype="float32", **CONFIGS[config])
-    for _ in range(2 if llm.config.enable_prefix_caching else 1):
-        assert check_outputs_match(ours(llm), reference) <= 1
-    stats = llm.engine.stats()
-    if "num_kv_blocks" in CONFIGS[config]:
-        assert stats.num_preemptions > 0
-    if llm.config.enable_prefix_caching:
-        assert stats.num_prefix_cache_hits > 0
-    assert_no_leak(llm)
+    assert_matches_hf(llm, CONVERSATIONS, reference, MAX_NEW, "num_kv_blocks" in CONFIGS[config], chat=True)
 
 
 def test_without_both_ways_attention_the_answer_differs(tiny, monkeypatch):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import assert_no_leak, check_outputs_match
+from helpers import assert_matches_hf, assert_no_leak, check_outputs_match
 from pagedserve import LLM, SamplingParams
 from vl_models import IMAGES, build_tiny_qwen2_5_vl, conversation, hf_greedy, hf_inputs, hf_processor, hf_qwen2_5_vl
 
@@ -47,11 +47,6 @@ def tiny(tmp_path_factory, bundled_tokenizer):
     return folder, inputs, [hf_greedy(hf, i, MAX_NEW) for i in inputs]
 
 
-def ours(llm: LLM, conversations=CONVERSATIONS) -> list[tuple[list[int], list[dict]]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, logprobs=5)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.chat(conversations, params)]
-
-
 def test_prompt_and_pixels_equal_transformers_processor(tiny):
     folder, inputs, _ = tiny
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
@@ -67,17 +62,9 @@ def test_prompt_and_pixels_equal_transformers_processor(tiny):
 def test_matches_hf(tiny, config):
     folder, _, reference = tiny
     llm = LLM(str(folder), dtype="float32", **CONFIGS[config])
-    runs = 2 if llm.config.enable_prefix_caching else 1
-    for _ in range(runs):
-        assert check_outputs_match(ours(llm), reference) <= 1
-    stats = llm.engine.stats()
-    if "num_kv_blocks" in CONFIGS[config]:
-        assert stats.num_preemptions > 0
-    if llm.config.enable_prefix_caching:
-        assert stats.num_prefix_cache_hits > 0
+    assert_matches_hf(llm, CONVERSATIONS, reference, MAX_NEW, "num_kv_blocks" in CONFIGS[config], chat=True)
     cache = llm.engine.model_runner.vision.cache
     assert 0 < cache.num_bytes <= cache.max_bytes
-    assert_no_leak(llm)
 
 
 def test_a_repeated_image_hits_the_prefix_cache_and_skips_the_encoder(tiny):

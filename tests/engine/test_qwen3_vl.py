@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from helpers import assert_no_leak, check_outputs_match
+from helpers import assert_matches_hf, assert_no_leak
 from pagedserve import LLM, SamplingParams
-from test_qwen2_5_vl import CONVERSATIONS, MAX_NEW, ours
+from test_qwen2_5_vl import CONVERSATIONS, MAX_NEW
 from vl_models import build_tiny_qwen3_vl, conversation, hf_greedy, hf_inputs, hf_processor, hf_qwen3_vl, picture
 
 pytestmark = pytest.mark.heavy(25)
@@ -50,15 +50,7 @@ def test_prompt_and_pixels_equal_transformers_processor(tiny):
 def test_matches_hf(tiny, config):
     folder, _, reference = tiny
     llm = LLM(str(folder), dtype="float32", **CONFIGS[config])
-    runs = 2 if llm.config.enable_prefix_caching else 1
-    for _ in range(runs):
-        assert check_outputs_match(ours(llm), reference) <= 1
-    stats = llm.engine.stats()
-    if "num_kv_blocks" in CONFIGS[config]:
-        assert stats.num_preemptions > 0
-    if llm.config.enable_prefix_caching:
-        assert stats.num_prefix_cache_hits > 0
-    assert_no_leak(llm)
+    assert_matches_hf(llm, CONVERSATIONS, reference, MAX_NEW, "num_kv_blocks" in CONFIGS[config], chat=True)
 
 
 def test_a_repeated_image_hits_the_prefix_cache_and_skips_the_encoder(tiny):
