@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpu_kernels.compile import unavailable_reason
-from cpu_kernels.int4_int8_format import ENCODINGS
+from cpu_kernels.int_dot_format import ENCODINGS
 from cpu_kernels.quant_format import NIBBLE_FORMATS
 
 if TYPE_CHECKING:
     from cpu_kernels.fp8_format import PackedFp8
-    from cpu_kernels.int4_int8_format import PackedInt4Int8
+    from cpu_kernels.int_dot_format import PackedIntDot
 
 
 def _ensure(family: str) -> None:
@@ -123,22 +123,24 @@ def mxfp4_int8_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Te
     return torch.ops.pagedserve_cpu.mxfp4_int8_linear(x, packed, n)
 
 
-# --- int4_int8: int4 weights x 8-bit activations, integer dot products (csrc/int4_int8.cpp) ---
+# --- int_dot: int4/int8 weights x 8-bit activations, integer dot products (csrc/int_dot.cpp) ---
 
-def int4_int8_supported() -> bool:
-    """Whether this CPU runs the integer int4 kernel (VPDPBUSD, as `int8_dot_supported`). Never raises."""
+def int_dot_supported() -> bool:
+    """Whether this CPU runs the integer int4/int8 kernels (VPDPBUSD, as `int8_dot_supported`). Never raises."""
     from cpu_kernels.compile import available
-    return int8_dot_supported() and available("int4_int8")
+    return int8_dot_supported() and available("int_dot")
 
 
-def int4_int8_linear(x: torch.Tensor, packed: PackedInt4Int8) -> torch.Tensor:
-    """x [M, K] bfloat16 or float32 (contiguous) @ W^T -> [M, N] of x's dtype, W an int4 weight
-    packed by `int4_int8_format.pack`: the activations rounded to 8 bits per block of 32, exact
-    integer dot products, then one fixed float order per output (the same bits for a row alone
-    or in any batch; `int4_int8_format.reference` computes them). Refuses (RuntimeError) where
-    `int4_int8_supported()` is false; the op checks shapes and dtypes itself (in C++)."""
-    _ensure("int4_int8")
-    return torch.ops.pagedserve_cpu.int4_int8_linear(x, packed.data, packed.n, ENCODINGS.index(packed.encoding))
+def int_dot_linear(x: torch.Tensor, packed: PackedIntDot) -> torch.Tensor:
+    """x [M, K] bfloat16 or float32 (contiguous) @ W^T -> [M, N] of x's dtype, W an int4 or int8
+    weight packed by `int_dot_format.pack`: the activations rounded to 8 bits per block of 32,
+    exact integer dot products, then one fixed float order per output (the same bits for a row
+    alone or in any batch; `int_dot_format.reference` computes them). Refuses (RuntimeError)
+    where `int_dot_supported()` is false; the op checks shapes and dtypes itself (in C++)."""
+    _ensure("int_dot")
+    kernels = torch.ops.pagedserve_cpu
+    op = kernels.int4_int8_linear if packed.fmt == "int4" else kernels.int8_int8_linear
+    return op(x, packed.data, packed.n, ENCODINGS.index(packed.encoding))
 
 
 # --- paged_attention: decode reading K/V blocks in place (csrc/paged_attention.cpp) ---------

@@ -1,9 +1,9 @@
-"""The integer W4A8 kernel (cpu_kernels/csrc/int4_int8.cpp: int4 blocks x 8-bit activations)
-bitwise against its plain-torch reference (int4_int8_format.reference) over a grid of shapes
-and the int4 weights' kinds (GGUF Q4_0 and Q4_1, GPTQ's float32 zeros); the same bits for a
-row alone, in any batch and at any thread count; its error against float32 activations times
-the dequantized weights; its packed layout read back byte by byte. The module skips where the
-kernel cannot run (no AVX512-VNNI, or no compiler)."""
+"""The integer kernels (cpu_kernels/csrc/int_dot.cpp: int4 or int8 blocks x 8-bit activations)
+bitwise against their plain-torch reference (int_dot_format.reference) over a grid of shapes
+and the weights' kinds (GGUF Q4_0, Q4_1 and Q8_0, GPTQ's float32 zeros, float32 scales); the
+same bits for a row alone, in any batch and at any thread count; their error against the exact
+product with the dequantized weights; the packed layout read byte by byte, and rows read back
+from it. The module skips where the kernels cannot run (no AVX512-VNNI, or no compiler)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import dataclasses
 import pytest
 import torch
 
-from cpu_kernels import int4_int8_format, ops
-from cpu_kernels.int4_int8_format import PackedInt4Int8
+from cpu_kernels import int_dot_format, ops
+from cpu_kernels.int_dot_format import PackedIntDot
 from cpu_kernels.quant_format import QuantizedTensor, quantize, unpack_int4
 from test_quant_linear import assert_rows_do_not_depend_on_the_batch
 
-if not ops.int4_int8_supported():
-    pytest.skip("the integer int4 kernel needs AVX512-VNNI (or the kernels are unavailable)", allow_module_level=True)
+if not ops.int_dot_supported():
+    pytest.skip("the integer kernels need AVX512-VNNI (or the kernels are unavailable)", allow_module_level=True)
 
 ROWS = [1, 2, 7, 16, 33, 64]
 # (N, K): one group, partial last groups (N off 16), odd group counts, SmolLM2's widths.
@@ -27,6 +27,9 @@ COLUMNS = [(16, 32), (40, 64), (33, 96), (200, 576), (17, 1536)]
 # dequantized weights: the 8-bit activations (steps of 1/127 of each block's largest value)
 # and the bf16 output.
 MAX_RELATIVE_ERROR = 0.01  # measured: 0.0056-0.0060 at SmolLM2's shapes
+# Each kind of weight and the encoding `pack` picks for it.
+KINDS = [("q4_1", "fp16"), ("q4_0", "fp16"), ("gptq", "units"), ("fp32", "fp32"), ("q8_0", "fp16"),
+         ("int8_fp32", "fp32")]
 
 
 def random_int4(n: int, k: int, kind: str = "q4_1", seed: int = 0) -> QuantizedTensor:
@@ -46,12 +49,26 @@ def random_int4(n: int, k: int, kind: str = "q4_1", seed: int = 0) -> QuantizedT
     return QuantizedTensor("int4", q, scales, zeros)
 
 
-def run(x: torch.Tensor, w: QuantizedTensor, packed: PackedInt4Int8 | None = None) -> torch.Tensor:
-    return ops.int4_int8_linear(x, packed or pack(w))
+def random_weight(n: int, k: int, kind: str, seed: int = 0) -> QuantizedTensor:
+    """int4 kinds as random_int4; q8_0: fp16 scales, q in -127..127; int8_fp32: float32
+    scales fp16 does not hold, q over all of -128..127."""
+    if not kind.startswith(("q8", "int8")):
+        return random_int4(n, k, kind, seed)
+    g = torch.Generator().manual_seed(seed)
+    low = -127 if kind == "q8_0" else -128
+    q = torch.randint(low, 128, (n, k), dtype=torch.int8, generator=g)
+    scales = (torch.rand(n, k // 32, generator=g) * 0.002 + 1e-5).half().float()
+    if kind == "int8_fp32":
+        scales = scales * (1 + 2.0**-20)
+    return QuantizedTensor("int8", q, scales, None)
 
 
-def pack(w: QuantizedTensor, encoding: str | None = None) -> PackedInt4Int8:
-    return int4_int8_format.pack(w.qweight, w.scales, w.zeros, encoding)
+def run(x: torch.Tensor, w: QuantizedTensor, packed: PackedIntDot | None = None) -> torch.Tensor:
+    return ops.int_dot_linear(x, packed or pack(w))
+
+
+def pack(w: QuantizedTensor, encoding: str | None = None) -> PackedIntDot:
+    return int_dot_format.pack(w, encoding)
 
 
 def activations(m: int, k: int, seed: int = 1, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -68,29 +85,31 @@ def activations(m: int, k: int, seed: int = 1, dtype: torch.dtype = torch.bfloat
 @pytest.mark.parametrize("m", ROWS)
 def test_bitwise_equal_to_reference(m, n, k, dtype):
     """float32 x gives the float32 sums themselves: every rounding of the float part checked.
-    Each kind of weight in its own encoding (q4_*: fp16, gptq: units) and in fp32: the same bits."""
-    for kind, encoding in (("q4_1", "fp16"), ("q4_0", "fp16"), ("gptq", "units"), ("fp32", "fp32")):
-        w = random_int4(n, k, kind, seed=n + k)
+    Each kind of weight in its own encoding (GGUF's: fp16, gptq: units) and in fp32: the same bits."""
+    for kind, encoding in KINDS:
+        w = random_weight(n, k, kind, seed=n + k)
         x = activations(m, k, seed=m, dtype=dtype)
         packed = pack(w)
         assert packed.encoding == encoding
         y = run(x, w, packed)
         assert y.dtype == dtype and y.shape == (m, n)
-        assert torch.equal(y, int4_int8_format.reference(x, w.qweight, w.scales, w.zeros)), kind
+        assert torch.equal(y, int_dot_format.reference(x, w)), kind
         assert torch.equal(run(x, w, pack(w, "fp32")), y), kind
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rows_do_not_depend_on_the_batch(dtype):
+def test_rows_do_not_depend_on_the_batch(dtype, fmt):
     """A row alone, at every position in tiles of 4, with any neighbours, at 1 and 2 threads."""
-    w = random_int4(200, 576, seed=1)
+    w = random_weight(200, 576, fmt, seed=1)
     packed = pack(w)
     x = torch.randn(70, 576, generator=torch.Generator().manual_seed(2)).to(dtype)
     assert_rows_do_not_depend_on_the_batch(lambda rows: run(rows.contiguous(), w, packed), x)
 
 
-def test_threads_do_not_change_the_bits():
-    w = random_int4(1000, 576, seed=3)
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def test_threads_do_not_change_the_bits(fmt):
+    w = random_weight(1000, 576, fmt, seed=3)
     packed = pack(w)
     x = torch.randn(33, 576, generator=torch.Generator().manual_seed(4))
     threads = torch.get_num_threads()
@@ -104,16 +123,17 @@ def test_threads_do_not_change_the_bits():
     assert torch.equal(one, two)
 
 
-def relative_error(m: int, n: int, k: int) -> float:
-    weight = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(5)) * 0.05, "int4")
+def relative_error(m: int, n: int, k: int, fmt: str) -> float:
+    weight = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(5)) * 0.05, fmt)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).bfloat16()
     exact = x.double() @ weight.dequantize().double().t()
     return float((run(x, weight).double() - exact).norm() / exact.norm())
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("m,n,k", [(1, 576, 576), (16, 1536, 576), (7, 576, 1536)])
-def test_error_against_float32(m, n, k):
-    assert relative_error(m, n, k) < MAX_RELATIVE_ERROR
+def test_error_against_float32(m, n, k, fmt):
+    assert relative_error(m, n, k, fmt) < MAX_RELATIVE_ERROR
 
 
 @pytest.mark.parametrize("encoding", ["fp32", "fp16", "units"])
@@ -126,7 +146,7 @@ def test_layout(encoding):
     values = unpack_int4(w.qweight)
     packed = pack(w, encoding)
     groups, blocks = 2, k // 32
-    assert packed.data.numel() == groups * blocks * int4_int8_format.record_bytes(encoding)
+    assert packed.data.numel() == groups * blocks * int_dot_format.record_bytes("int4", encoding)
     records = packed.data.view(groups, blocks, -1)
     nibbles = records[..., :256].reshape(groups, blocks, 4, 16, 4)
     half = torch.float32 if encoding == "fp32" else torch.float16
@@ -145,17 +165,51 @@ def test_layout(encoding):
             assert float(zeros[g, b, c]) == (float(want_zeros[col, b]) if col < n else 0.0)
 
 
+@pytest.mark.parametrize("encoding", ["fp32", "fp16"])
+def test_int8_layout(encoding):
+    """Record (g, b): chunk h, byte 4c + t = q + 128 for k = 32b + 4h + t; then 16 scales."""
+    n, k = 20, 64
+    w = random_weight(n, k, "q8_0", seed=8)
+    packed = pack(w, encoding)
+    groups, blocks = 2, k // 32
+    assert packed.data.numel() == groups * blocks * int_dot_format.record_bytes("int8", encoding)
+    records = packed.data.view(groups, blocks, -1)
+    values = records[..., :512].reshape(groups, blocks, 8, 16, 4).int() - 128
+    half = torch.float32 if encoding == "fp32" else torch.float16
+    scales = records[..., 512:].contiguous().view(half).float()
+    for col in range(groups * 16):
+        g, c = divmod(col, 16)
+        got = values[g, :, :, c, :].reshape(k)  # [b, h, t] -> k
+        assert torch.equal(got, w.qweight[col].int() if col < n else torch.zeros(k, dtype=torch.int32)), col
+        want = w.scales[col] if col < n else torch.zeros(blocks)
+        assert torch.equal(scales[g, :, c], want), col
+
+
+@pytest.mark.parametrize("kind,encoding", KINDS)
+def test_rows_read_back(kind, encoding):
+    """`int_dot_format.rows` gives the rows of the weight that was packed (a tied embedding)."""
+    w = random_weight(40, 96, kind, seed=9)
+    ids = torch.tensor([0, 39, 17, 17, 16, 15])
+    got = int_dot_format.rows(pack(w), ids)
+    assert got.format == w.format
+    assert torch.equal(got.dequantize(), w.dequantize()[ids])
+
+
 def test_bad_inputs_are_refused():
     w = random_int4(16, 64)
     packed = pack(w)
     x = torch.randn(1, 64).bfloat16()
-    with pytest.raises(RuntimeError, match="packed int4 weights"):
-        ops.int4_int8_linear(x, dataclasses.replace(packed, data=packed.data[:-1].contiguous()))
-    with pytest.raises(RuntimeError, match="packed int4 weights"):
-        ops.int4_int8_linear(x, dataclasses.replace(packed, encoding="fp32"))
+    with pytest.raises(RuntimeError, match="packed weights"):
+        run(x, w, dataclasses.replace(packed, data=packed.data[:-1].contiguous()))
+    with pytest.raises(RuntimeError, match="packed weights"):
+        run(x, w, dataclasses.replace(packed, encoding="fp32"))
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
-        ops.int4_int8_linear(x.half(), packed)
-    with pytest.raises(ValueError, match="int4 weight"):
-        int4_int8_format.pack(w.qweight, w.scales.half(), w.zeros)
+        run(x.half(), w, packed)
+    with pytest.raises(RuntimeError, match="encoding"):
+        run(x, w, dataclasses.replace(pack(random_weight(16, 64, "q8_0")), encoding="units"))
+    with pytest.raises(ValueError, match="float32 scales"):
+        pack(dataclasses.replace(w, scales=w.scales.half()))
     with pytest.raises(ValueError, match="not hold"):
         pack(random_int4(16, 64, "fp32"), "fp16")
+    with pytest.raises(ValueError, match="not hold"):
+        pack(random_weight(16, 64, "int8_fp32"), "fp16")
