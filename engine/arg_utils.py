@@ -57,8 +57,9 @@ HELP = {
                       "every product exact, summed in float32 (the bf16, AMX or float32 kernels, measured "
                       "per machine); int8: "
                       "activations rounded to 8 bits per block of 32 and integer dot products, as llama.cpp "
-                      "computes, where such a kernel exists (today MXFP4 experts, gpt-oss's, with "
-                      "AVX512-VNNI): faster, but the numbers move away from Hugging Face's (docs/cpu.md)",
+                      "computes, for int4 and int8 weights (GGUF Q4_0/Q4_1/Q8_0/K-quants, GPTQ, AWQ, "
+                      "--quantization int4|int8) and MXFP4 experts (gpt-oss's), with AVX512-VNNI and a "
+                      "bfloat16 model: faster, but the numbers move away from Hugging Face's (docs/cpu.md)",
     "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda when "
                    "attention runs on cupy, else off)",
     "async_scheduling": "schedule and launch the next decode step while the device runs this one, "

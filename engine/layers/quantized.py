@@ -9,7 +9,9 @@ the effective weights (`QuantizedTensor.dequantize()`), up to summation order, a
 depends on what a row is batched with. `reference_linear` is that product in plain torch.
 In a bfloat16 model on a CPU with AVX512-BF16, `pack_modules` repacks the blocks for the
 quant_linear_bf16 ops instead, which take the bf16 activations as they are (exact bf16 x
-integer products, fp32 accumulation; see cpu_kernels/packing.py).
+integer products, fp32 accumulation; see cpu_kernels/packing.py). Under --cpu-arithmetic int8,
+`pack_int_dot_modules` packs them for the integer kernels (cpu_kernels/csrc/int_dot.cpp): the
+activations rounded to 8 bits per block of 32, integer dot products, as llama.cpp computes.
 
 HF checkpoints (engine/models/hf_quant.py) add two things a layer may carry: act-order's
 permutation of the input channels (`perm`, gathered from the activations first), and W8A8's
@@ -30,7 +32,8 @@ import psutil
 import torch
 from torch import nn
 
-from cpu_kernels import ops
+from cpu_kernels import int_dot_format, ops
+from cpu_kernels.int_dot_format import PackedIntDot
 # The format itself lives with the kernels that pack it (cpu_kernels/quant_format.py).
 from cpu_kernels.quant_format import BLOCK, FORMATS, QuantizedTensor, quantize
 from engine.layers import Layer
@@ -68,10 +71,13 @@ class QuantLinear(Layer):
         self.perm_loaded = False  # a part was loaded: every other part must bring the same perm
         self.int8_inputs = False  # W8A8: activations quantized per token to int8 (see _int8_inputs)
         self.fp32_kernels = False  # stays on the float32 kernels: the bf16 ones would round its zeros
+        self.int_dot: PackedIntDot | None = None  # packed for the integer kernels (pack_int_dot)
 
     @property
     def weight(self) -> QuantizedTensor:
         """The weight in the row layout (unpacked again if packed)."""
+        if self.int_dot is not None:
+            return dataclasses.replace(self.rows(torch.arange(self.out_features)), perm=self.perm)
         if self.packed:
             from cpu_kernels.packing import unpack
             return dataclasses.replace(unpack(self._packed()), perm=self.perm)
@@ -79,6 +85,8 @@ class QuantLinear(Layer):
 
     def rows(self, ids: torch.Tensor) -> QuantizedTensor:
         """Rows `ids` of the weight, in the row layout (a tied embedding's lookup)."""
+        if self.int_dot is not None:
+            return int_dot_format.rows(self.int_dot, ids)
         if self.packed:
             from cpu_kernels.packing import unpack_rows
             return unpack_rows(self._packed(), ids)
@@ -109,6 +117,17 @@ class QuantLinear(Layer):
             # weights, which stream half the bytes.
             self.unpacked = ops.bf16_unpack(self.format, self.qweight, self.out_features, self.in_features, amx)
 
+    @torch.no_grad()
+    def pack_int_dot(self) -> None:
+        """Switch to the integer kernels' layout (int_dot_format; the scales and zeros as stored)."""
+        self.int_dot = int_dot_format.pack(self.weight)
+        self.qweight, self.scales, self.zeros = self.int_dot.data, None, None
+
+    def int_dot_ready(self) -> bool:
+        """Whether the integer kernels take this layer: int4 or int8 blocks in input order, float
+        activations (a W8A8 checkpoint's int8 activations have their own scheme)."""
+        return self.perm is None and not self.int8_inputs and not self.packed
+
     def _packed(self):
         from cpu_kernels.packing import PackedWeight
         return PackedWeight(self.format, self.qweight, self.out_features, self.in_features, self.zero_units)
@@ -116,6 +135,10 @@ class QuantLinear(Layer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.perm is not None:
             x = x.index_select(-1, self.perm)
+        if self.int_dot is not None:
+            y = ops.int_dot_linear(x.reshape(-1, self.in_features).contiguous(), self.int_dot)
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
         if self.int8_inputs:
             y = self._int8_inputs(x.reshape(-1, self.in_features)).to(x.dtype).view(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
@@ -169,7 +192,7 @@ class QuantLinear(Layer):
         (GGUF's) or as fp16 multiples of the scale (GPTQ's and AWQ's -scale * z; see
         cpu_kernels/packing.py). A bf16 scale too small for fp16 does not fit."""
         from cpu_kernels.packing import zero_encoding
-        return self.packed or zero_encoding(self.weight) is not None
+        return self.packed or self.int_dot is not None or zero_encoding(self.weight) is not None
 
     def _load_perm(self, perm: torch.Tensor | None) -> None:
         """A fused layer's parts share one input, so they must share its permutation (GPTQ's
@@ -228,11 +251,22 @@ def pack_modules(model: nn.Module, amx: bool = False) -> int:
     them), in AMX arithmetic if `amx`; returns how many. AMX: the layers also keep their
     weights dequantized to bf16 where those copies take at most DEQUANTIZED_COPY_RAM_SHARE
     of the machine's memory (SmolLM2-135M: 270 MB)."""
-    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and not (m.fp32_kernels or m.int8_inputs)]
+    layers = [m for m in model.modules()
+              if isinstance(m, QuantLinear) and not (m.fp32_kernels or m.int8_inputs or m.int_dot is not None)]
     copy_bytes = sum(2 * layer.in_features * layer.out_features for layer in layers)
     copies = amx and copy_bytes <= psutil.virtual_memory().total * DEQUANTIZED_COPY_RAM_SHARE
     for layer in layers:
         layer.pack(amx, copies)
+    return len(layers)
+
+
+def pack_int_dot_modules(model: nn.Module) -> int:
+    """Pack every QuantLinear the integer kernels take (`int_dot_ready`) for them
+    (--cpu-arithmetic int8); returns how many. The tied embedding reads its rows back from the
+    head's packed bytes."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear) and m.int_dot_ready()]
+    for layer in layers:
+        layer.pack_int_dot()
     return len(layers)
 
 

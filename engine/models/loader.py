@@ -26,7 +26,8 @@ from engine.layers.packed_linear import pack_dense_linears
 from engine.layers.fp8 import Fp8Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.parallel import ROW_PARALLEL, SINGLE, TPShard
-from engine.layers.quantized import QuantizedTensor, QuantLinear, dequantize_modules, pack_modules, quantize_modules
+from engine.layers.quantized import (QuantizedTensor, QuantLinear, dequantize_modules, pack_int_dot_modules,
+                                     pack_modules, quantize_modules)
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.config import ModelArchConfig
 from engine.models.gguf_header import gguf_split_parts
@@ -81,8 +82,9 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     tensor-parallel rank to build and keep weights for. `layer_kernels`: the fused layer ops
     where they run (`use_layer_kernels`) and, on CPU in bfloat16, dense layers on oneDNN's
     packed weights (engine/layers/packed_linear.py); else eager torch. `amx`: quantized layers in the bf16
-    kernels' AMX arithmetic (cpu_kernels.dispatch's choice). `cpu_arithmetic` "int8": MXFP4
-    experts packed for the integer kernel (8-bit activations; `_check_int8_arithmetic`)."""
+    kernels' AMX arithmetic (cpu_kernels.dispatch's choice). `cpu_arithmetic` "int8": int4 and
+    int8 layers and MXFP4 experts packed for the integer kernels (8-bit activations;
+    `_check_int8_arithmetic`)."""
     int8 = cpu_arithmetic == "int8"
     if int8:
         _check_int8_arithmetic(dtype, device)
@@ -107,7 +109,7 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
                    unit="tensor", leave=False, disable=None)
     model.load_weights(weights)
     if formats:
-        _prepare_quantized(model, dtype, device, amx, exact=not is_gguf(path))
+        _prepare_quantized(model, dtype, device, amx, exact=not is_gguf(path), int8=int8)
     if quantization == "mxfp4":
         from engine.models.moe import quantize_experts_mxfp4
         count = quantize_experts_mxfp4(model, int8)
@@ -124,25 +126,28 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
 
 
 def _check_int8_arithmetic(dtype: str, device: str) -> None:
-    """--cpu-arithmetic int8 runs on the integer MXFP4 kernel: a clear error where it cannot."""
+    """--cpu-arithmetic int8 runs on the integer kernels: a clear error where they cannot."""
     from cpu_kernels import ops
     if device != "cpu" or dtype != "bfloat16":
         raise ValueError(f"cpu_arithmetic 'int8' is for --device cpu with --dtype bfloat16 (got {device}, {dtype})")
-    if not ops.int8_dot_supported():
+    if not ops.int_dot_supported():
         raise ValueError("cpu_arithmetic 'int8': this CPU or build lacks the integer kernel's AVX512-VNNI "
                          "(with AVX512BW and VL); use --cpu-arithmetic auto")
 
 
 def _log_int8_arithmetic(model: nn.Module) -> None:
-    """Say which matrices the integer arithmetic took (today only MXFP4 experts have a kernel)."""
+    """Say which matrices the integer arithmetic took: int4 and int8 layers, MXFP4 experts."""
     from engine.models.moe import Experts
-    count = sum(p.format == "mxfp4_int8" for m in model.modules() if isinstance(m, Experts) for p in m.packed.values())
-    if count:
-        log.info("cpu_arithmetic int8: %d MXFP4 expert matrices on the integer kernel; other layers exact", count)
+    experts = sum(p.format == "mxfp4_int8" for m in model.modules() if isinstance(m, Experts)
+                  for p in m.packed.values())
+    layers = sum(m.int_dot is not None for m in model.modules() if isinstance(m, QuantLinear))
+    if experts or layers:
+        log.info("cpu_arithmetic int8: %d int4/int8 layers and %d MXFP4 expert matrices on the integer kernels; "
+                 "the others (dense, FP8, act-order, W8A8) keep the exact arithmetic", layers, experts)
     else:
-        log.warning("cpu_arithmetic int8: this model has no MXFP4 experts (an MXFP4 checkpoint's, or "
-                    "--quantization mxfp4's), the only layers with an integer kernel yet; every layer keeps "
-                    "the exact arithmetic")
+        log.warning("cpu_arithmetic int8: this model has no int4, int8 or MXFP4 weights (a GGUF's blocks, a "
+                    "GPTQ/AWQ checkpoint's, or --quantization int4|int8|mxfp4's), the only ones the integer "
+                    "kernels take; every layer keeps the exact arithmetic")
 
 
 def _check_mxfp4(cfg: ModelArchConfig, dtype: str, device: str, int8: bool) -> None:
@@ -228,7 +233,8 @@ def _runnable_fp8(formats: dict[str, str], path: Path, cfg: ModelArchConfig, dty
     return {layer: fmt for layer, fmt in formats.items() if layer not in drop}
 
 
-def _prepare_quantized(model: nn.Module, dtype: str, device: str, amx: bool = False, exact: bool = False) -> None:
+def _prepare_quantized(model: nn.Module, dtype: str, device: str, amx: bool = False, exact: bool = False,
+                       int8: bool = False) -> None:
     """bfloat16 on a CPU with AVX512-BF16: the blocks are repacked for the bf16 kernels (in
     AMX arithmetic if `amx`). Their fp16 scales and zeros round GGUF's Q4_K ones; `exact`
     (HF checkpoints): a layer they would round stays on the float32 kernels instead (GPTQ and
@@ -236,6 +242,8 @@ def _prepare_quantized(model: nn.Module, dtype: str, device: str, amx: bool = Fa
     below fp16's range they cannot). Without the kernels,
     layers loaded as blocks become dense layers of the same weights. FP8 layers (kept only
     where their kernel runs) are packed for it, in AMX arithmetic if `amx` and a bf16 model.
+    `int8` (--cpu-arithmetic int8, checked): int4 and int8 layers go to the integer kernels
+    first, their scales and zeros as stored (float32 where fp16 cannot hold them).
     On CUDA, engine/layers/cuda_quant.py runs int4 and per-channel FP8 as stored."""
     from cpu_kernels import ops
     if device.startswith("cuda"):
@@ -246,6 +254,8 @@ def _prepare_quantized(model: nn.Module, dtype: str, device: str, amx: bool = Fa
     for module in model.modules():
         if isinstance(module, Fp8Linear):
             module.pack(fp8_amx)
+    if int8:
+        pack_int_dot_modules(model)
     if device != "cpu" or not cpu_kernels.available("quant_linear"):
         dequantize_modules(model, DTYPES[dtype])
     elif dtype == "bfloat16" and ops.bf16_dot_supported():
@@ -271,7 +281,7 @@ def _fp16_int4_scales(model: nn.Module) -> None:
     (float32 products of its fp16 and 6-bit scales) are rounded to fp16 for them: a relative
     error under 2^-11, below the 2^-8 to which a dense bf16 layer would round the weights."""
     for module in model.modules():
-        if isinstance(module, QuantLinear) and module.format == "int4" and not module.packed:
+        if isinstance(module, QuantLinear) and module.format == "int4" and not module.packed and module.int_dot is None:
             module.scales.copy_(module.scales.half().float())
             module.zeros.copy_(module.zeros.half().float())
 
