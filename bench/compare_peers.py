@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx-per-slot", type=int, default=512,
                    help="llama-server context per slot; -c is slots x this (default: 512)")
     p.add_argument("--dtype", default="auto", help="pagedserve --dtype (default: auto)")
+    p.add_argument("--cpu-arithmetic", default="auto", choices=["auto", "int8"],
+                   help="pagedserve --cpu-arithmetic (default: auto)")
     p.add_argument("--model", default=None, help="a .gguf file, or gemma3 for the packaged Gemma 3 270M Q4_K_M "
                                                  "(default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--offline", action="store_true",
@@ -115,7 +117,7 @@ def serving(peer: str, args: argparse.Namespace, gguf: Path) -> Iterator[tuple[s
         # Another form of the same weights where the peers read different files (bench/gpt_oss_peers.py).
         model = getattr(args, "pagedserve_model", None) or gguf
         config = EngineConfig(model=str(model), dtype=args.dtype, num_threads=args.threads,
-                              cpu_arithmetic=getattr(args, "cpu_arithmetic", "auto"))
+                              cpu_arithmetic=args.cpu_arithmetic)
         server = server_for("pagedserve", config, max_concurrent_streams=256)
         server.cmd += ["--http-port", str(port)]  # the last --http-port wins
         print(f"starting {' '.join(server.cmd[1:])}", flush=True)
@@ -179,7 +181,8 @@ def run_bench(peer: str, target: str | None, command: list[str] | None, concurre
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
            "--seed", str(seed), "--output-dir", str(args.output_dir)]
     if target is None:
-        cmd += ["--backend", "pagedserve", "--num-threads", str(args.threads), "--dtype", args.dtype]
+        cmd += ["--backend", "pagedserve", "--num-threads", str(args.threads), "--dtype", args.dtype,
+                "--cpu-arithmetic", args.cpu_arithmetic]
     else:
         cmd += ["--backend", "openai", "--target", target]
     print(f"\n== {label}: {' '.join(cmd[1:])}", flush=True)
@@ -211,7 +214,7 @@ def _report(rows: list[dict], args: argparse.Namespace, gguf: Path, peers: list[
     print("(latencies in ms)")
     machine = machine_info()
     payload = {"machine": machine, "model": str(gguf), "input_len": args.input_len, "output_len": args.output_len,
-               "threads": args.threads, "dtype": args.dtype,
+               "threads": args.threads, "dtype": args.dtype, "cpu_arithmetic": args.cpu_arithmetic,
                "llama_server": _llama_server_info(args) if "llama-server" in peers else None,
                "loadavg_before": args.loadavg_before, "loadavg_after": os.getloadavg(),
                "offline": args.offline_results, "runs": rows}
@@ -247,6 +250,7 @@ def _offline(args: argparse.Namespace, gguf: Path) -> dict:
 
 def _offline_pagedserve(args: argparse.Namespace, gguf: Path, num_prompts: int) -> dict:
     cmd = [sys.executable, "-m", "pagedserve", "bench", "offline", "--model", str(gguf), "--dtype", args.dtype,
+           "--cpu-arithmetic", args.cpu_arithmetic,
            "--num-threads", str(args.threads), "--num-prompts", str(num_prompts), "--input-len",
            str(args.input_len), "--output-len", str(args.output_len), "--repeats", "1", "--single-repeats", "2",
            "--output-dir", str(args.output_dir)]
