@@ -13,6 +13,12 @@ Candidates (those this CPU and build run):
                same arithmetic at one row (csrc/quant_linear_bf16.cpp)
   avx512_bf16  bf16 activations, VDPBF16PS throughout
   float32      float32 activations (csrc/quant_linear.cpp)
+  int8         8-bit activations in integer dot products (csrc/int_dot.cpp): measured and
+               recorded beside the others, chosen only by `--cpu-arithmetic int8`. It changes
+               the numbers (activations rounded to 8 bits), and issue 49's rule lets a plan
+               take it by default only where its perplexity is within 0.5% of float32's and its
+               greedy agreement at least bf16's (bench/cpu_arithmetic.py measures both):
+               INT8_BY_DEFAULT records that verdict.
 The score is the geometric mean, over the model's shapes and the row counts (1, 8, 64,
 512), of the time per row: one decoding stream, a small batch, a big batch's decode step and
 a prefill chunk each weigh the same in relative terms (a sum would let the one-row times,
@@ -29,7 +35,8 @@ smallest layer at the row counts up to CHECK_MACS of work), and if the runner-up
 winner there by more than CHECK_MARGIN, the plan is measured again. `python -m cpu_kernels.warm --remeasure` forgets every cached plan.
 
 `PAGEDSERVE_CPU_ARITHMETIC=amx|avx512_bf16|float32` skips the measurement and takes that
-kernel (where this CPU runs it): to compare them, or to pin one across a fleet.
+kernel (where this CPU runs it): to compare them, or to pin one across a fleet. (int8 is an
+engine flag, `--cpu-arithmetic int8`, since it is a choice of numbers, not of speed alone.)
 """
 
 from __future__ import annotations
@@ -61,12 +68,16 @@ PATIENCE_S = 15.0
 # what the plan recorded (noise under a passing load stays below it; a wrong winner is 2x).
 CHECK_MACS = 1 << 28
 CHECK_MARGIN = 0.15
+EXACT = ("amx", "avx512_bf16", "float32")  # every product exact: the plan may pick any of them
+# Whether the plan may choose int8 by default: bench/cpu_arithmetic.py's verdict on the
+# bundled model (docs/cpu.md, "Which arithmetic by default").
+INT8_BY_DEFAULT = False
 log = logging.getLogger("pagedserve.cpu_kernels")
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelPlan:
-    arithmetic: str  # "amx" | "avx512_bf16" | "float32"
+    arithmetic: str  # "amx" | "avx512_bf16" | "float32" (| "int8" only if INT8_BY_DEFAULT)
     threads: int
     scores_us: dict[str, float]  # candidate -> geometric mean of microseconds per row (ROW_MIX x shapes)
     shapes: list[tuple[int, int]]
@@ -92,7 +103,8 @@ class KernelPlan:
         key = fewer if fewer in self.scores_us else self.arithmetic
         best = self.scores_us[key]
         ranked = sorted(((k, v) for k, v in self.scores_us.items() if k != key), key=lambda kv: kv[1])
-        others = ", ".join(f"{name} {score / best:.2f}x" for name, score in ranked)
+        others = ", ".join(f"{name}{'' if _eligible(name) else ' (opt-in)'} {score / best:.2f}x"
+                           for name, score in ranked)
         return (f"{self.arithmetic} with {self.threads} threads: {best:.2f} us per row (geometric mean over rows "
                 f"{'/'.join(map(str, ROW_MIX))} and the model's {len(self.shapes)} layer shapes)"
                 + (f"; time per row of the others: {others}" if others else ""))
@@ -124,7 +136,14 @@ def candidates() -> list[str]:
         out.append("avx512_bf16")
     if available("quant_linear"):
         out.append("float32")
+    if ops.int_dot_supported():
+        out.append("int8")
     return out
+
+
+def _eligible(key: str) -> bool:
+    """Whether the plan may choose this candidate (a `scores_us` key) by itself."""
+    return key.partition("@")[0] in EXACT or INT8_BY_DEFAULT
 
 
 def plan(shapes: list[tuple[int, int]], threads: int) -> KernelPlan | None:
@@ -140,6 +159,8 @@ def plan(shapes: list[tuple[int, int]], threads: int) -> KernelPlan | None:
         return None
     forced = os.environ.get(ENV)
     if forced:
+        if forced == "int8":
+            raise ValueError(f"{ENV}=int8: the integer arithmetic is an engine flag, --cpu-arithmetic int8")
         if forced not in names:
             raise ValueError(f"{ENV}={forced!r}: this CPU runs {', '.join(names)}")
         return KernelPlan(forced, threads, {}, shapes, f"set by {ENV}")
@@ -165,8 +186,9 @@ def measure(shapes: list[tuple[int, int]], threads: int, names: list[str]) -> Ke
     variants = [(name, threads) for name in names] + [(name, threads - 1) for name in names if threads > 1]
     cases = _time_per_row(variants, [(n, k, m) for n, k in shapes for m in ROW_MIX], patience_s=PATIENCE_S)
     score = {v: _geomean(values) for v, values in cases.items()}
-    chosen = min(variants[:len(names)], key=score.get)
-    fewer = min(variants[len(names):], key=score.get, default=None)
+    eligible = [v for v in variants if _eligible(v[0])]
+    chosen = min((v for v in eligible if v[1] == threads), key=score.get)
+    fewer = min((v for v in eligible if v[1] < threads), key=score.get, default=None)
     if fewer is not None and score[fewer] < score[chosen] * (1 - TIE):
         chosen = fewer
     scores = {_key(name, t, threads): round(value, 3) for (name, t), value in score.items()}
@@ -184,7 +206,7 @@ def quick_check(plan: KernelPlan, budget: int) -> str | None:
     cases and still win the mix). `budget`: the thread budget the plan was made for; the
     kernels are loaded (`candidates`)."""
     winner = _key(plan.arithmetic, plan.threads, budget)
-    others = [key for key in plan.scores_us if key != winner]
+    others = [key for key in plan.scores_us if key != winner and _eligible(key)]
     if not others or winner not in plan.cases_us:
         return None  # one candidate: nothing to compare with
     runner_up = min(others, key=plan.scores_us.get)
@@ -192,8 +214,8 @@ def quick_check(plan: KernelPlan, budget: int) -> str | None:
     first = plan.shapes.index((n, k)) * len(ROW_MIX)
     picked = [i for i, m in enumerate(ROW_MIX) if m * n * k <= CHECK_MACS] or [0]
     recorded = _geomean([plan.cases_us[winner][first + i] / plan.cases_us[runner_up][first + i] for i in picked])
-    now = _time_per_row([_variant(key, budget) for key in plan.scores_us], [(n, k, ROW_MIX[i]) for i in picked],
-                        budget_s=0.002)
+    timed = [_variant(key, budget) for key in plan.scores_us if _eligible(key)]
+    now = _time_per_row(timed, [(n, k, ROW_MIX[i]) for i in picked], budget_s=0.002)
     ratio = _geomean([a / b for a, b in zip(now[_variant(winner, budget)], now[_variant(runner_up, budget)])])
     if ratio <= max(1.0, recorded) * (1 + CHECK_MARGIN):
         return None
@@ -290,11 +312,15 @@ def _random_weight(name: str, n: int, k: int) -> tuple:
     if name == "float32":
         weight = random(n)
         return weight.qweight, weight.scales, weight.zeros
-    rows = packing.GROUP * packing.SUPER_GROUP
+    if name == "int8":  # int_dot's layout: independent groups of 16 rows, one 128-row block repeated
+        from cpu_kernels import int_dot_format
+        pack, rows = (lambda w: int_dot_format.pack(w).data), 128
+    else:
+        pack, rows = (lambda w: packing.pack(w).data), packing.GROUP * packing.SUPER_GROUP
     whole, tail = divmod(n, rows)
-    parts = [packing.pack(random(rows)).data.repeat(whole)] if whole else []
+    parts = [pack(random(rows)).repeat(whole)] if whole else []
     if tail:
-        parts.append(packing.pack(random(tail)).data)
+        parts.append(pack(random(tail)))
     return (torch.cat(parts),)
 
 
@@ -311,6 +337,12 @@ def _call(name: str, copies: list[tuple], m: int, n: int, k: int):
             ops.int4_linear(x, qweight, scales, zeros)
         return call
     xb, amx = x.bfloat16(), name == "amx"
+    if name == "int8":
+        from cpu_kernels.int_dot_format import PackedIntDot
+
+        def call_int8():
+            ops.int_dot_linear(xb, PackedIntDot(copies[next(turn) % len(copies)][0], "int4", n, k, "fp16"))
+        return call_int8
 
     def call_bf16():
         ops.bf16_quant_linear(xb, "int4", copies[next(turn) % len(copies)][0], n, amx)
@@ -341,7 +373,8 @@ def _cache_path(shapes: list[tuple[int, int]], threads: int, names: list[str]) -
 
     from common.paths import cache_dir
     from cpu_kernels.compile import CSRC, _cpu_flags
-    sources = b"".join((CSRC / f"{family}.cpp").read_bytes() for family in ("quant_linear", "quant_linear_bf16"))
+    sources = b"".join((CSRC / f"{family}.cpp").read_bytes()
+                       for family in ("quant_linear", "quant_linear_bf16", "int_dot"))
     key = hashlib.sha256(sources + Path(__file__).read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
                          + json.dumps([shapes, threads, names]).encode()).hexdigest()[:16]
     return cache_dir() / "cpu_kernels" / f"plan-{key}.json"

@@ -31,6 +31,7 @@ def test_candidates_are_what_this_cpu_runs():
     assert "float32" in names
     assert ("avx512_bf16" in names) == ops.bf16_dot_supported()
     assert ("amx" in names) == ops.bf16_amx_ready()
+    assert ("int8" in names) == ops.int_dot_supported()
 
 
 def test_plan_measures_once_then_reads_its_cache(cache):
@@ -38,8 +39,9 @@ def test_plan_measures_once_then_reads_its_cache(cache):
     plan = dispatch.plan(SHAPES, 2)
     first = time.perf_counter() - start
     assert plan.arithmetic in dispatch.candidates() and plan.threads in (1, 2)
-    names = dispatch.candidates()
-    assert set(plan.scores_us) == set(names) | {f"{n}@1threads" for n in names}
+    assert set(plan.scores_us) == set(dispatch.candidates()) | {f"{n}@1threads" for n in dispatch.candidates()}
+    names = [n for n in dispatch.candidates() if n in dispatch.EXACT]  # int8 is measured, never chosen
+    assert plan.arithmetic in names
     if plan.threads == 2:  # the fastest at 2 threads, and no 1-thread one 3% faster
         assert plan.scores_us[plan.arithmetic] == min(plan.scores_us[n] for n in names)
         assert min(plan.scores_us[f"{n}@1threads"] for n in names) >= plan.scores_us[plan.arithmetic] * 0.97
@@ -143,6 +145,24 @@ def test_the_environment_pins_a_kernel(cache, monkeypatch):
     monkeypatch.setenv(dispatch.ENV, "tensor-cores")
     with pytest.raises(ValueError, match="this CPU runs"):
         dispatch.plan(SHAPES, 2)
+    monkeypatch.setenv(dispatch.ENV, "int8")  # a choice of numbers: the engine's flag
+    with pytest.raises(ValueError, match="--cpu-arithmetic int8"):
+        dispatch.plan(SHAPES, 2)
+
+
+@pytest.mark.skipif(not ops.int_dot_supported(), reason="the integer kernels need AVX512-VNNI")
+def test_the_timed_int8_weights_are_whole_packed_weights():
+    """As the bf16 ones: 128 rows packed for the integer kernels, repeated, are the packing of
+    the whole weight of those rows repeated (the layout's groups of 16 rows are independent)."""
+    import torch
+
+    from cpu_kernels import int_dot_format
+    from cpu_kernels.quant_format import QuantizedTensor
+    n, k = 300, 64
+    (data,) = dispatch._random_weight("int8", n, k)
+    qweight, scales, zeros = dispatch._random_weight("float32", 128, k)
+    rows = torch.cat([torch.arange(128), torch.arange(128), torch.arange(44)])
+    assert torch.equal(data, int_dot_format.pack(QuantizedTensor("int4", qweight[rows], scales[rows], zeros[rows])).data)
 
 
 def test_dtype_auto_follows_the_machine_plan(cache, monkeypatch):
