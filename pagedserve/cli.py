@@ -134,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "stream, output tok/s of a batch, prefill tok/s of a long prompt and the RSS the "
                     "load adds, with ratios to float32 and the quantized checkpoints' targets against "
                     "their baselines from the same run. Writes JSON and a PNG."))
+    from bench.cpu_arithmetic import add_arguments as add_cpu_arithmetic
+    add_cpu_arithmetic(bench_kinds.add_parser(
+        "cpu-arithmetic", help="each CPU arithmetic's accuracy against HF float32 (perplexity, KL, greedy)",
+        description="CPU arithmetics of a GGUF model's quantized layers, in-process: float32, bf16 "
+                    "(AVX512-BF16, AMX) and int8 (8-bit activations, integer dot products), each where this "
+                    "machine runs it, against HF transformers float32 on the same dequantized weights: "
+                    "perplexity on a fixed text of our own, KL divergence of the next-token distribution "
+                    "(mean, p99), and greedy agreement on our QA prompts; then issue 49's rule for making "
+                    "int8 the default. Writes JSON and a PNG."))
     from bench.lora import add_arguments as add_lora
     add_lora(bench_kinds.add_parser(
         "lora", help="multi-LoRA throughput: 1, 4, 16 adapters in the mix against the base model",
@@ -258,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "formats":
         from bench.formats import run
+        return run(args)
+    if args.command == "bench" and args.bench == "cpu-arithmetic":
+        from bench.cpu_arithmetic import run
         return run(args)
     if args.command == "bench" and args.bench == "lora":
         from bench.lora import run
