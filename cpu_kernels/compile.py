@@ -24,10 +24,13 @@ from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 FAMILIES = ("quant_linear", "quant_linear_bf16", "fp8_linear", "paged_attention", "layer_ops", "mxfp4_int8",
-            "int_dot")
+            "int_dot", "int_dot_avx2")
 # -fopenmp: at::parallel_for is inline OpenMP code in torch's headers; without the flag it
 # compiles to a serial loop. The OpenMP runtime itself is torch's (libtorch_cpu loads it).
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]
+# Families that must not use AVX-512 where the CPU has it, so that an AVX-512 machine tests the
+# instructions an AVX2-only one runs (a target attribute can add instructions, not remove them).
+FAMILY_CFLAGS = {"int_dot_avx2": ["-mno-avx512f"]}
 _LOCK = threading.Lock()
 log = logging.getLogger("pagedserve.cpu_kernels")
 
@@ -68,7 +71,7 @@ def build_dir(family: str) -> Path:
     import torch
     # The family's source and the headers it may include (csrc/*.h: bf16_tiles.h).
     source = b"".join(path.read_bytes() for path in [CSRC / f"{family}.cpp", *sorted(CSRC.glob("*.h"))])
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + torch.__version__.encode()
+    key = hashlib.sha256(source + " ".join(_cflags(family)).encode() + torch.__version__.encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     return cache_dir() / "cpu_kernels" / f"{family}-{key}"
 
@@ -92,8 +95,12 @@ def _build(family: str) -> None:
     # is_python_module=False: a plain shared library whose static initialisers register
     # the ops with torch; cpp_extension's file lock serialises concurrent builders.
     cpp_extension.load(name=f"pagedserve_{family}", sources=[str(CSRC / f"{family}.cpp")],
-                       extra_cflags=CFLAGS, extra_ldflags=[], build_directory=str(folder),
+                       extra_cflags=_cflags(family), extra_ldflags=[], build_directory=str(folder),
                        is_python_module=False, verbose=False)
+
+
+def _cflags(family: str) -> list[str]:
+    return CFLAGS + FAMILY_CFLAGS.get(family, [])
 
 
 def _cpu_flags() -> str:

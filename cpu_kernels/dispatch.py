@@ -374,7 +374,7 @@ def _cache_path(shapes: list[tuple[int, int]], threads: int, names: list[str]) -
     from common.paths import cache_dir
     from cpu_kernels.compile import CSRC, _cpu_flags
     sources = b"".join((CSRC / f"{family}.cpp").read_bytes()
-                       for family in ("quant_linear", "quant_linear_bf16", "int_dot"))
+                       for family in ("quant_linear", "quant_linear_bf16", "int_dot", "int_dot_avx2"))
     key = hashlib.sha256(sources + Path(__file__).read_bytes() + torch.__version__.encode() + _cpu_flags().encode()
                          + json.dumps([shapes, threads, names]).encode()).hexdigest()[:16]
     return cache_dir() / "cpu_kernels" / f"plan-{key}.json"

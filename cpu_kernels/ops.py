@@ -7,6 +7,7 @@ Each checks its inputs once, in Python, where errors read well, then calls the o
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -125,21 +126,78 @@ def mxfp4_int8_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Te
 
 # --- int_dot: int4/int8 weights x 8-bit activations, integer dot products (csrc/int_dot.cpp) ---
 
-def int_dot_supported() -> bool:
-    """Whether this CPU runs the integer int4/int8 kernels (VPDPBUSD, as `int8_dot_supported`). Never raises."""
+def int_dot_kernel() -> str | None:
+    """Which integer kernels run here, the widest first (each gives the same bits, so the choice
+    is speed alone; measured 1.3-2.6x between AVX512-VNNI and AVX2, docs/cpu.md):
+    "avx512_vnni" (csrc/int_dot.cpp), "avx_vnni" or "avx2" (csrc/int_dot_avx2.cpp); None
+    where none does. Never raises."""
+    return _int_dot_choice()[0]
+
+
+@functools.cache
+def _int_dot_choice() -> tuple[str | None, dict]:
+    """(the kernel's name, format -> its op), once per process."""
     from cpu_kernels.compile import available
-    return int8_dot_supported() and available("int_dot")
+    kernels = torch.ops.pagedserve_cpu if available("int_dot") or available("int_dot_avx2") else None
+    if available("int_dot") and kernels.int_dot_avx512_supported():
+        return "avx512_vnni", {"int4": kernels.int4_int8_linear, "int8": kernels.int8_int8_linear}
+    if int_dot_avxvnni_supported():
+        return "avx_vnni", {"int4": kernels.int4_int8_linear_avxvnni, "int8": kernels.int8_int8_linear_avxvnni}
+    if int_dot_avx2_supported():
+        return "avx2", {"int4": kernels.int4_int8_linear_avx2, "int8": kernels.int8_int8_linear_avx2}
+    return None, {}
+
+
+def int_dot_supported() -> bool:
+    """Whether this CPU runs one of the integer int4/int8 kernels (`int_dot_kernel`). Never raises."""
+    return int_dot_kernel() is not None
 
 
 def int_dot_linear(x: torch.Tensor, packed: PackedIntDot) -> torch.Tensor:
     """x [M, K] bfloat16 or float32 (contiguous) @ W^T -> [M, N] of x's dtype, W an int4 or int8
     weight packed by `int_dot_format.pack`: the activations rounded to 8 bits per block of 32,
     exact integer dot products, then one fixed float order per output (the same bits for a row
-    alone or in any batch; `int_dot_format.reference` computes them). Refuses (RuntimeError)
-    where `int_dot_supported()` is false; the op checks shapes and dtypes itself (in C++)."""
+    alone or in any batch, with any of the kernels; `int_dot_format.reference` computes them).
+    Refuses (RuntimeError) where `int_dot_supported()` is false; the op checks shapes and
+    dtypes itself (in C++)."""
+    name, ops_by_format = _int_dot_choice()
+    if name is None:
+        raise RuntimeError("the integer kernels need AVX2 (or AVX512-VNNI / AVX-VNNI); this CPU or build lacks them")
+    return ops_by_format[packed.fmt](x, packed.data, packed.n, ENCODINGS.index(packed.encoding))
+
+
+def int_dot_avx512_linear(x: torch.Tensor, packed: PackedIntDot) -> torch.Tensor:
+    """`int_dot_linear` on the AVX512-VNNI kernel itself (tests compare the kernels)."""
     _ensure("int_dot")
     kernels = torch.ops.pagedserve_cpu
     op = kernels.int4_int8_linear if packed.fmt == "int4" else kernels.int8_int8_linear
+    return op(x, packed.data, packed.n, ENCODINGS.index(packed.encoding))
+
+
+# --- int_dot_avx2: the same ops in AVX2 or AVX-VNNI, the same bits (csrc/int_dot_avx2.cpp) ---
+
+def int_dot_avx2_supported() -> bool:
+    """Whether this CPU runs the AVX2 integer int4/int8 kernels (AVX2 and F16C). Never raises."""
+    from cpu_kernels.compile import available
+    return available("int_dot_avx2") and bool(torch.ops.pagedserve_cpu.int_dot_avx2_supported())
+
+
+def int_dot_avxvnni_supported() -> bool:
+    """Whether it also runs their AVX-VNNI variant (256-bit VPDPBUSD: Intel's cores from Alder Lake
+    on). Never raises."""
+    return int_dot_avx2_supported() and bool(torch.ops.pagedserve_cpu.int_dot_avxvnni_supported())
+
+
+def int_dot_avx2_linear(x: torch.Tensor, packed: PackedIntDot, vnni: bool = False) -> torch.Tensor:
+    """`int_dot_linear` in AVX2 instructions (`vnni`: AVX-VNNI's), on the same packed weight:
+    the same bits as it and `int_dot_format.reference`. Refuses (RuntimeError) where
+    `int_dot_avx2_supported()` (or `int_dot_avxvnni_supported()`) is false."""
+    _ensure("int_dot_avx2")
+    kernels = torch.ops.pagedserve_cpu
+    if packed.fmt == "int4":
+        op = kernels.int4_int8_linear_avxvnni if vnni else kernels.int4_int8_linear_avx2
+    else:
+        op = kernels.int8_int8_linear_avxvnni if vnni else kernels.int8_int8_linear_avx2
     return op(x, packed.data, packed.n, ENCODINGS.index(packed.encoding))
 
 

@@ -55,6 +55,14 @@
 
 namespace {
 
+bool avx512_supported() {
+#ifdef PAGEDSERVE_INT_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 #ifdef PAGEDSERVE_INT_DOT
 
 constexpr int64_t kBlock = 32;
@@ -295,6 +303,7 @@ at::Tensor int8_int8_linear(const at::Tensor&, const at::Tensor&, int64_t, int64
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
+  m.def("int_dot_avx512_supported() -> bool", &avx512_supported);
   m.def("int4_int8_linear(Tensor x, Tensor w, int n, int encoding) -> Tensor", &int4_int8_linear);
   m.def("int8_int8_linear(Tensor x, Tensor w, int n, int encoding) -> Tensor", &int8_int8_linear);
 }

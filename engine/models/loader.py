@@ -85,11 +85,13 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
     kernels' AMX arithmetic (cpu_kernels.dispatch's choice). `cpu_arithmetic` "int8": int4 and
     int8 layers and MXFP4 experts packed for the integer kernels (8-bit activations;
     `_check_int8_arithmetic`)."""
+    from cpu_kernels import ops
     int8 = cpu_arithmetic == "int8"
     if int8:
         _check_int8_arithmetic(dtype, device)
+    int8_experts = int8 and ops.int8_dot_supported()  # the MXFP4 kernel is AVX512's alone
     if quantization == "mxfp4":  # before minutes of loading, not after
-        _check_mxfp4(cfg, dtype, device, int8)
+        _check_mxfp4(cfg, dtype, device, int8_experts)
     formats = _runnable_fp8(linear_formats(path, cfg, quantization, shard.size), path, cfg, dtype, device)
     keep_fp8 = {source for layer, sources in model_class(cfg.model_type).linear_sources(cfg).items()
                 if formats.get(layer) == "fp8" for source in sources}
@@ -102,7 +104,7 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
             _quantize_inputs(model, path, cfg, formats)
         materialize(model, device)
         model.init_non_persistent(device)
-        model.int8_experts = int8  # read by MoE models' loading (engine/models/moe.py)
+        model.int8_experts = int8_experts  # read by MoE models' loading (engine/models/moe.py)
     finally:
         torch.set_default_dtype(previous)
     weights = tqdm(iter_weights(path, cfg, keep_quantized=bool(formats), keep_fp8=keep_fp8), desc=f"loading {path.name}",
@@ -112,9 +114,9 @@ def load_model(path: Path, cfg: ModelArchConfig, dtype: str, device: str, max_po
         _prepare_quantized(model, dtype, device, amx, exact=not is_gguf(path), int8=int8)
     if quantization == "mxfp4":
         from engine.models.moe import quantize_experts_mxfp4
-        count = quantize_experts_mxfp4(model, int8)
+        count = quantize_experts_mxfp4(model, int8_experts)
         log.info("quantization mxfp4: %d expert matrices %s", count,
-                 "for the integer kernel" if int8 else "as fp4 blocks")
+                 "for the integer kernel" if int8_experts else "as fp4 blocks")
     if int8:
         _log_int8_arithmetic(model)
     if layer_kernels:
@@ -131,8 +133,11 @@ def _check_int8_arithmetic(dtype: str, device: str) -> None:
     if device != "cpu" or dtype != "bfloat16":
         raise ValueError(f"cpu_arithmetic 'int8' is for --device cpu with --dtype bfloat16 (got {device}, {dtype})")
     if not ops.int_dot_supported():
-        raise ValueError("cpu_arithmetic 'int8': this CPU or build lacks the integer kernel's AVX512-VNNI "
-                         "(with AVX512BW and VL); use --cpu-arithmetic auto")
+        raise ValueError("cpu_arithmetic 'int8': this CPU or build runs none of the integer kernels (AVX2 at "
+                         "least, and a compiler); use --cpu-arithmetic auto")
+    log.info("cpu_arithmetic int8: the %s integer kernels%s", ops.int_dot_kernel(),
+             "" if ops.int8_dot_supported() else " (MXFP4 experts keep the exact arithmetic: their integer "
+             "kernel needs AVX512-VNNI and AVX512-BF16)")
 
 
 def _log_int8_arithmetic(model: nn.Module) -> None:

@@ -1,9 +1,10 @@
-"""The integer kernels (cpu_kernels/csrc/int_dot.cpp: int4 or int8 blocks x 8-bit activations)
+"""The integer kernels (cpu_kernels/csrc/int_dot.cpp: int4 or int8 blocks x 8-bit activations;
+on a CPU without AVX512-VNNI, csrc/int_dot_avx2.cpp's: whichever `ops.int_dot_linear` runs)
 bitwise against their plain-torch reference (int_dot_format.reference) over a grid of shapes
 and the weights' kinds (GGUF Q4_0, Q4_1 and Q8_0, GPTQ's float32 zeros, float32 scales); the
 same bits for a row alone, in any batch and at any thread count; their error against the exact
 product with the dequantized weights; the packed layout read byte by byte, and rows read back
-from it. The module skips where the kernels cannot run (no AVX512-VNNI, or no compiler)."""
+from it. The module skips where no kernel runs (no AVX2, or no compiler)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from cpu_kernels.quant_format import QuantizedTensor, quantize, unpack_int4
 from test_quant_linear import assert_rows_do_not_depend_on_the_batch
 
 if not ops.int_dot_supported():
-    pytest.skip("the integer kernels need AVX512-VNNI (or the kernels are unavailable)", allow_module_level=True)
+    pytest.skip("the integer kernels need AVX2 (or the kernels are unavailable)", allow_module_level=True)
 
 ROWS = [1, 2, 7, 16, 33, 64]
 # (N, K): one group, partial last groups (N off 16), odd group counts, SmolLM2's widths.
