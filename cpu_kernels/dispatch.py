@@ -119,11 +119,11 @@ def forget() -> int:
     return len(paths)
 
 
-def machine_plan() -> KernelPlan | None:
+def machine_plan(unchecked: bool = False) -> KernelPlan | None:
     """The plan for the bundled model's shapes with this process's thread budget: what
-    `--dtype auto` means on this machine (engine/config.resolve_dtype)."""
+    `--dtype auto` means on this machine (engine/config.resolve_dtype). `unchecked`: see `plan`."""
     from common.process_args import default_num_threads
-    return plan(DEFAULT_SHAPES, default_num_threads())
+    return plan(DEFAULT_SHAPES, default_num_threads(), unchecked)
 
 
 def candidates() -> list[str]:
@@ -146,11 +146,13 @@ def _eligible(key: str) -> bool:
     return key.partition("@")[0] in EXACT or INT8_BY_DEFAULT
 
 
-def plan(shapes: list[tuple[int, int]], threads: int) -> KernelPlan | None:
+def plan(shapes: list[tuple[int, int]], threads: int, unchecked: bool = False) -> KernelPlan | None:
     """The measured plan for linear layers of `shapes` ([(N, K)], K a multiple of 32) with
     at most `threads` threads; None where no quantized kernel runs here. Cached on disk; the
     first call per machine and shapes measures (about a second), under a file lock so that
-    processes starting together measure once."""
+    processes starting together measure once. `unchecked`: a cached plan as it is, without the
+    quick check (a benchmark's report of what its servers read: timed while a peer server
+    loads the machine, the check would measure that load and rewrite the plan they share)."""
     names = candidates()
     if not names:
         return None
@@ -169,7 +171,7 @@ def plan(shapes: list[tuple[int, int]], threads: int) -> KernelPlan | None:
     with open(str(path) + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (checks too: one at a time)
         cached = _read(path)
-        if cached is not None and _still_holds(cached, threads):
+        if cached is not None and (unchecked or _still_holds(cached, threads)):
             return cached
         result = measure(shapes, threads, names)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

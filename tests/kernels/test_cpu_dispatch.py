@@ -202,3 +202,12 @@ def test_the_engine_runs_the_plan(bundled_path, cache, monkeypatch):
     together = [o.outputs[0] for o in llm.generate(prompts, params)]
     for a, b in zip(alone, together):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_an_unchecked_read_takes_the_cached_plan_as_it_is(cache, monkeypatch):
+    """A benchmark's report reads what its servers read: no quick check, which under a peer
+    server's load would time that load and rewrite the shared plan."""
+    plan = dispatch.plan(SHAPES, 1)
+    monkeypatch.setattr(dispatch, "quick_check", lambda *args: pytest.fail("checked"))
+    dispatch._HOLDING.clear()
+    assert dispatch.plan(SHAPES, 1, unchecked=True) == plan
