@@ -162,7 +162,8 @@ def test_the_timed_int8_weights_are_whole_packed_weights():
     (data,) = dispatch._random_weight("int8", n, k)
     qweight, scales, zeros = dispatch._random_weight("float32", 128, k)
     rows = torch.cat([torch.arange(128), torch.arange(128), torch.arange(44)])
-    assert torch.equal(data, int_dot_format.pack(QuantizedTensor("int4", qweight[rows], scales[rows], zeros[rows])).data)
+    whole = QuantizedTensor("int4", qweight[rows], scales[rows], zeros[rows])
+    assert torch.equal(data, int_dot_format.pack(whole).data)
 
 
 def test_dtype_auto_follows_the_machine_plan(cache, monkeypatch):
