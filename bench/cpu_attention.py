@@ -43,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import cpu_kernels
+    from cpu_kernels import ops
     if not cpu_kernels.available("paged_attention"):
         print(f"error: the CPU attention kernel did not build: {cpu_kernels.unavailable_reason('paged_attention')}",
               file=sys.stderr)
@@ -62,7 +63,9 @@ def run(args: argparse.Namespace) -> int:
                 [[r["batch"], r["context"], r["torch_prepare_us"], r["torch_us"], r["kernel_us"], r["speedup"],
                   r["kernel_gb_s"]] for r in rows])
     config = {"heads": heads, "head_dim": args.head_dim, "block_size": args.block_size, "dtype": args.dtype,
-              "threads": torch.get_num_threads(), "window": args.window}
+              "threads": torch.get_num_threads(), "window": args.window,
+              # bfloat16's arithmetic in the kernel: VDPBF16PS (AVX512-BF16 builds) or AVX2 fp32
+              "kernel_bf16_dot": ops.paged_decode_bf16_dot()}
     path = write_result("cpu-attention", {"machine": machine_info("cpu"), "config": config, "results": rows},
                         args.output_dir)
     print(f"\nwrote {path}")

@@ -242,6 +242,14 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                                                  window or 0, sinks)
 
 
+def paged_decode_bf16_dot() -> bool:
+    """Whether bfloat16 decode runs on VDPBF16PS here (a build with AVX512-BF16: exact bf16
+    products, the probabilities rounded to bf16 for the V product), rather than on AVX2 float
+    arithmetic over widened values. Never raises."""
+    from cpu_kernels.compile import available
+    return available("paged_attention") and bool(torch.ops.pagedserve_cpu.paged_decode_bf16_dot())
+
+
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, Hkv, D] (rows may be strided) into kv_cache [2, Hkv, N, bs, D] at
     slot_mapping [<= T] int64; rows past it are padding. The op checks its inputs."""
