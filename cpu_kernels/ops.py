@@ -244,8 +244,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
 
 def paged_decode_bf16_dot() -> bool:
     """Whether bfloat16 decode runs on VDPBF16PS here (a build with AVX512-BF16: exact bf16
-    products, the probabilities rounded to bf16 for the V product), rather than on AVX2 float
-    arithmetic over widened values. Never raises."""
+    products, each probability split into two bf16 parts for the V product), rather than on
+    AVX2 float arithmetic over widened values. Never raises."""
     from cpu_kernels.compile import available
     return available("paged_attention") and bool(torch.ops.pagedserve_cpu.paged_decode_bf16_dot())
 
