@@ -122,7 +122,7 @@ def test_a_whole_model_through_the_cuda_branch(tmp_path, monkeypatch, bundled_to
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (1, 7, 30, 64, 100)]
     ref = [out.outputs[0].token_ids for out in LLM(str(tmp_path / "reference"), **engine).generate(prompts, params)]
-    monkeypatch.setattr(loader, "_prepare_quantized", lambda model, dtype, device, amx=False, exact=False:
+    monkeypatch.setattr(loader, "_prepare_quantized", lambda model, dtype, device, amx=False, exact=False, int8=False:
                         prepare_cuda(model, loader.DTYPES[dtype]))
     llm = LLM(str(tmp_path / "q"), **engine)
     layers = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, TinyGemmInt4Linear)]

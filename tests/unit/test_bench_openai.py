@@ -265,8 +265,9 @@ def test_peer_comparison_report_writes_table_json_and_png(tmp_path, capsys):
             for peer, base in (("pagedserve-grpc", 40.0), ("llama-server", 90.0))
             for c, tok_s in ((1, base), (32, 8 * base))]
     rows.append({"peer": "pagedserve-http", "concurrency": 1, "error": "bench serve wrote no JSON"})
-    args = argparse.Namespace(input_len=128, output_len=128, threads=2, dtype="auto", output_dir=tmp_path,
-                              loadavg_before=(1.5, 1.0, 0.5), offline_results=None)  # as run() sets them
+    args = argparse.Namespace(input_len=128, output_len=128, threads=2, dtype="auto", cpu_arithmetic="auto",
+                              output_dir=tmp_path, loadavg_before=(1.5, 1.0, 0.5),
+                              offline_results=None)  # as run() sets them
     _report(rows, args, tmp_path / "model.gguf", ["pagedserve-grpc", "pagedserve-http"])
     out = capsys.readouterr().out
     assert "TPOT p99" in out and "llama-server" in out and "720" in out  # 8 x 90 tok/s
