@@ -5,8 +5,8 @@ packed weights, the same bits on every kernel of a machine. Also the same bits f
 any batch and at 1 or 2 threads; the sums at the edges of int16 (VPMADDUBSW saturates); the
 AVX-VNNI variant where the CPU has it. Skips where the AVX2 kernels cannot run.
 
-The weights' and activations' helpers are test_int_dot.py's, copied: that module tests whichever
-kernel `ops.int_dot_linear` runs, and skips where none does."""
+The grid, the weights and the activations are test_int_dot.py's (which runs wherever this module
+does: it tests whichever kernel `ops.int_dot_linear` takes)."""
 
 from __future__ import annotations
 
@@ -18,49 +18,12 @@ import torch
 from cpu_kernels import int_dot_format, ops
 from cpu_kernels.int_dot_format import PackedIntDot
 from cpu_kernels.quant_format import QuantizedTensor
+from test_int_dot import COLUMNS, KINDS, ROWS, activations, random_weight
 from test_quant_linear import assert_rows_do_not_depend_on_the_batch
 
 if not ops.int_dot_avx2_supported():
     pytest.skip("the AVX2 integer kernels need AVX2 and F16C (or the kernels are unavailable)",
                 allow_module_level=True)
-
-ROWS = [1, 2, 7, 16, 33, 64]
-COLUMNS = [(16, 32), (40, 64), (33, 96), (200, 576), (17, 1536)]
-KINDS = [("q4_1", "fp16"), ("q4_0", "fp16"), ("gptq", "units"), ("fp32", "fp32"), ("q8_0", "fp16"),
-         ("int8_fp32", "fp32")]
-
-
-def random_weight(n: int, k: int, kind: str, seed: int = 0) -> QuantizedTensor:
-    """As test_int_dot.random_weight: q4_1 (fp16 scale and minimum), q4_0 (zero = -8 scale),
-    gptq (zero = -scale * z), fp32 (scales and zeros fp16 does not hold); q8_0 (fp16 scales, q in
-    -127..127), int8_fp32 (float32 scales, q over all of -128..127)."""
-    g = torch.Generator().manual_seed(seed)
-    if kind.startswith(("q8", "int8")):
-        q = torch.randint(-127 if kind == "q8_0" else -128, 128, (n, k), dtype=torch.int8, generator=g)
-        scales = (torch.rand(n, k // 32, generator=g) * 0.002 + 1e-5).half().float()
-        return QuantizedTensor("int8", q, scales * (1 + 2.0**-20) if kind == "int8_fp32" else scales, None)
-    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
-    scales = (torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4).half().float()
-    if kind == "q4_0":
-        zeros = -8 * scales
-    elif kind == "gptq":
-        zeros = -scales * torch.randint(0, 16, (n, k // 32), generator=g).float()
-    elif kind == "fp32":
-        scales, zeros = scales * (1 + 2.0**-20), -torch.rand(n, k // 32, generator=g) * 0.1
-    else:
-        zeros = (-torch.rand(n, k // 32, generator=g) * 0.1).half().float()
-    return QuantizedTensor("int4", q, scales, zeros)
-
-
-def activations(m: int, k: int, seed: int = 1, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Random rows, a block of zeros (d = 0) and a block whose one large value rounds the rest to 0."""
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)) * 3
-    x[0, :32] = 0
-    if m > 1:
-        x[1, :32] = 1e-6
-        x[1, 5] = 1e4
-    return x.to(dtype)
-
 
 def run(x: torch.Tensor, packed: PackedIntDot, vnni: bool = False) -> torch.Tensor:
     return ops.int_dot_avx2_linear(x, packed, vnni)
