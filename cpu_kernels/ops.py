@@ -166,6 +166,15 @@ def int_dot_linear(x: torch.Tensor, packed: PackedIntDot) -> torch.Tensor:
     return ops_by_format[packed.fmt](x, packed.data, packed.n, ENCODINGS.index(packed.encoding))
 
 
+def int_dot_op_name(fmt: str) -> str:
+    """The qualified name of the op `int_dot_linear` calls for an `fmt` ("int4" or "int8")
+    weight, for C++ callers (csrc/decode_layers.cpp). Refuses as `int_dot_linear` does."""
+    name, ops_by_format = _int_dot_choice()
+    if name is None:
+        raise RuntimeError("the integer kernels need AVX2 (or AVX512-VNNI / AVX-VNNI); this CPU or build lacks them")
+    return ops_by_format[fmt]._qualified_op_name
+
+
 def int_dot_avx512_linear(x: torch.Tensor, packed: PackedIntDot) -> torch.Tensor:
     """`int_dot_linear` on the AVX512-VNNI kernel itself (tests compare the kernels)."""
     _ensure("int_dot")

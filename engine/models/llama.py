@@ -25,7 +25,10 @@ from engine.layers.norm import RMSNorm
 from engine.layers.quantized import QuantEmbedding, QuantizedTensor, QuantLinear
 from engine.layers.rotary import Rope, RotaryEmbedding
 from engine.models.config import ModelArchConfig
+from engine.models.cpu_decode import cpu_decode_layers
 from engine.models.multimodal import MultiModalStep
+
+_UNSET = object()
 
 # checkpoint name fragment -> (fused parameter, shard index)
 _STACKED = {
@@ -120,6 +123,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.cpu_decode = _UNSET  # decode steps' layers in one C++ call (engine/models/cpu_decode.py), or None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = vocab_parallel_embed(self.embed_tokens, input_ids, self.shard, self.vocab_size)
@@ -131,6 +135,10 @@ class LlamaModel(nn.Module):
             if ctx.mm.rope_positions is not None:  # [3, T]: only an M-RoPE table (MRotaryEmbedding) reads it
                 positions = ctx.mm.rope_positions
         rope = self.rotary(positions, x.dtype)
+        if self.cpu_decode is _UNSET:  # at the first step: LoRA wraps the layers after loading
+            self.cpu_decode = cpu_decode_layers(self) if x.device.type == "cpu" else None
+        if self.cpu_decode is not None and self.cpu_decode.applies(x, rope, ctx):
+            return self.norm(*self.cpu_decode(x, rope, ctx))[0]
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rope, ctx)
