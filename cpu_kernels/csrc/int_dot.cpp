@@ -46,6 +46,8 @@
 #include <cstring>
 #include <vector>
 
+#include "int_dot.h"
+
 // The same instructions as csrc/mxfp4_int8.cpp (whose int8_dot_supported() says whether they
 // run); bf16 rounding in integer ops, so AVX512-BF16 is not needed (Ice Lake has VNNI only).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -65,38 +67,7 @@ bool avx512_supported() {
 
 #ifdef PAGEDSERVE_INT_DOT
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kChunkBytes = 64;
-enum Encoding : int64_t { kFp32 = 0, kFp16 = 1, kUnits = 2 };  // int_dot_format.ENCODINGS' order
-
-// The two weight kinds: how many 64-byte chunks a record's values take, and what follows them.
-struct Int4 {
-  static constexpr int kChunks = 4;
-  static constexpr bool kZeros = true;
-};
-struct Int8 {
-  static constexpr int kChunks = 8;
-  static constexpr bool kZeros = false;
-};
-
-template <typename W>
-int64_t record_bytes(int64_t encoding) {
-  const int64_t parts = W::kZeros ? 2 : 1;
-  return W::kChunks * kChunkBytes + parts * 16 * (encoding == kFp32 ? 4 : 2);
-}
-
-struct Problem {
-  const int8_t* xq;    // [M, K] activations' 8-bit values
-  const float* xd;     // [M, blocks] each block's d
-  const float* xe;     // [M, blocks] each block's float(sum(a)) * d
-  const int32_t* xs;   // [M, blocks] each block's 128 * sum(a): int8 weights' offset
-  const uint8_t* w;    // records
-  void* out;           // [M, N] float32, or bf16 bits
-  bool fp32;           // x and out float32
-  int64_t M, N, K, G, blocks, encoding, bytes;  // bytes: a record's
-
-  const uint8_t* record(int64_t g, int64_t b) const { return w + (g * blocks + b) * bytes; }
-};
+using namespace int_dot;
 
 inline __m512i x_quad(const int8_t* p) {
   int32_t v;
@@ -225,60 +196,32 @@ inline __m512 load(const uint16_t* s) {
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))), 16));
 }
 
-// The activations' 8-bit blocks, per the top of the file: one row per task.
+// One row's 8-bit blocks, per the top of the file.
 template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* d_out, float* e_out, int32_t* s_out) {
-  const int64_t blocks = K / kBlock;
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        const T* src = x + m * K + b * kBlock;
-        const __m512 lo = load(src), hi = load(src + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
-        const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
-        int8_t* dst = q + m * K + b * kBlock;
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
-        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-        d_out[m * blocks + b] = d;
-        e_out[m * blocks + b] = static_cast<float>(sum) * d;
-        s_out[m * blocks + b] = 128 * sum;
-      }
-    }
-  });
+void quantize_row(const T* x, int64_t blocks, int8_t* q, float* d_out, float* e_out, int32_t* s_out) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const T* src = x + b * kBlock;
+    const __m512 lo = load(src), hi = load(src + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+    int8_t* dst = q + b * kBlock;
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtsepi32_epi8(qhi));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    d_out[b] = d;
+    e_out[b] = static_cast<float>(sum) * d;
+    s_out[b] = 128 * sum;
+  }
 }
 
 template <typename W>
 at::Tensor int_dot_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t encoding) {
-  const bool fp32 = x.scalar_type() == at::kFloat;
-  TORCH_CHECK(x.dim() == 2 && (fp32 || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
-              "x must be a contiguous 2-D bfloat16 or float32 tensor");
-  const int64_t M = x.size(0), K = x.size(1), G = (N + 15) / 16, blocks = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0 && K > 0 && N > 0, "K must be a positive multiple of 32, N positive");
-  TORCH_CHECK(encoding >= kFp32 && encoding <= (W::kZeros ? kUnits : kFp16),
-              "encoding: want 0 (fp32), 1 (fp16) or, for int4, 2 (units)");
-  const int64_t bytes = record_bytes<W>(encoding);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == G * blocks * bytes,
-              "packed weights: want ", G * blocks * bytes, " bytes for N=", N, ", K=", K, ", got ", w.numel());
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * blocks), xe(M * blocks);
-  std::vector<int32_t> xs(M * blocks);
-  if (fp32) quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xe.data(), xs.data());
-  else quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, xq.data(), xd.data(), xe.data(), xs.data());
-  const Problem p{xq.data(), xd.data(), xe.data(), xs.data(), w.data_ptr<uint8_t>(), out.data_ptr(), fp32,
-                  M, N, K, G, blocks, encoding, bytes};
-  // Threads split the column groups: each streams its share of the weights once, every row
-  // tile rereading the group's records from L2. One group a tile reads one sequential stream:
-  // one row, one thread, weights in memory (the LM head), 1.3x faster than csrc/mxfp4_int8.cpp's
-  // pairs of groups (two streams) on a Zen 4 VM.
-  at::parallel_for(0, G, 1, [&](int64_t s0, int64_t s1) {
-    for (int64_t s = s0; s < s1; ++s) all_rows<W, 1>(p, s);
-  });
-  return out;
+  return linear<W>(
+      x, w, N, encoding, [](const auto* row, int64_t blocks, int8_t* q, float* d, float* e,
+                            int32_t* s) { quantize_row(row, blocks, q, d, e, s); },
+      [](const Problem& p, int64_t g) { all_rows<W, 1>(p, g); });
 }
 
 at::Tensor int4_int8_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t encoding) {

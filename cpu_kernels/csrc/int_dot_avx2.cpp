@@ -39,42 +39,14 @@
 #include <cstring>
 #include <vector>
 
+#include "int_dot.h"
+
 #define PAGEDSERVE_AVX2 __attribute__((target("avx2,f16c")))
 #define PAGEDSERVE_AVXVNNI __attribute__((target("avx2,f16c,avxvnni")))
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kChunkBytes = 64;
-enum Encoding : int64_t { kFp32 = 0, kFp16 = 1, kUnits = 2 };  // int_dot_format.ENCODINGS' order
-
-struct Int4 {
-  static constexpr int kChunks = 4;
-  static constexpr bool kZeros = true;
-};
-struct Int8 {
-  static constexpr int kChunks = 8;
-  static constexpr bool kZeros = false;
-};
-
-template <typename W>
-int64_t record_bytes(int64_t encoding) {
-  const int64_t parts = W::kZeros ? 2 : 1;
-  return W::kChunks * kChunkBytes + parts * 16 * (encoding == kFp32 ? 4 : 2);
-}
-
-struct Problem {
-  const int8_t* xq;    // [M, K] activations' 8-bit values
-  const float* xd;     // [M, blocks] each block's d
-  const float* xe;     // [M, blocks] each block's float(sum(a)) * d
-  const int32_t* xs;   // [M, blocks] each block's 128 * sum(a): int8 weights' offset (AVX-VNNI)
-  const uint8_t* w;    // records
-  void* out;           // [M, N] float32, or bf16 bits
-  bool fp32;           // x and out float32
-  int64_t M, N, K, G, blocks, encoding, bytes;  // bytes: a record's
-
-  const uint8_t* record(int64_t g, int64_t b) const { return w + (g * blocks + b) * bytes; }
-};
+using namespace int_dot;
 
 bool avx2_supported() {
   __builtin_cpu_init();
@@ -295,7 +267,7 @@ PAGEDSERVE_AVX2 inline int32_t sum_lanes(__m256i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
 }
 
-// One row's 8-bit blocks, per the top of the file (int_dot.cpp's quantize_rows).
+// One row's 8-bit blocks, per the top of the file (int_dot.cpp's quantize_row).
 template <typename T>
 PAGEDSERVE_AVX2 void quantize_row(const T* x, int64_t blocks, int8_t* q, float* d_out, float* e_out,
                                   int32_t* s_out) {
@@ -321,44 +293,15 @@ PAGEDSERVE_AVX2 void quantize_row(const T* x, int64_t blocks, int8_t* q, float* 
   }
 }
 
-template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int8_t* q, float* d, float* e, int32_t* s) {
-  const int64_t blocks = K / kBlock;
-  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      quantize_row(x + m * K, blocks, q + m * K, d + m * blocks, e + m * blocks, s + m * blocks);
-  });
-}
-
 template <typename W, bool kVnni>
 at::Tensor int_dot_linear(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t encoding) {
   TORCH_CHECK(kVnni ? avxvnni_supported() : avx2_supported(),
               kVnni ? "the AVX-VNNI integer kernels need AVX-VNNI, AVX2 and F16C, which this CPU lacks"
                     : "the AVX2 integer kernels need AVX2 and F16C, which this CPU lacks");
-  const bool fp32 = x.scalar_type() == at::kFloat;
-  TORCH_CHECK(x.dim() == 2 && (fp32 || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
-              "x must be a contiguous 2-D bfloat16 or float32 tensor");
-  const int64_t M = x.size(0), K = x.size(1), G = (N + 15) / 16, blocks = K / kBlock;
-  TORCH_CHECK(K % kBlock == 0 && K > 0 && N > 0, "K must be a positive multiple of 32, N positive");
-  TORCH_CHECK(encoding >= kFp32 && encoding <= (W::kZeros ? kUnits : kFp16),
-              "encoding: want 0 (fp32), 1 (fp16) or, for int4, 2 (units)");
-  const int64_t bytes = record_bytes<W>(encoding);
-  TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.numel() == G * blocks * bytes,
-              "packed weights: want ", G * blocks * bytes, " bytes for N=", N, ", K=", K, ", got ", w.numel());
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * blocks), xe(M * blocks);
-  std::vector<int32_t> xs(M * blocks);
-  if (fp32) quantize_rows(x.data_ptr<float>(), M, K, xq.data(), xd.data(), xe.data(), xs.data());
-  else quantize_rows(reinterpret_cast<const uint16_t*>(x.data_ptr()), M, K, xq.data(), xd.data(), xe.data(), xs.data());
-  const Problem p{xq.data(), xd.data(), xe.data(), xs.data(), w.data_ptr<uint8_t>(), out.data_ptr(), fp32,
-                  M, N, K, G, blocks, encoding, bytes};
-  // As int_dot.cpp: threads split the column groups, each streaming its share of the records once.
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) all_rows<W, kVnni>(p, g);
-  });
-  return out;
+  return linear<W>(
+      x, w, N, encoding, [](const auto* row, int64_t blocks, int8_t* q, float* d, float* e,
+                            int32_t* s) { quantize_row(row, blocks, q, d, e, s); },
+      [](const Problem& p, int64_t g) { all_rows<W, kVnni>(p, g); });
 }
 
 at::Tensor int4_int8_linear_avx2(const at::Tensor& x, const at::Tensor& w, int64_t N, int64_t encoding) {
