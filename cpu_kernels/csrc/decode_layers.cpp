@@ -2,7 +2,7 @@
 // (engine/models/cpu_decode.py). Each layer is the sequence the model's Python runs:
 //
 //   x, residual = add_rms_norm(x, residual)        (the first layer: rms_norm(x), residual = x)
-//   qkv   = linear(x) [+ bias]; rotary on its q and k heads, in place
+//   qkv   = linear(x) [+ bias]; [q, k = rms_norm of each head (Qwen3)]; rotary on q and k, in place
 //   reshape_and_cache(k, v); out = paged_decode(q)
 //   x     = linear(out) [+ bias]; x, residual = add_rms_norm(x, residual)
 //   x     = linear(silu_and_mul(linear(x) [+ bias])) [+ bias]
@@ -91,6 +91,7 @@ struct Linear {
 
 struct Layer {
   at::Tensor input_norm, post_norm;
+  std::optional<at::Tensor> q_norm, k_norm;  // Qwen3's RMSNorm of each q and k head
   std::vector<Linear> linears;  // qkv, o, gate_up, down
   int64_t window;               // 0: full attention
   std::optional<at::Tensor> sinks;
@@ -101,7 +102,8 @@ class DecodeLayers : public torch::CustomClassHolder {
   // Per layer l and linear j = 4l + i (i = qkv, o, gate_up, down): weights[j], unpacked[j],
   // biases[j], int_dot[j] (the integer op's qualified name; "" for the bf16 kernels) and
   // params[7j..7j+6] = (kind, N, encoding, amx, zero_units, fp4, unpacked_from_rows).
-  // norms[2l], norms[2l + 1] = input, post-attention; windows[l]; sinks[l] (float32 [Hq]).
+  // norms[4l..4l+3] = input, post-attention, q and k head norms (empty: none); windows[l];
+  // sinks[l] (float32 [Hq]).
   // heads = (Hq, Hkv, D).
   DecodeLayers(std::vector<at::Tensor> weights, std::vector<at::Tensor> unpacked, std::vector<at::Tensor> biases,
                std::vector<std::string> int_dot, std::vector<int64_t> params, std::vector<at::Tensor> norms,
@@ -116,12 +118,13 @@ class DecodeLayers : public torch::CustomClassHolder {
     const size_t count = windows.size();
     TORCH_CHECK(count > 0 && weights.size() == 4 * count && unpacked.size() == 4 * count &&
                     biases.size() == 4 * count && int_dot.size() == 4 * count && params.size() == 28 * count &&
-                    norms.size() == 2 * count &&
+                    norms.size() == 4 * count &&
                     sinks.size() == count && heads.size() == 3,
                 "DecodeLayers: want 4 linears, 2 norms, a window and a sink entry per layer, and (Hq, Hkv, D)");
     num_heads_ = heads[0], num_kv_heads_ = heads[1], head_dim_ = heads[2];
     for (size_t l = 0; l < count; ++l) {
-      Layer layer{norms[2 * l], norms[2 * l + 1], {}, windows[l], given(sinks[l])};
+      Layer layer{norms[4 * l], norms[4 * l + 1], given(norms[4 * l + 2]), given(norms[4 * l + 3]), {}, windows[l],
+                  given(sinks[l])};
       for (size_t j = 4 * l; j < 4 * l + 4; ++j) {
         const int64_t* p = &params[7 * j];
         TORCH_CHECK(p[0] >= kIntDot && p[0] <= kBf16Int8, "DecodeLayers: unknown linear kind ", p[0]);
@@ -155,10 +158,13 @@ class DecodeLayers : public torch::CustomClassHolder {
         add_rms_norm_.call(x, residual, layer.input_norm, eps_);
       }
       at::Tensor qkv = layer.linears[0](kernels_, x).view({rows, heads, head_dim_});
-      at::Tensor qk = qkv.narrow(1, 0, num_heads_ + num_kv_heads_).flatten(1);
-      rotary_.call(qk, positions, cos, sin, num_heads_ + num_kv_heads_, head_dim_);
-      at::Tensor q = qkv.narrow(1, 0, num_heads_);
-      cache_.call(qkv.narrow(1, num_heads_, num_kv_heads_), qkv.narrow(1, num_heads_ + num_kv_heads_, num_kv_heads_),
+      at::Tensor qk = qkv.narrow(1, 0, num_heads_ + num_kv_heads_);
+      if (layer.q_norm) qk = at::cat({head_norm(qk.narrow(1, 0, num_heads_), *layer.q_norm),
+                                      head_norm(qk.narrow(1, num_heads_, num_kv_heads_), *layer.k_norm)}, 1);
+      at::Tensor rows_qk = qk.flatten(1);
+      rotary_.call(rows_qk, positions, cos, sin, num_heads_ + num_kv_heads_, head_dim_);
+      at::Tensor q = qk.narrow(1, 0, num_heads_);
+      cache_.call(qk.narrow(1, num_heads_, num_kv_heads_), qkv.narrow(1, num_heads_ + num_kv_heads_, num_kv_heads_),
                   kv_caches[l], slot_mapping);
       at::Tensor out = decode_.call(q, kv_caches[l], block_tables, context_lens, scale, layer.window, layer.sinks);
       x = layer.linears[1](kernels_, out.view({rows, num_heads_ * head_dim_}));
@@ -169,6 +175,11 @@ class DecodeLayers : public torch::CustomClassHolder {
   }
 
  private:
+  // RMSNorm.forward on heads [T, H, D] (a view of qkv): a new [T, H, D] tensor.
+  at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight) const {
+    return rms_norm_.call(heads.reshape({-1, head_dim_}), weight, eps_).view(heads.sizes());
+  }
+
   c10::TypedOperatorHandle<RmsNormFn> rms_norm_;
   c10::TypedOperatorHandle<AddRmsNormFn> add_rms_norm_;
   c10::TypedOperatorHandle<RotaryFn> rotary_;

@@ -8,7 +8,7 @@ embeddings, positions and attention metadata, and C++ runs the same ops in the s
 
 It takes a model whose every layer is the plain Llama layer with quantized weights on the
 CPU kernels (the integer ones of --cpu-arithmetic int8, or the exact bf16 ones): four packed
-QuantLinears, RMSNorm, SiLU, no q/k norm, one rank, no LoRA; and a step of decodes alone,
+QuantLinears, RMSNorm (Qwen3's q/k norms too), SiLU, one rank, no LoRA; and a step of decodes alone,
 without images, on the CPU attention kernels. Anything else runs the Python loop, and so does
 every step under `PAGEDSERVE_CPU_DECODE_LAYERS=0` (to compare). The layers are read at the
 first step (after LoRA wraps its layers): code that swaps a layer later sets the model's
@@ -40,7 +40,6 @@ class CpuDecodeLayers:
         """`model`: a LlamaModel that `unfit_reason` accepts."""
         from cpu_kernels import ops
         first = model.layers[0]
-        attn = first.self_attn
         weights, unpacked, biases, int_dot, params, norms, windows, sinks = [], [], [], [], [], [], [], []
         empty = torch.empty(0)
         for layer in model.layers:
@@ -58,10 +57,13 @@ class CpuDecodeLayers:
                                linear.unpacked_from_rows]
                 unpacked.append(empty if linear.unpacked is None else linear.unpacked)
                 biases.append(empty if linear.bias is None else linear.bias.detach())
-            norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-            windows.append(layer.self_attn.sliding_window or 0)
-            sinks.append(empty if layer.self_attn.sinks is None else layer.self_attn.sinks.float().contiguous())
-        heads = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
+            attn = layer.self_attn
+            heads_norms = [attn.q_norm.weight.detach(), attn.k_norm.weight.detach()] if attn.qk_norm else [empty] * 2
+            norms += [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+                      *heads_norms]
+            windows.append(attn.sliding_window or 0)
+            sinks.append(empty if attn.sinks is None else attn.sinks.float().contiguous())
+        heads = [first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim]
         self.op = torch.classes.pagedserve_cpu.DecodeLayers(weights, unpacked, biases, int_dot, params, norms,
                                                             windows, sinks, heads, first.input_layernorm.eps)
 
@@ -99,12 +101,14 @@ def unfit_reason(model: nn.Module) -> str | None:
     for layer in model.layers:
         if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
             return f"{type(layer).__name__} is not the plain Llama layer"
-        if layer.self_attn.qk_norm:
-            return "q/k norm"
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if layer.self_attn.qk_norm:
+            norms += (layer.self_attn.q_norm, layer.self_attn.k_norm)
         if any(type(n) is not RMSNorm or n.kernels is None for n in norms) or type(layer.mlp.act) is not SiluAndMul \
                 or layer.mlp.act.kernels is None:
             return "the fused layer ops are not in use"
+        if any(n.eps != model.layers[0].input_layernorm.eps for n in norms):
+            return "the norms' epsilons differ"
         for linear in _linears(layer):
             if type(linear) is not QuantLinear or linear.perm is not None or linear.int8_inputs \
                     or not (linear.int_dot is not None or linear.packed):
