@@ -115,6 +115,11 @@ def build_tiny_model(model_type: str, folder: Path, tokenizer, **overrides) -> P
     from transformers import AutoModelForCausalLM
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_hf_config(model_type, **overrides), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)  # its own: the weights' draws stay as they were
+    with torch.no_grad():  # HF starts biases at zero (Qwen2's qkv), which would hide a dropped bias
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(0.5 * torch.randn(param.shape, generator=generator))
     model.save_pretrained(str(folder), safe_serialization=True)
     tokenizer.save_pretrained(str(folder))
     return folder
