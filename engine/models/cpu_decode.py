@@ -93,13 +93,14 @@ def cpu_decode_layers(model: nn.Module) -> CpuDecodeLayers | None:
 
 def unfit_reason(model: nn.Module) -> str | None:
     """Why `CpuDecodeLayers` cannot run `model`'s layers, or None."""
-    from engine.models.llama import MLP, Attention, DecoderLayer
+    plain_layer, plain_attention, plain_mlp = model.plain_layer_types  # llama.py's: what the op mirrors
     if os.environ.get("PAGEDSERVE_CPU_DECODE_LAYERS", "1") == "0":
         return "turned off by PAGEDSERVE_CPU_DECODE_LAYERS=0"
     if model.shard.size != 1:
         return "tensor parallel"
     for layer in model.layers:
-        if type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention or type(layer.mlp) is not MLP:
+        if type(layer) is not plain_layer or type(layer.self_attn) is not plain_attention \
+                or type(layer.mlp) is not plain_mlp:
             return f"{type(layer).__name__} is not the plain Llama layer"
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         if layer.self_attn.qk_norm:

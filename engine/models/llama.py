@@ -116,6 +116,9 @@ class DecoderLayer(Layer):
 
 
 class LlamaModel(nn.Module):
+    # The layer, attention and MLP classes whose forward csrc/decode_layers.cpp repeats in C++.
+    plain_layer_types = (DecoderLayer, Attention, MLP)
+
     def __init__(self, cfg: ModelArchConfig, max_positions: int, shard: TPShard = SINGLE) -> None:
         super().__init__()
         self.shard, self.vocab_size = shard, cfg.vocab_size
