@@ -8,10 +8,11 @@
 //   x     = linear(silu_and_mul(linear(x) [+ bias])) [+ bias]
 //
 // through the same ops (csrc/layer_ops.cpp, csrc/paged_attention.cpp and the linear kernels:
-// the integer ones or the exact bf16 ones), called through torch's dispatcher instead of Python: the same inputs in the same
-// order, so the same bits, without the ~50 us of Python and argument parsing a layer costs at
-// one row (docs/cpu.md, "One call per step"). The weights and each layer's constants are
-// given once, to DecodeLayers' constructor; a step passes only what changes.
+// the integer ones or the exact bf16 ones), called through torch's dispatcher instead of
+// Python: the same inputs in the same order, so the same bits, without the ~80 us of Python
+// and argument parsing a layer costs at one row (docs/cpu.md, "A decode step's layers in one
+// call"). The weights and each layer's constants are given once, to DecodeLayers'
+// constructor; a step passes only what changes.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -51,7 +52,7 @@ using UnpackedFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Te
                               bool);
 
 // One linear layer as QuantLinear.forward runs it, on one of three kernels:
-//   kIntDot   the integer kernels (csrc/int_dot*.cpp), `op` naming the machine's variant
+//   kIntDot   the integer kernels (csrc/int_dot*.cpp), `int_dot` the machine's variant
 //   kBf16Int4 / kBf16Int8   the exact bf16 kernels (csrc/quant_linear_bf16.cpp), from
 //             `unpacked_from_rows` rows on reading the `unpacked` bf16 copy where there is one
 enum Kind : int64_t { kIntDot = 0, kBf16Int4 = 1, kBf16Int8 = 2 };
@@ -118,9 +119,8 @@ class DecodeLayers : public torch::CustomClassHolder {
     const size_t count = windows.size();
     TORCH_CHECK(count > 0 && weights.size() == 4 * count && unpacked.size() == 4 * count &&
                     biases.size() == 4 * count && int_dot.size() == 4 * count && params.size() == 28 * count &&
-                    norms.size() == 4 * count &&
-                    sinks.size() == count && heads.size() == 3,
-                "DecodeLayers: want 4 linears, 2 norms, a window and a sink entry per layer, and (Hq, Hkv, D)");
+                    norms.size() == 4 * count && sinks.size() == count && heads.size() == 3,
+                "DecodeLayers: want 4 linears, 4 norms, a window and a sink entry per layer, and (Hq, Hkv, D)");
     num_heads_ = heads[0], num_kv_heads_ = heads[1], head_dim_ = heads[2];
     for (size_t l = 0; l < count; ++l) {
       Layer layer{norms[4 * l], norms[4 * l + 1], given(norms[4 * l + 2]), given(norms[4 * l + 3]), {}, windows[l],

@@ -1,18 +1,18 @@
 """A Llama-family model's decoder layers in one C++ call per step of decodes, on CPU.
 
-At one row a layer's arithmetic takes ~60 us and the Python between its ten ops (module
-calls, views, argument parsing) about as much again. `CpuDecodeLayers` hands every layer's
-weights and constants to cpu_kernels/csrc/decode_layers.cpp once; a step then passes only the
-embeddings, positions and attention metadata, and C++ runs the same ops in the same order
-(so the same bits as the Python loop, tested in tests/engine/test_cpu_decode_layers.py).
+At one row a layer's kernels take ~60 us and the Python between its ten ops (module calls,
+views, argument parsing) ~80 us. `CpuDecodeLayers` hands every layer's weights and constants
+to cpu_kernels/csrc/decode_layers.cpp once; a step then passes only the embeddings, positions
+and attention metadata, and C++ runs the same ops in the same order (so the same bits as the
+Python loop, tested in tests/engine/test_cpu_decode_layers.py).
 
 It takes a model whose every layer is the plain Llama layer with quantized weights on the
 CPU kernels (the integer ones of --cpu-arithmetic int8, or the exact bf16 ones): four packed
-QuantLinears, RMSNorm (Qwen3's q/k norms too), SiLU, one rank, no LoRA; and a step of decodes alone,
-without images, on the CPU attention kernels. Anything else runs the Python loop, and so does
-every step under `PAGEDSERVE_CPU_DECODE_LAYERS=0` (to compare). The layers are read at the
-first step (after LoRA wraps its layers): code that swaps a layer later sets the model's
-`cpu_decode` back to None.
+QuantLinears, RMSNorm (Qwen3's q/k norms too), SiLU, one rank, no LoRA; and a step of
+decodes alone, without images, on the CPU attention kernels. Anything else runs the Python
+loop, and so does every step under `PAGEDSERVE_CPU_DECODE_LAYERS=0` (to compare). The
+layers are read at the first step (after LoRA wraps its layers): code that swaps a layer
+later sets the model's `cpu_decode` back to None.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import os
 import torch
 from torch import nn
 
+from cpu_kernels.quant_format import NIBBLE_FORMATS
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
-from cpu_kernels.quant_format import NIBBLE_FORMATS
 from engine.layers.quantized import QuantLinear
 
 log = logging.getLogger("pagedserve.engine")

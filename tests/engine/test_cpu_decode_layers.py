@@ -1,8 +1,8 @@
 """A decode step's layers in one C++ call (engine/models/cpu_decode.py) give the Python loop's
 bits: the same tokens and logprobs, on the exact bf16 kernels and the integer ones, for the
 bundled GGUF under chunked prefill, prefix caching and preemption, and for tiny models with the
-parts the op passes on (Qwen2's qkv bias, Mistral's sliding window, Qwen3's q/k norms). Models it does not fit run
-the Python loop."""
+parts the op passes on (Qwen2's qkv bias, Mistral's sliding window, Qwen3's q/k norms). Models
+it does not fit run the Python loop."""
 
 from __future__ import annotations
 
