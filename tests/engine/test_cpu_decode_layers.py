@@ -1,8 +1,8 @@
 """A decode step's layers in one C++ call (engine/models/cpu_decode.py) give the Python loop's
 bits: the same tokens and logprobs, on the exact bf16 kernels and the integer ones, for the
 bundled GGUF under chunked prefill, prefix caching and preemption, and for tiny models with the
-parts the op passes on (Qwen2's qkv bias, Mistral's sliding window, Qwen3's q/k norms). Models
-it does not fit run the Python loop."""
+parts the op passes on (Qwen2's qkv bias, Mistral's sliding window, Qwen3's q/k norms, Phi-3's
+LongRoPE tables). Models it does not fit run the Python loop."""
 
 from __future__ import annotations
 
@@ -67,9 +67,9 @@ def test_bundled_model_equals_the_python_loop(bundled_path, bundled_tokenizer, a
 
 
 @pytest.mark.parametrize("arithmetic", ARITHMETICS)
-@pytest.mark.parametrize("arch, overrides", [("qwen2", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {})])
-def test_bias_window_and_head_norms_equal_the_python_loop(tmp_path, bundled_tokenizer, arch, overrides, arithmetic,
-                                                       calls):
+@pytest.mark.parametrize("arch, overrides", [("qwen2", {}), ("mistral", {"sliding_window": 8}), ("qwen3", {}),
+                                             ("phi3", {})])
+def test_family_parts_equal_the_python_loop(tmp_path, bundled_tokenizer, arch, overrides, arithmetic, calls):
     folder = build_tiny_model(arch, tmp_path / arch, bundled_tokenizer, **overrides)
     prompts = tiny_prompts()
     llm = LLM(str(folder), dtype="bfloat16", quantization="int4", cpu_arithmetic=arithmetic,
