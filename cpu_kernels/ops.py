@@ -160,19 +160,21 @@ def int_dot_linear(x: torch.Tensor, packed: PackedIntDot) -> torch.Tensor:
     alone or in any batch, with any of the kernels; `int_dot_format.reference` computes them).
     Refuses (RuntimeError) where `int_dot_supported()` is false; the op checks shapes and
     dtypes itself (in C++)."""
-    name, ops_by_format = _int_dot_choice()
-    if name is None:
-        raise RuntimeError("the integer kernels need AVX2 (or AVX512-VNNI / AVX-VNNI); this CPU or build lacks them")
-    return ops_by_format[packed.fmt](x, packed.data, packed.n, ENCODINGS.index(packed.encoding))
+    return _int_dot_op(packed.fmt)(x, packed.data, packed.n, ENCODINGS.index(packed.encoding))
 
 
 def int_dot_op_name(fmt: str) -> str:
     """The qualified name of the op `int_dot_linear` calls for an `fmt` ("int4" or "int8")
     weight, for C++ callers (csrc/decode_layers.cpp). Refuses as `int_dot_linear` does."""
+    return _int_dot_op(fmt)._qualified_op_name
+
+
+def _int_dot_op(fmt: str):
+    """The widest integer kernel's op for `fmt` weights; RuntimeError where none runs."""
     name, ops_by_format = _int_dot_choice()
     if name is None:
         raise RuntimeError("the integer kernels need AVX2 (or AVX512-VNNI / AVX-VNNI); this CPU or build lacks them")
-    return ops_by_format[fmt]._qualified_op_name
+    return ops_by_format[fmt]
 
 
 def int_dot_avx512_linear(x: torch.Tensor, packed: PackedIntDot) -> torch.Tensor:

@@ -23,6 +23,8 @@ import os
 import torch
 from torch import nn
 
+import cpu_kernels
+from cpu_kernels import ops
 from cpu_kernels.quant_format import NIBBLE_FORMATS
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
@@ -38,7 +40,6 @@ INT_DOT, BF16_INT4, BF16_INT8 = 0, 1, 2  # the linear kinds of csrc/decode_layer
 class CpuDecodeLayers:
     def __init__(self, model: nn.Module) -> None:
         """`model`: a LlamaModel that `unfit_reason` accepts."""
-        from cpu_kernels import ops
         first = model.layers[0]
         weights, unpacked, biases, int_dot, params, norms, windows, sinks = [], [], [], [], [], [], [], []
         empty = torch.empty(0)
@@ -72,7 +73,7 @@ class CpuDecodeLayers:
         meta = ctx.meta
         return (ctx.mm is None and not meta.prefills and meta.num_decode_tokens == x.shape[0]
                 and rope.gathered is None and "decode" in meta.backend_state
-                and ctx.kv_caches[0].dtype in _attention_dtypes() and getattr(ctx.backend, "name", "") == "cpu")
+                and ctx.kv_caches[0].dtype in ops.ATTENTION_DTYPES and getattr(ctx.backend, "name", "") == "cpu")
 
     def __call__(self, x: torch.Tensor, rope, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) after the last layer, as the Python loop leaves them."""
@@ -114,7 +115,6 @@ def unfit_reason(model: nn.Module) -> str | None:
             if type(linear) is not QuantLinear or linear.perm is not None or linear.int8_inputs \
                     or not (linear.int_dot is not None or linear.packed):
                 return "a linear layer is dense, has LoRA, act-order or W8A8, or is on neither CPU kernel"
-    import cpu_kernels
     for family in FAMILIES:
         reason = cpu_kernels.unavailable_reason(family)
         if reason is not None:
@@ -125,8 +125,3 @@ def unfit_reason(model: nn.Module) -> str | None:
 def _linears(layer: nn.Module) -> list[nn.Module]:
     attn, mlp = layer.self_attn, layer.mlp
     return [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-
-
-def _attention_dtypes() -> tuple[torch.dtype, ...]:
-    from cpu_kernels import ops
-    return ops.ATTENTION_DTYPES
