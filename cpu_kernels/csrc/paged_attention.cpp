@@ -85,21 +85,26 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 }
 
 // exp(x) for x <= 0 (Cephes' expf: range reduction by ln 2, degree-5 polynomial; ~1 ulp).
-// Far below zero it returns 0, as softmax wants.
+// Far below zero it returns 0, as softmax wants. exp8 (AVX2) and exp16 (AVX-512) run these
+// same constants in the same order.
+namespace expf_poly {
+constexpr float kLow = -87.3f;  // below it, exp rounds to 0
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln 2 in two parts
+constexpr float kPoly[] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f,
+                           1.6666665459E-1f, 5.0000001201E-1f};  // Horner's order
+}  // namespace expf_poly
+
 inline __m256 exp8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.3f);
+  using namespace expf_poly;
+  const __m256 lo = _mm256_set1_ps(kLow);
   __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
   x = _mm256_max_ps(x, lo);
-  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                              _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+  __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Hi), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(kLn2Lo), x);
+  __m256 y = _mm256_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kPoly[i]));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
   __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
@@ -326,19 +331,16 @@ inline __m512 merge64(__m512 a, __m512 b) {
 
 // exp8's arithmetic on 16 lanes, 2^n by VSCALEFPS; exp16(0) = 1 exactly.
 inline __m512 exp16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f);
+  using namespace expf_poly;
+  const __m512 lo = _mm512_set1_ps(kLow);
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
   x = _mm512_max_ps(x, lo);
-  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Hi), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(kLn2Lo), x);
+  __m512 y = _mm512_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(kPoly[i]));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
   return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), y, fx);
 }
