@@ -12,6 +12,7 @@ import logging
 import time
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 
 from common.errors import EngineOverloaded, InvalidRequest, LoraError
 from common.multimodal import ImageInput, with_images
@@ -33,6 +34,7 @@ from engine.models.source import adapter_path, model_files
 from engine.pooling import Pooler, resolve_pooler, sentence_transformers_max_len
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
+from engine.sleep_mode import check_level, check_supported, load_checked, log_sleep, put_to_sleep, swap_model, wake
 from engine.spec_decode.proposers import build_speculator
 from engine.stats import IterationStats, SpecDecodingStats
 from engine.structured_output.manager import StructuredOutputManager
@@ -117,6 +119,8 @@ class EngineCore:
             async_admission_steps=config.async_admission_steps), self.block_manager,
             self.iteration_stats)
         self._inflight: InflightStep | None = None  # the step launched and not yet resolved
+        self.sleep_level = 0  # 0 awake; 1 or 2 asleep (sleep): nothing is scheduled
+        self.weights_path = self.model_path  # where the live weights came from: level 2's wake reloads them
         for name, path in (config.lora_modules or {}).items():  # a bad one stops the start, named
             self.load_lora(name, str(adapter_path(path, config.download_dir)))
 
@@ -251,6 +255,8 @@ class EngineCore:
         return self._step(plain), plain
 
     def _step(self, plain: PlainTokens | None) -> list[EngineCoreOutput]:
+        if self.sleep_level:  # requests wait for wake_up
+            return self.scheduler.take_failed_outputs()
         if self._inflight is not None:
             return self._finish_inflight(0.0, plain)
         start = time.perf_counter()
@@ -326,6 +332,8 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Whether `step` has anything to do: requests to run, a step in flight, or outputs of
         requests that ended as they were added (a cached grammar that failed) still to give."""
+        if self.sleep_level:
+            return bool(self.scheduler.failed_outputs)
         return self.scheduler.num_unfinished > 0 or self._inflight is not None or bool(self.scheduler.failed_outputs)
 
     def stats(self) -> EngineStats:
@@ -336,6 +344,69 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_queries=bm.num_cache_queries, num_prefix_cache_hits=bm.num_cache_hits,
             spec_decoding=None if self.speculator is None else self.scheduler.spec_stats.copy())
+
+    # -- sleep, wake and weight updates (engine/sleep_mode.py) --------------------------
+
+    def sleep(self, level: int = 1) -> list[EngineCoreOutput]:
+        """Free the KV cache (level 1: the weights stay, in host memory; level 2: they are freed
+        too) and schedule nothing until `wake_up`. Running requests are preempted: they wait, and
+        recompute on wake (greedy output is unchanged). Returns the outputs of a step that was in
+        flight. Asleep at this level already: nothing to do; InvalidRequest where it cannot."""
+        if self.sleep_level == level:
+            return []
+        if self.sleep_level:
+            raise InvalidRequest(f"level: the engine is asleep at level {self.sleep_level}; wake it up first")
+        runner = check_level(self, level)
+        outputs = self._settle()
+        num_preempted = self._forget_kv()
+        put_to_sleep(runner, level)
+        self.sleep_level = level
+        log_sleep(level, num_preempted)
+        return outputs
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again (level 2: load the weights again, from `weights_path`);
+        waiting requests run from the next step. Awake already: nothing to do."""
+        if self.sleep_level:
+            wake(self.model_runner, self.sleep_level, self.weights_path)
+            log.info("awake (was asleep at level %d)", self.sleep_level)
+            self.sleep_level = 0
+
+    def update_weights(self, path: str) -> list[EngineCoreOutput]:
+        """Serve the weights at `path` (same architecture and shapes) from the next step: loaded
+        and checked whole first, then swapped; InvalidRequest if they do not fit, and the old
+        weights keep serving. Running requests recompute their KV with the new weights."""
+        if self.sleep_level:
+            raise InvalidRequest("model_path: the engine is asleep; wake it up before updating its weights")
+        runner = check_supported(self, "update_weights")
+        if runner.lora is not None:
+            raise InvalidRequest("update_weights: not with --enable-lora yet: the adapters' layers wrap the "
+                                 "live weights")
+        new = load_checked(runner, path)
+        outputs = self._settle()
+        self._forget_kv()
+        swap_model(runner, new)
+        self.weights_path = Path(path).expanduser()
+        log.info("weights updated from %s", path)
+        return outputs
+
+    def _settle(self) -> list[EngineCoreOutput]:
+        """Resolve a step in flight (async scheduling) without launching the next."""
+        current, self._inflight = self._inflight, None
+        if current is None:
+            return []
+        return (self.scheduler.take_failed_outputs()
+                + self.scheduler.update_from_output(current.sched, current.result(), None))
+
+    def _forget_kv(self) -> int:
+        """Every request's KV is about to go (sleep) or go stale (new weights): preempt the running
+        requests and forget the cached prefixes. Returns how many were preempted."""
+        num_preempted = self.scheduler.preempt_all()
+        if not self.block_manager.reset_prefix_cache():  # a block still in use: a bug
+            log.error("prefix cache not reset: %d blocks still in use",
+                      self.block_manager.num_blocks - self.block_manager.num_free_blocks)
+        # reset_prefix_cache forgets the second tier too (BlockManager.drop_offload): stale after an update.
+        return num_preempted
 
     def _check_images(self, prompt: list[int], images: list[ImageInput]) -> None:
         if not images:

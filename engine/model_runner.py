@@ -103,10 +103,7 @@ class ModelRunner:
             self.workers = WorkerGroup(config, model_path, ModelRunner)
             shard = self.workers.shard
         self.shard = shard or SINGLE
-        self.model = load_model(model_path, self.arch, config.dtype, config.device, self.max_model_len,
-                                config.quantization, self.shard, config.layer_kernels,
-                                amx=self.kernel_plan is not None and self.kernel_plan.amx,
-                                cpu_arithmetic=config.cpu_arithmetic)
+        self.model = self.load_weights(model_path)
         local = local_sizes(self.arch, self.shard)
         self.num_kv_heads = local["num_kv_heads"]
         windows = [self.arch.layer_window(i) for i in range(self.arch.num_layers)]
@@ -139,6 +136,15 @@ class ModelRunner:
             from engine.lora.manager import LoraManager
             self.lora = LoraManager(self.model, self.arch, config.max_loras, config.max_lora_rank,
                                     DTYPES[config.dtype], self.device)
+
+    def load_weights(self, path: Path, arch=None) -> torch.nn.Module:
+        """A model object with `path`'s weights, built as at start: level 2's wake and
+        `update_weights` build one more (engine/sleep.py). `arch`: `path`'s, if not ours."""
+        config = self.config
+        return load_model(path, arch or self.arch, config.dtype, config.device, self.max_model_len,
+                          config.quantization, self.shard, config.layer_kernels,
+                          amx=self.kernel_plan is not None and self.kernel_plan.amx,
+                          cpu_arithmetic=config.cpu_arithmetic)
 
     def _attention_backend(self, config: EngineConfig) -> str:
         """The backend to ask for: the torch one for a model whose image tokens attend to each

@@ -435,6 +435,14 @@ class Scheduler(SteadyDecodes):
         entries, k = taken_back
         return entries.pop(k).num_new_tokens  # give its budget back
 
+    def preempt_all(self) -> int:
+        """Preempt every running request, newest first (sleep, a weight update: engine/sleep.py):
+        each gives its blocks back and waits to recompute, so no request holds KV. Returns how many."""
+        out = SchedulerOutput()
+        for victim in reversed(self.running[:]):
+            self._preempt(victim, out, [])
+        return out.num_preempted
+
     def _live_copies(self, out: SchedulerOutput) -> list[tuple[int, int]]:
         # A copy into a block that a preempted request gave back is moot.
         copies = self.block_manager.take_blocks_to_copy()

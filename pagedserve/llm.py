@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from common.errors import InvalidRequest
+from common.errors import InvalidRequest, Unavailable
 from common.multimodal import ImageInput
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
@@ -134,6 +134,8 @@ class LLM:
 
     def _generate(self, prompts: list, inputs: list[tuple[list[int], list[ImageInput]]],
                   sampling_params, use_tqdm: bool, lora_name) -> list[RequestOutput]:
+        if self.engine.sleep_level:
+            raise Unavailable("the engine is asleep: call wake_up() first")
         params = sampling_params or self.get_default_sampling_params()
         params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(params) != len(prompts):
@@ -186,6 +188,20 @@ class LLM:
 
     def lora_adapters(self) -> list[LoraAdapter]:
         return self.engine.lora_adapters()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1: keep the weights, in host memory; level 2: free them too),
+        e.g. while an RL loop trains; generate() refuses until `wake_up` (docs/engine.md)."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again (level 2: load the weights again, from the last path)."""
+        self.engine.wake_up()
+
+    def update_weights(self, path: str) -> None:
+        """Serve the weights at `path` (a checkpoint of the same architecture and shapes) from
+        now on; InvalidRequest (a ValueError) if they do not fit, and the old ones stay."""
+        self.engine.update_weights(path)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False (and nothing done) while requests are running."""
