@@ -42,9 +42,11 @@ class AsyncScheduler(Scheduler):
             for request, end in zip(running, slots):
                 if end > request.decode_lease_end and not self._renew_lease(request, end):
                     return None
-        return SchedulerOutput(list(map(_decode_entry, running)), num_steady=len(running),
-                               steady_requests=running[:], num_batched_tokens=len(running),
-                               num_finished=self.num_finished)
+        out = SchedulerOutput(list(map(_decode_entry, running)), num_steady=len(running),
+                              steady_requests=running[:], num_batched_tokens=len(running),
+                              num_finished=self.num_finished)
+        out.kv_saves, out.kv_restores = self.block_manager.take_offload_copies()  # a renewal's saves
+        return out
 
     def _may_defer_admission(self) -> bool:
         """Whether a step may go ahead with the waiting requests as they are. Admission is the

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 
 from common.multimodal import image_block_keys
 from common.prefix_hash import ROOT_HASH, hash_block
+from engine.kv_offload.index import OffloadIndex
 
 FREED_BLOCK = -1  # a released table entry, before every window (see the module docstring)
 
@@ -83,9 +84,10 @@ class BlockManager:
     only caller."""
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, offload: OffloadIndex | None = None) -> None:
         """`sliding_window`: every layer of the model attends to at most this many tokens, so
-        blocks behind it are released (None: full attention somewhere, keep every block)."""
+        blocks behind it are released (None: full attention somewhere, keep every block).
+        `offload`: a second tier under the prefix cache (engine/kv_offload), for full attention."""
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         if sliding_window is not None and sliding_window <= 0:
@@ -96,6 +98,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.num_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.num_cache_hits = 0  # of those, tokens served from cache
+        # Cached blocks popped for reuse go to the second tier first; a prefix missing here but
+        # held there is restored into fresh blocks (allocate).
+        self.offload = offload if enable_prefix_caching and sliding_window is None else None
+        self.num_offload_hits = 0  # prompt tokens restored from the second tier
         # (src, dst) block copies the model runner must do before the next forward.
         self.blocks_to_copy: list[tuple[int, int]] = []
         self._blocks = [Block(i) for i in range(num_blocks)]
@@ -148,14 +154,18 @@ class BlockManager:
         """Longest cached prefix of full blocks: (block_ids, num_cached_tokens).
 
         Never covers the last token, so the model computes >= 1 token and yields logits.
-        Takes no references. Returns ([], 0) and counts nothing when caching is off.
+        Takes no references. Returns ([], 0) and counts nothing when caching is off. With a
+        second tier, num_cached_tokens also covers the blocks after those that it holds: pass it
+        on to `allocate`, which restores them into fresh blocks.
         """
         if not self.enable_prefix_caching:
             return [], 0
-        block_ids = self._cached_prefix(token_ids, extra_keys, (len(token_ids) - 1) // self.block_size)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        block_ids = self._cached_prefix(token_ids, extra_keys, max_blocks)
         self.num_cache_queries += len(token_ids)
         self.num_cache_hits += len(block_ids) * self.block_size
-        return block_ids, len(block_ids) * self.block_size
+        num_offloaded = len(self._offloaded(token_ids, extra_keys, block_ids, max_blocks))
+        return block_ids, (len(block_ids) + num_offloaded) * self.block_size
 
     def can_allocate(self, num_tokens: int, computed_block_ids: Sequence[int] = ()) -> bool:
         """Whether `allocate` with these arguments would find enough free blocks."""
@@ -165,13 +175,16 @@ class BlockManager:
         return max(0, num_new) + num_revived <= self.num_free_blocks
 
     def allocate(self, seq_id: str, token_ids: Sequence[int], num_tokens: int,
-                 computed_block_ids: Sequence[int] = (), extra_keys: tuple = ()) -> bool:
+                 computed_block_ids: Sequence[int] = (), extra_keys: tuple = (),
+                 num_cached_tokens: int | None = None) -> bool:
         """First allocation for a sequence (new, or resumed after preemption).
 
         Takes references on `computed_block_ids` (from get_computed_blocks; with a sliding
         window, only on those the first new token can see: the others start out released)
         and adds fresh blocks so the table covers `num_tokens` (cached + scheduled) tokens.
         Returns False and changes nothing if blocks run short. Registers blocks that become full.
+        `num_cached_tokens` (get_computed_blocks'): the second tier's blocks past the computed
+        ones go into the first fresh blocks, restored before the step's forward.
         """
         if seq_id in self._seqs and self._seqs[seq_id].block_ids:
             raise ValueError(f"sequence {seq_id!r} already has blocks; use append_slots")
@@ -181,8 +194,11 @@ class BlockManager:
         if computed and self._cached_prefix(token_ids, extra_keys, len(computed)) != computed:
             # Another allocation evicted them since get_computed_blocks: they hold other KV now.
             raise ValueError(f"computed blocks {computed} are no longer cached for these tokens")
+        offloaded = self._offloaded_to_restore(token_ids, extra_keys, computed, num_cached_tokens)
         if not self.can_allocate(num_tokens, computed):
             return False
+        for block_hash in offloaded:  # before popping blocks, whose saves could evict these slots
+            self.offload.hold(block_hash)
         released = self._num_behind_window(len(computed) * self.block_size)
         for block_id in computed[released:]:
             self._take_ref(block_id)
@@ -191,7 +207,10 @@ class BlockManager:
                            + [self._pop_free_block() for _ in range(num_new)],
                            extra_keys=extra_keys, num_tokens=num_tokens,
                            block_hashes=[self._blocks[b].block_hash for b in computed],
-                           num_written_hashes=len(computed), num_released=released)
+                           num_written_hashes=len(computed) + len(offloaded), num_released=released)
+        for block_hash, block_id in zip(offloaded, state.block_ids[len(computed):]):
+            self.offload.restore(block_hash, block_id)  # their KV is there before any step reads it
+        self.num_offload_hits += len(offloaded) * self.block_size
         self._seqs[seq_id] = state
         self._register_full_blocks(state, token_ids)
         return True
@@ -318,6 +337,7 @@ class BlockManager:
         for block_id in self._cached.values():
             self._uncache(self._blocks[block_id])
         self._cached.clear()
+        self.drop_offload()
         return True
 
     def check_invariants(self) -> None:
@@ -339,6 +359,8 @@ class BlockManager:
                     f"{name}: has a hash but is not in the cache map")
         for block_hash, block_id in self._cached.items():
             _expect(self._blocks[block_id].block_hash == block_hash, f"stale map entry for {block_id}")
+        if self.offload is not None:
+            self.offload.check_invariants()
 
     def _seq(self, seq_id: str) -> _SeqBlocks:
         state = self._seqs.get(seq_id)
@@ -360,6 +382,38 @@ class BlockManager:
             block_ids.append(block_id)
             parent = block_hash
         return block_ids
+
+    def _offloaded(self, token_ids: Sequence[int], extra_keys: tuple, cached: Sequence[int],
+                   max_blocks: int) -> list[int]:
+        """Hashes of the blocks after the `cached` ones that the second tier holds, each hit
+        verified, up to `max_blocks` blocks in all."""
+        if self.offload is None or len(cached) >= max_blocks:
+            return []
+        parent = self._blocks[cached[-1]].block_hash if cached else ROOT_HASH
+        return self.offload.match(token_ids, extra_keys, self.block_size, len(cached), max_blocks, parent)
+
+    def _offloaded_to_restore(self, token_ids: Sequence[int], extra_keys: tuple, computed: list[int],
+                              num_cached_tokens: int | None) -> list[int]:
+        """allocate's second-tier blocks: all that `num_cached_tokens` counts past `computed`."""
+        if num_cached_tokens is None or num_cached_tokens <= len(computed) * self.block_size:
+            return []
+        offloaded = self._offloaded(token_ids, extra_keys, computed, num_cached_tokens // self.block_size)
+        if (len(computed) + len(offloaded)) * self.block_size != num_cached_tokens:
+            raise ValueError(f"num_cached_tokens={num_cached_tokens}: the second tier holds "
+                             f"{len(offloaded)} blocks past the {len(computed)} computed ones")
+        return offloaded
+
+    def take_offload_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """This step's second-tier (block_id, slot) saves and (slot, block_id) restores; clears them."""
+        return self.offload.take_copies() if self.offload is not None else ([], [])
+
+    def drop_offload(self, turn_off: bool = False) -> None:
+        """Forget what the second tier holds (its KV is stale: new weights, a dropped cache);
+        `turn_off`: and save nothing more (its store failed)."""
+        if self.offload is not None:
+            self.offload.reset()
+        if turn_off:
+            self.offload = None
 
     def _num_behind_window(self, first_write: int) -> int:
         """Leading blocks that no query at `first_write` or later can see: those wholly before
@@ -392,6 +446,8 @@ class BlockManager:
         block_id, _ = self._free.popitem(last=False)
         block = self._blocks[block_id]
         if block.block_hash is not None:
+            if self.offload is not None:  # its KV is overwritten after this step's saves
+                self.offload.save(block.block_hash, block.parent_hash, block.token_ids, block.extra_keys, block_id)
             del self._cached[block.block_hash]
             self._uncache(block)
         block.ref_count = 1

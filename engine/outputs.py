@@ -41,6 +41,11 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     # Copy-on-write block copies (src, dst) that must happen before the forward.
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # The prefix cache's second tier (engine/kv_offload), before the forward: cached blocks
+    # popped for reuse are saved (block_id, slot) first, then restores (slot, block_id) fill
+    # fresh blocks of prefixes it held.
+    kv_saves: list[tuple[int, int]] = field(default_factory=list)
+    kv_restores: list[tuple[int, int]] = field(default_factory=list)
     # Requests that ended since the last step: whoever keeps per-request state (the speculator,
     # a draft model's KV bookkeeping) drops it.
     finished_request_ids: set[str] = field(default_factory=set)
