@@ -42,6 +42,15 @@ HELP = {
     "max_waiting_requests": "most requests waiting for a seat; more get RESOURCE_EXHAUSTED "
                             "(unset: no limit)",
     "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "kv_offload_gb": "a second tier for the prefix cache, of N GiB per tensor-parallel rank: cached blocks "
+                     "evicted from the KV cache are kept there (CPU: a file in --kv-offload-dir, allocated "
+                     "whole at start; CUDA: pinned host memory) and copied back on a later prefix hit "
+                     "instead of recomputed; needs --enable-prefix-caching; docs/operations.md (unset: off, "
+                     "unless --kv-offload-dir is given, then 4)",
+    "kv_offload_dir": "CPU: the directory for the second tier's file (turns the tier on, at 4 GiB unless "
+                      "--kv-offload-gb says; unset: a fresh temporary directory); the file is unlinked once "
+                      "mapped, so nothing is left behind; a directory that cannot hold it turns the tier "
+                      "off with a log line",
     "scheduling_policy": "fcfs, or priority (lower value first)",
     "attention_backend": "auto (cpu on CPU where its kernels build, cupy on CUDA where cupy runs and the "
                          "head size is 64, 96 or 128, else torch), torch (the plain-torch "
@@ -129,7 +138,7 @@ def add_engine_args(parser: argparse.ArgumentParser, **defaults: object) -> None
         kind = {"int": int, "float": float}.get(type(f.default).__name__, str)
         if f.name in ("num_kv_blocks", "max_model_len", "num_threads", "max_waiting_requests"):
             kind = int
-        if f.name == "gpu_memory_utilization":
+        if f.name in ("gpu_memory_utilization", "kv_offload_gb"):
             kind = float
         if f.name in EMPTY_IS_UNSET:
             kind = _empty_is_none

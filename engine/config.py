@@ -14,6 +14,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "cupy")
 QUANTIZATIONS = (None, "none", "int4", "int8", "mxfp4")
 SPECULATIVE_METHODS = (None, "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 16
+DEFAULT_OFFLOAD_GB = 4.0  # the second tier's size when only --kv-offload-dir is given
 log = logging.getLogger("pagedserve.engine")
 
 
@@ -44,6 +45,12 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_waiting_requests: int | None = None  # admission: refuse new requests past this many waiting
     enable_prefix_caching: bool = True
+    # The prefix cache's second tier (engine/kv_offload): cached blocks evicted from the KV pool
+    # go to host memory (CUDA: pinned) or a file in kv_offload_dir (CPU), and are restored from
+    # there instead of recomputed. kv_offload_gb sets its size (per tensor-parallel rank); the
+    # directory alone turns it on at DEFAULT_OFFLOAD_GB. None and None: off.
+    kv_offload_gb: float | None = None
+    kv_offload_dir: str | None = None
     scheduling_policy: str = "fcfs"  # or "priority"
     attention_backend: str = "auto"  # auto: cpu kernels on CPU, cupy on CUDA, where they run; else torch
     quantization: str | None = None  # int4 | int8 | mxfp4 (MoE experts): quantize float weights at load; none: dequantize GGUF
@@ -98,6 +105,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb: must be > 0, got {self.kv_cache_memory_gb}")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        self._check_kv_offload()
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
         if self.max_waiting_requests is not None:
@@ -151,6 +159,17 @@ class EngineConfig:
         self._check_lora()
         if self.async_scheduling is None:  # after the checks above, which may turn graphs off
             self.async_scheduling = self.cuda_graphs
+
+    def _check_kv_offload(self) -> None:
+        if self.kv_offload_gb is None and not self.kv_offload_dir:
+            return
+        if self.kv_offload_gb is None:
+            self.kv_offload_gb = DEFAULT_OFFLOAD_GB
+        if isinstance(self.kv_offload_gb, bool) or not self.kv_offload_gb > 0:
+            raise ValueError(f"kv_offload_gb: must be > 0, got {self.kv_offload_gb!r}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offload_gb/kv_offload_dir: the second tier holds the prefix cache's blocks; "
+                             "it needs --enable-prefix-caching")
 
     def _check_gpu_memory_utilization(self, on_cuda: bool) -> None:
         share = self.gpu_memory_utilization

@@ -26,6 +26,7 @@ from engine.async_step import InflightStep
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SchedulerConfig
 from engine.encoder_runner import EncoderRunner
+from engine.kv_offload.index import OffloadIndex
 from engine.lora.adapter import LoraAdapter
 from engine.model_runner import ModelRunner
 from engine.models.generation_config import load_sampling_defaults
@@ -55,7 +56,9 @@ def _pooling_config(config: EngineConfig, pooler: Pooler, encoder: bool, model_p
     st_len = sentence_transformers_max_len(model_path)
     return dataclasses.replace(
         config, max_model_len=config.max_model_len or st_len, async_scheduling=False,
-        enable_prefix_caching=config.enable_prefix_caching and not encoder)
+        enable_prefix_caching=config.enable_prefix_caching and not encoder,
+        kv_offload_gb=None if encoder else config.kv_offload_gb,
+        kv_offload_dir=None if encoder else config.kv_offload_dir)
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,12 @@ class EngineStats:
     num_prefix_cache_queries: int
     num_prefix_cache_hits: int
     spec_decoding: SpecDecodingStats | None = None  # totals; None when speculative decoding is off
+    # The prefix cache's second tier (engine/kv_offload), totals: prompt tokens restored from it,
+    # bytes copied there and back, and the time restores took.
+    num_kv_offload_hits: int = 0
+    kv_offload_saved_bytes: int = 0
+    kv_offload_restored_bytes: int = 0
+    kv_offload_restore_s: float = 0.0
 
 
 class EngineCore:
@@ -98,8 +107,13 @@ class EngineCore:
             self.structured_output = StructuredOutputManager(tokenizer, self.vocab_size, eos_token_ids)
         # A draft model shares the block tables and attends to whole contexts: keep every block.
         kv_window = self.model_runner.kv_window if config.speculative_method != "draft" else None
+        store = getattr(self.model_runner, "kv_offload", None)
         self.block_manager = BlockManager(self.model_runner.num_kv_blocks, config.block_size,
-                                          config.enable_prefix_caching, kv_window)
+                                          config.enable_prefix_caching, kv_window,
+                                          None if store is None else OffloadIndex(store.num_slots))
+        if store is not None and self.block_manager.offload is None:
+            log.warning("kv offload: off: every layer of this model attends through a sliding window, "
+                        "whose blocks are released as sequences move on")
         self.max_model_len = self._fit_max_model_len(self.model_runner.max_model_len)
         self.limits = PromptLimits(self.vocab_size, self.max_model_len, self.block_manager.num_blocks,
                                    config.block_size)
@@ -255,6 +269,8 @@ class EngineCore:
         return self._step(plain), plain
 
     def _step(self, plain: PlainTokens | None) -> list[EngineCoreOutput]:
+        if self.block_manager.offload is not None and self.model_runner.kv_offload.failed:
+            self.block_manager.drop_offload(turn_off=True)  # the store logged why; nothing restores from it
         if self.sleep_level:  # requests wait for wake_up
             return self.scheduler.take_failed_outputs()
         if self._inflight is not None:
@@ -343,7 +359,15 @@ class EngineCore:
             num_kv_blocks=bm.num_blocks, num_free_kv_blocks=bm.num_free_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             num_prefix_cache_queries=bm.num_cache_queries, num_prefix_cache_hits=bm.num_cache_hits,
-            spec_decoding=None if self.speculator is None else self.scheduler.spec_stats.copy())
+            spec_decoding=None if self.speculator is None else self.scheduler.spec_stats.copy(),
+            **self._kv_offload_stats())
+
+    def _kv_offload_stats(self) -> dict:
+        store = getattr(self.model_runner, "kv_offload", None)
+        if store is None:
+            return {}
+        return dict(num_kv_offload_hits=self.block_manager.num_offload_hits, kv_offload_saved_bytes=store.saved_bytes,
+                    kv_offload_restored_bytes=store.restored_bytes, kv_offload_restore_s=store.restore_s)
 
     # -- sleep, wake and weight updates (engine/sleep_mode.py) --------------------------
 

@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.cpu_tuning import bucket, linear_shapes, tune_cpu
 from engine.cuda_graphs import DecodeGraphs, GraphOutputs
 from engine.distributed.state import SINGLE, TPShard, all_reduce_min, broadcast_object
+from engine.kv_offload.store import open_offload
 from engine.kv_sizing import GpuMemory, measure_gpu_memory, num_kv_blocks, num_profile_blocks, profile_rows
 from engine.layers.parallel import check_shardable, local_sizes
 from engine.models.llama import ForwardContext
@@ -64,6 +65,7 @@ class StepPlan:
     steady: SteadyRows | None = None  # steady decodes, which run before `rows`
     pool_slices: list[tuple[int, int]] = field(default_factory=list)  # hidden rows [a, b) of pooling requests
     mm: MultiModalStep | None = None  # image embeddings and M-RoPE positions (engine/vision.py)
+    kv_offload: tuple[list, list] | None = None  # second-tier saves and restores, before the copies
 
 
 @dataclass(slots=True)
@@ -118,6 +120,7 @@ class ModelRunner:
             num_kv_blocks(config, self._bytes_per_block(), self._measure_gpu_memory), self.shard)
         self.kv_caches = self._kv_caches(self.num_kv_blocks)
         self.sampler = Sampler(eos_token_ids, None if num_tokens is None else min(num_tokens, self.arch.vocab_size))
+        self.kv_offload = open_offload(config, self.kv_caches, self.shard)  # the prefix cache's second tier
         # The previous `execute`'s steady decodes: their requests and rows (see _steady_rows).
         self._last_steady: tuple[list[Request], SteadyRows] | None = None
         if config.cuda_graphs and self.backend.name != "cupy":
@@ -233,6 +236,8 @@ class ModelRunner:
         pooling, pool_slices = self._pool_jobs(order, first_row=num_steady)
         plan = StepPlan(list(sched.blocks_to_copy), rows, slices, bool(sampling),
                         self._steady_rows(steady, steady_requests), pool_slices)
+        if sched.kv_saves or sched.kv_restores:
+            plan.kv_offload = (sched.kv_saves, sched.kv_restores)
         if self.vision is not None:
             plan.mm = self.vision.step(order, num_steady, steady_requests,
                                        None if plan.steady is None else plan.steady.positions)
@@ -281,6 +286,8 @@ class ModelRunner:
         device, one position further than the request's counters say."""
         start = time.perf_counter()
         self._last_steady = None  # its rows run one position further, and `execute` does not see them
+        if sched.kv_saves:  # a lease renewal popped cached blocks, which this step may overwrite
+            self.kv_offload.copy(self.kv_caches, sched.kv_saves, [])
         requests = sched.steady_requests
         steady = SteadyRows.of(sched.scheduled, requests)
         device_ids = None
@@ -358,6 +365,8 @@ class ModelRunner:
         None, the pooling slices' hidden states). Logits are None except on rank 0."""
         if self.workers is not None:
             broadcast_object(plan, self.shard)
+        if plan.kv_offload is not None:  # saves read blocks that the copies and the forward overwrite
+            self.kv_offload.copy(self.kv_caches, *plan.kv_offload)
         self.copy_blocks(plan.blocks_to_copy)
         hidden, last_rows, graph = self._forward(plan.rows, plan.steady, plan.mm)
         prompt_logits = [self.model.compute_logits(hidden[a:b]) for a, b in plan.logits_slices]

@@ -100,6 +100,7 @@ class Scheduler(SteadyDecodes):
         if not out.num_preempted:  # after a preemption the pool is too tight to admit more
             self._schedule_waiting(out, budget)
         out.blocks_to_copy = self._live_copies(out)
+        out.kv_saves, out.kv_restores = self.block_manager.take_offload_copies()
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         out.num_finished = self.num_finished
         return out
@@ -202,7 +203,7 @@ class Scheduler(SteadyDecodes):
                 break  # a pooling prompt runs whole (it fits the budget: EngineCore checks); next step
             if not self.block_manager.allocate(request.request_id, request.all_token_ids,
                                                self._slots(num_cached + num_new), cached_blocks,
-                                               request.block_extra_keys):
+                                               request.block_extra_keys, num_cached):
                 break  # the head waits for blocks; nobody overtakes it
             heapq.heappop(self.waiting)
             if request.status == RequestStatus.WAITING:
