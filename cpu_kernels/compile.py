@@ -23,8 +23,8 @@ import threading
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-FAMILIES = ("quant_linear", "quant_linear_bf16", "fp8_linear", "paged_attention", "layer_ops", "mxfp4_int8",
-            "int_dot", "int_dot_avx2", "decode_layers")
+FAMILIES = ("quant_linear", "quant_linear_bf16", "fp8_linear", "paged_attention", "paged_attention_int8", "layer_ops",
+            "mxfp4_int8", "int_dot", "int_dot_avx2", "decode_layers")
 # -fopenmp: at::parallel_for is inline OpenMP code in torch's headers; without the flag it
 # compiles to a serial loop. The OpenMP runtime itself is torch's (libtorch_cpu loads it).
 CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp"]

@@ -214,14 +214,25 @@ def int_dot_avx2_linear(x: torch.Tensor, packed: PackedIntDot, vnni: bool = Fals
 
 # --- paged_attention: decode reading K/V blocks in place (csrc/paged_attention.cpp) ---------
 
-ATTENTION_DTYPES = (torch.float32, torch.bfloat16)
+ATTENTION_DTYPES = (torch.float32, torch.bfloat16)  # the queries', and a float cache's
+# The caches the kernels read: float ones of q's dtype, and int8 ones (--kv-cache-dtype int8:
+# rows of D values and a bf16 scale, csrc/paged_attention_int8.cpp) under either q.
+KV_CACHE_DTYPES = (*ATTENTION_DTYPES, torch.int8)
+INT8_SCALE_BYTES = 2  # engine/attention/kv_format.py's: an int8 row is D + 2 bytes
+
+
+def int8_kv_available() -> bool:
+    """Whether the int8 cache's kernels load here (with the float ones). Never raises."""
+    from cpu_kernels.compile import available
+    return available("paged_attention") and available("paged_attention_int8")
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, window: int | None = None,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """out [B, Hq, D] (q's dtype): q [B, Hq, D] attends to its sequence's context_lens[b]
-    cached tokens, found through block_tables [B, W] int64 in kv_cache [2, Hkv, N, bs, D];
+    cached tokens, found through block_tables [B, W] int64 in kv_cache [2, Hkv, N, bs, D] (of q's
+    dtype, or int8 [..., D + 2]: values and a bf16 scale per row, dequantized in registers);
     with a sliding `window`, to the last `window` of them only (earlier table entries are
     never read). `sinks` (float32 [Hq]): a logit per head that joins each softmax's
     denominator and adds no value (gpt-oss).
@@ -233,10 +244,14 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     batch, num_heads, dim = q.shape
     if q.stride(2) != 1 or q.stride(1) != dim:
         raise ValueError(f"q: heads must be D={dim} elements apart and contiguous, got strides {q.stride()}")
-    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != dim
-            or kv_cache.dtype != q.dtype or not kv_cache.is_contiguous()):
+    if kv_cache.dtype == torch.int8:
+        _ensure("paged_attention_int8")
+    row = dim + INT8_SCALE_BYTES if kv_cache.dtype == torch.int8 else dim
+    if (kv_cache.dim() != 5 or kv_cache.shape[0] != 2 or kv_cache.shape[4] != row
+            or kv_cache.dtype not in (q.dtype, torch.int8) or not kv_cache.is_contiguous()):
         raise ValueError(f"kv_cache: want a contiguous {q.dtype} [2, Hkv, num_blocks, block_size, {dim}] "
-                         f"tensor, got {kv_cache.dtype} {tuple(kv_cache.shape)}")
+                         f"(or int8 [..., {dim + INT8_SCALE_BYTES}]) tensor, got {kv_cache.dtype} "
+                         f"{tuple(kv_cache.shape)}")
     if dim % 8 or num_heads % kv_cache.shape[1]:
         raise ValueError(f"head_dim {dim} must be a multiple of 8 and Hq={num_heads} a multiple of "
                          f"Hkv={kv_cache.shape[1]}")
@@ -263,7 +278,9 @@ def paged_decode_bf16_dot() -> bool:
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, Hkv, D] (rows may be strided) into kv_cache [2, Hkv, N, bs, D] at
-    slot_mapping [<= T] int64; rows past it are padding. The op checks its inputs."""
+    slot_mapping [<= T] int64; rows past it are padding. An int8 cache [..., D + 2] gets each
+    row quantized (kv_format.quantize_int8's bits; its family loaded by `int8_kv_available`,
+    which callers check once). The op checks its inputs."""
     torch.ops.pagedserve_cpu.reshape_and_cache(k, v, kv_cache, slot_mapping)
 
 

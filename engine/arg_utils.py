@@ -69,6 +69,11 @@ HELP = {
                       "computes, for int4 and int8 weights (GGUF Q4_0/Q4_1/Q8_0/K-quants, GPTQ, AWQ, "
                       "--quantization int4|int8) and MXFP4 experts (gpt-oss's), with AVX512-VNNI and a "
                       "bfloat16 model: faster, but the numbers move away from Hugging Face's (docs/cpu.md)",
+    "kv_cache_dtype": "how the KV cache stores keys and values: auto (the model's dtype), int8 (8-bit values "
+                      "with a bfloat16 scale per token and head: 66 bytes a row at head size 64 instead of "
+                      "bf16's 128, so ~1.9x the sequences in the same --kv-cache-memory-gb; the CPU kernels "
+                      "read it, elsewhere the torch backend), or fp8 (float8 e4m3, scale 1.0: the CUDA "
+                      "kernels' format, the torch backend elsewhere); docs/engine.md",
     "cuda_graphs": "capture decode steps in CUDA graphs (default: on with --device cuda when "
                    "attention runs on cupy, else off)",
     "async_scheduling": "schedule and launch the next decode step while the device runs this one, "
@@ -113,7 +118,7 @@ HELP = {
 }
 CHOICES = {"dtype": ["float32", "bfloat16", "float16", "auto"], "scheduling_policy": ["fcfs", "priority"],
            "attention_backend": ["auto", "torch", "cpu", "cupy"], "quantization": ["none", "int4", "int8", "mxfp4"],
-           "cpu_arithmetic": ["auto", "int8"],
+           "cpu_arithmetic": ["auto", "int8"], "kv_cache_dtype": ["auto", "int8", "fp8"],
            "speculative_method": ["ngram", "draft", "none"], "task": ["auto", "generate", "embed", "score"],
            "pooling": ["mean", "cls", "last"]}
 METAVARS = {"generation_config": "auto|vllm|PATH", "gpu_memory_utilization": "F"}

@@ -61,6 +61,9 @@ class EngineConfig:
     # chosen per machine); int8 rounds activations to 8 bits per block of 32 for integer dot
     # products, as llama.cpp does, where a kernel exists (MXFP4 experts): faster, not HF's numbers.
     cpu_arithmetic: str = "auto"
+    # The KV cache's storage (engine/attention/kv_format.py): auto keeps the model's dtype; int8
+    # (a scale per token and head; CPU kernels) and fp8 (e4m3; CUDA kernels) fit ~2x the blocks.
+    kv_cache_dtype: str = "auto"
     cuda_graphs: bool | None = None  # decode in CUDA graphs; None: on for device cuda + backend cupy (or auto)
     # Schedule and launch decode step N+1 while the device runs step N (engine/async_step.py).
     # It pays with a GPU (a CPU runs the forward on the host's own cores, so nothing overlaps).
@@ -117,6 +120,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(f"kv_cache_dtype: must be one of auto, int8, fp8, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: must be one of none, int4, int8, mxfp4 (or unset), got {self.quantization!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):

@@ -25,6 +25,7 @@ from cpu_kernels.dispatch import KernelPlan
 from cpu_kernels.dispatch import plan as plan_kernels
 from engine.async_step import InflightStep
 from engine.attention import AttentionMetadata, PrefillChunk, get_attention_backend
+from engine.attention.kv_format import kv_cache_format
 from engine.block_tables import BlockTables
 from engine.config import EngineConfig
 from engine.cpu_tuning import bucket, linear_shapes, tune_cpu
@@ -111,14 +112,19 @@ class ModelRunner:
         windows = [self.arch.layer_window(i) for i in range(self.arch.num_layers)]
         # Every layer windowed (Mistral): blocks older than the widest window can be released.
         self.kv_window = max(windows) if None not in windows else None
+        self.kv_format = kv_cache_format(config.kv_cache_dtype, DTYPES[config.dtype])
         self.backend = get_attention_backend(self._attention_backend(config), local["num_heads"], self.num_kv_heads,
-                                             self.arch.head_dim, config.device, DTYPES[config.dtype])
+                                             self.arch.head_dim, config.device, DTYPES[config.dtype], self.kv_format)
         self.block_size = config.block_size
         self.block_tables = BlockTables(-(-self.max_model_len // self.block_size), config.max_num_seqs)
         # Every rank must hold the same blocks: the smallest pool any rank can afford.
         self.num_kv_blocks = all_reduce_min(
             num_kv_blocks(config, self._bytes_per_block(), self._measure_gpu_memory), self.shard)
         self.kv_caches = self._kv_caches(self.num_kv_blocks)
+        log.info("KV cache: %s (%d bytes a token and kv head), %d blocks of %d tokens, %s attention",
+                 self.kv_format.storage_dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype,
+                 self.kv_format.bytes_per_token_head(self.arch.head_dim), self.num_kv_blocks, self.block_size,
+                 self.backend.name)
         self.sampler = Sampler(eos_token_ids, None if num_tokens is None else min(num_tokens, self.arch.vocab_size))
         self.kv_offload = open_offload(config, self.kv_caches, self.shard)  # the prefix cache's second tier
         # The previous `execute`'s steady decodes: their requests and rows (see _steady_rows).
@@ -193,13 +199,12 @@ class ModelRunner:
         return wanted
 
     def _bytes_per_block(self) -> int:
-        a = self.arch
-        itemsize = torch.empty((), dtype=DTYPES[self.config.dtype]).element_size()
-        return 2 * a.num_layers * self.num_kv_heads * a.head_dim * self.block_size * itemsize
+        a = self.arch  # K and V of every layer; a quantized format's rows are smaller
+        return 2 * a.num_layers * self.num_kv_heads * self.kv_format.bytes_per_token_head(a.head_dim) * self.block_size
 
     def _kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size)
-        return [torch.zeros(shape, dtype=DTYPES[self.config.dtype], device=self.device)
+        return [torch.zeros(shape, dtype=self.kv_format.storage_dtype, device=self.device)
                 for _ in range(self.arch.num_layers)]
 
     @torch.inference_mode()

@@ -1,6 +1,7 @@
 // Paged attention on CPU, reading K/V straight from the paged cache (no gather copy).
 //
 //   kv_cache      [2, Hkv, num_blocks, block_size, D]  0 = K, 1 = V; contiguous
+//                 (an int8 cache, rows of D + 2 bytes, goes to paged_attention_int8.cpp's ops)
 //   q             [B, Hq, D]  rows may be strided (a view of the fused qkv); heads D apart
 //   block_tables  [B, W] int64, context_lens [B] int64 (>= 1)
 //   window        0, or a sliding window: row b sees positions [len - window, len) only
@@ -29,6 +30,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -675,9 +677,21 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tens
   }
 }
 
+// The int8 cache's ops (family paged_attention_int8, which must be loaded: cpu_kernels.ops does).
+template <typename Fn>
+c10::TypedOperatorHandle<Fn> int8_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+}
+
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_tables,
                         const at::Tensor& context_lens, double scale, int64_t window,
                         const std::optional<at::Tensor>& sinks) {
+  if (kv_cache.scalar_type() == at::kChar) {
+    using Fn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, double, int64_t,
+                          const std::optional<at::Tensor>&);
+    static const auto op = int8_op<Fn>("pagedserve_cpu::paged_decode_int8");
+    return op.call(q, kv_cache, block_tables, context_lens, scale, window, sinks);
+  }
   TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && block_tables.dim() == 2 && context_lens.dim() == 1,
               "paged_decode: want q [B, Hq, D], kv_cache [2, Hkv, N, bs, D], block_tables [B, W], "
               "context_lens [B]");
@@ -713,6 +727,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const a
 // Write each new token's K and V ([T, Hkv, D] views, rows strided, as split from the fused
 // qkv) into its slot of the cache; rows past slot_mapping's length are padding.
 void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  if (kv_cache.scalar_type() == at::kChar) {
+    using Fn = void(const at::Tensor&, const at::Tensor&, at::Tensor&, const at::Tensor&);
+    static const auto op = int8_op<Fn>("pagedserve_cpu::reshape_and_cache_int8");
+    return op.call(k, v, kv_cache, slot_mapping);
+  }
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1 &&
               k.stride(1) == k.size(2) && v.stride(1) == v.size(2),
               "reshape_and_cache: k and v must be [T, Hkv, D] with heads D apart, elements contiguous");

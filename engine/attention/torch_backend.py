@@ -3,8 +3,12 @@
 One layer's cache is a single tensor, heads outermost, so that gathering a
 sequence's blocks yields a contiguous [Hkv, context, D] view with no transpose:
 
-    kv_cache: [2, Hkv, num_blocks, block_size, D]
-               ^ 0 = K, 1 = V
+    kv_cache: [2, Hkv, num_blocks, block_size, row]
+               ^ 0 = K, 1 = V    row = D values, or a quantized row (--kv-cache-dtype int8/fp8)
+
+A quantized cache (engine/attention/kv_format.py) is quantized on write, and every read (the
+gathered blocks of decode, prefill, windows, sinks) is dequantized to the query's dtype first:
+this is the reference the kernels' quantized caches are checked against.
 
 On CPU, shapes are padded to a few buckets (see engine.cpu_tuning): the runner may pass
 padding rows after the real tokens (they have no slot; their output is zero), and the
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.base import AttentionMetadata, PrefillChunk
+from engine.attention.kv_format import KvCacheFormat
 from engine.cpu_tuning import bucket
 
 SINK_QUERY_ROWS = 128  # prefill with sinks and a mask: query rows per call (and per scores tensor off CPU)
@@ -45,15 +50,19 @@ def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torc
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 kv_format: KvCacheFormat | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
+        # None or auto: rows are the model's values, stored and read as they are.
+        self.kv_format = kv_format if kv_format is not None and kv_format.quantized else None
+        self.row_width = head_dim if self.kv_format is None else self.kv_format.row_width(head_dim)
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        return (2, self.num_kv_heads, num_blocks, block_size, self.head_dim)
+        return (2, self.num_kv_heads, num_blocks, block_size, self.row_width)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.num_decode_tokens:
@@ -114,10 +123,13 @@ class TorchAttentionBackend:
                 kv_cache: torch.Tensor, meta: AttentionMetadata, sliding_window: int | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_blocks, block_size = kv_cache.shape[2], kv_cache.shape[3]
-        flat = kv_cache.view(2, self.num_kv_heads, num_blocks * block_size, self.head_dim)
+        flat = kv_cache.view(2, self.num_kv_heads, num_blocks * block_size, self.row_width)
         num_tokens = meta.slot_mapping.numel()  # rows past it are padding
-        flat[0].index_copy_(1, meta.slot_mapping, k[:num_tokens].transpose(0, 1))
-        flat[1].index_copy_(1, meta.slot_mapping, v[:num_tokens].transpose(0, 1))
+        k, v = self._rows(k[:num_tokens]), self._rows(v[:num_tokens])
+        if flat.dtype == torch.float8_e4m3fn:  # index_copy_ has no float8 kernel (CPU): copy the bytes
+            flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+        flat[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        flat[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         return self._attend(q, kv_cache, meta, sliding_window, sinks)
 
     def _attend(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -150,7 +162,7 @@ class TorchAttentionBackend:
         batch = shape[0]
         if batch > num_decode:
             q = torch.cat([q, q.new_zeros(batch - num_decode, *q.shape[1:])])
-        k, v = self._gather(kv_cache, blocks)
+        k, v = self._gather(kv_cache, blocks, q.dtype)
         k = k.view(self.num_kv_heads, batch, -1, self.head_dim)  # [Hkv, B, L, D]
         v = v.view(self.num_kv_heads, batch, -1, self.head_dim)
         q = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
@@ -161,11 +173,18 @@ class TorchAttentionBackend:
         out = torch.matmul(probs, v)  # [Hkv, B, G, D]
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)[:num_decode]
 
-    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of these blocks, in order: two [Hkv, len(blocks), block_size, D] tensors.
-        One index_select over K and V together: much faster on CPU than advanced indexing."""
-        two, heads, num_blocks, block_size, dim = kv_cache.shape
-        both = kv_cache.view(two * heads, num_blocks, block_size, dim).index_select(1, blocks)
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """New K or V [T, Hkv, D] as the cache stores them."""
+        return x if self.kv_format is None else self.kv_format.quantize_rows(x)
+
+    def _gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these blocks, in order, in `dtype`: two [Hkv, len(blocks), block_size, D]
+        tensors. One index_select over K and V together: much faster on CPU than advanced indexing."""
+        two, heads, num_blocks, block_size, row = kv_cache.shape
+        both = kv_cache.view(two * heads, num_blocks, block_size, row).index_select(1, blocks)
+        if self.kv_format is not None:
+            both = self.kv_format.dequantize(both, dtype)
         return both[:heads], both[heads:]
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, chunk: PrefillChunk,
@@ -173,7 +192,7 @@ class TorchAttentionBackend:
                  ) -> torch.Tensor:
         """`mask` [num_tokens, keys], None for plain causal; keys start at `first_block`."""
         n = chunk.context_len - first_block * kv_cache.shape[3]
-        k, v = self._gather(kv_cache, chunk.block_table[first_block:])
+        k, v = self._gather(kv_cache, chunk.block_table[first_block:], q.dtype)
         k, v = k.flatten(1, 2)[:, :n], v.flatten(1, 2)[:, :n]  # [Hkv, n, D]
         if sinks is not None:
             return self._prefill_with_sinks(q, k, v, mask, sinks)

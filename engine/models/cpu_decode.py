@@ -73,7 +73,7 @@ class CpuDecodeLayers:
         meta = ctx.meta
         return (ctx.mm is None and not meta.prefills and meta.num_decode_tokens == x.shape[0]
                 and rope.gathered is None and "decode" in meta.backend_state
-                and ctx.kv_caches[0].dtype in ops.ATTENTION_DTYPES and getattr(ctx.backend, "name", "") == "cpu")
+                and ctx.kv_caches[0].dtype in ops.KV_CACHE_DTYPES and getattr(ctx.backend, "name", "") == "cpu")
 
     def __call__(self, x: torch.Tensor, rope, ctx) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) after the last layer, as the Python loop leaves them."""
