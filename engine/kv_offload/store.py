@@ -156,7 +156,7 @@ def open_store(kv_caches: list[torch.Tensor], size_gb: float, directory: str | N
             store = CudaOffloadStore(kv_caches, host)
         else:
             store = _file_store(kv_caches, num_slots, slot_bytes, directory, rank)
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, OverflowError) as e:
         log.error("kv offload: off: cannot hold %d blocks (%.3g GiB) in %s: %s", num_slots,
                   num_slots * slot_bytes / 2**30, "pinned host memory" if on_cuda else directory or "a temp dir", e)
         return None
