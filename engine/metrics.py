@@ -4,6 +4,8 @@
     pagedserve:kv_cache_usage_perc                 gauge, 0..1 (1 = every block in use)
     pagedserve:prefix_cache_queries / _hits        counters, prompt tokens looked up / served
     pagedserve:num_preemptions                     counter
+    pagedserve:kv_offload_hits                     counter, prompt tokens restored from the second tier
+    pagedserve:kv_offload_saved_bytes / _restored_bytes / _restore_seconds   counters (--kv-offload-gb)
     pagedserve:prompt_tokens / generation_tokens   counters
     pagedserve:request_success{finished_reason}    counter: stop, length, abort or error
     pagedserve:time_to_first_token_seconds, inter_token_latency_seconds,
@@ -47,6 +49,12 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# The prefix cache's second tier: (EngineStats field, metric, help).
+OFFLOAD_COUNTERS = (
+    ("num_kv_offload_hits", "kv_offload_hits", "Prompt tokens restored from the prefix cache's second tier"),
+    ("kv_offload_saved_bytes", "kv_offload_saved_bytes", "Bytes of KV blocks saved to the second tier"),
+    ("kv_offload_restored_bytes", "kv_offload_restored_bytes", "Bytes of KV blocks restored from the second tier"),
+    ("kv_offload_restore_s", "kv_offload_restore_seconds", "Time spent restoring KV blocks from the second tier"))
 
 
 class EngineMetrics:
@@ -63,6 +71,7 @@ class EngineMetrics:
         self._cache_hits = make(Counter, "prefix_cache_hits",
                                 "Prompt tokens served by the prefix cache").labels(model_name)
         self._preemptions = make(Counter, "num_preemptions", "Preemptions (by recompute)").labels(model_name)
+        self._offload = {field: make(Counter, name, doc).labels(model_name) for field, name, doc in OFFLOAD_COUNTERS}
         self._prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of requests that started "
                                    "generating").labels(model_name)
         self._generation_tokens = make(Counter, "generation_tokens", "Tokens generated").labels(model_name)
@@ -101,6 +110,8 @@ class EngineMetrics:
         self._cache_queries.inc(snapshot.num_prefix_cache_queries - (last.num_prefix_cache_queries if last else 0))
         self._cache_hits.inc(snapshot.num_prefix_cache_hits - (last.num_prefix_cache_hits if last else 0))
         self._preemptions.inc(snapshot.num_preemptions - (last.num_preemptions if last else 0))
+        for field, counter in self._offload.items():
+            counter.inc(getattr(snapshot, field) - (getattr(last, field) if last else 0))
         if snapshot.spec_decoding is not None:
             self._record_spec(snapshot.spec_decoding, last.spec_decoding if last else None)
         self._last = snapshot

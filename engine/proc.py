@@ -408,4 +408,6 @@ def _stats_to_proto(s: EngineStats) -> ipc.EngineStats:
     return ipc.EngineStats(
         num_running=s.num_running, num_waiting=s.num_waiting, kv_blocks_total=s.num_kv_blocks,
         kv_blocks_free=s.num_free_kv_blocks, num_preemptions=s.num_preemptions,
-        prefix_cache_queries=s.num_prefix_cache_queries, prefix_cache_hits=s.num_prefix_cache_hits)
+        prefix_cache_queries=s.num_prefix_cache_queries, prefix_cache_hits=s.num_prefix_cache_hits,
+        kv_offload_hits=s.num_kv_offload_hits, kv_offload_saved_bytes=s.kv_offload_saved_bytes,
+        kv_offload_restored_bytes=s.kv_offload_restored_bytes, kv_offload_restore_seconds=s.kv_offload_restore_s)

@@ -82,7 +82,11 @@ class _EnginePoolCollector:
             ("engine_prefix_cache_hits", "Of those, tokens its prefix cache served"),
             ("router_requests_routed", "Requests this frontend sent to this engine"),
             ("router_prefix_hits", "Requests sent to this engine for a cached prefix"),
-            ("router_prefix_hit_tokens", "Tokens of the cached prefixes requests were sent here for"))}
+            ("router_prefix_hit_tokens", "Tokens of the cached prefixes requests were sent here for"),
+            ("kv_offload_hits", "Prompt tokens this engine restored from its prefix cache's second tier"),
+            ("kv_offload_saved_bytes", "Bytes of KV blocks this engine saved to the second tier"),
+            ("kv_offload_restored_bytes", "Bytes of KV blocks this engine restored from the second tier"),
+            ("kv_offload_restore_seconds", "Time this engine spent restoring KV blocks from the second tier"))}
         retries = CounterMetricFamily("pagedserve:router_retries", "Requests moved off this engine before "
                                       "their first output", labels=["engine", "reason"])
         for e in engines:
@@ -95,7 +99,11 @@ class _EnginePoolCollector:
             for name, value in (("engine_prefix_cache_queries", stats.prefix_cache_queries),
                                 ("engine_prefix_cache_hits", stats.prefix_cache_hits),
                                 ("router_requests_routed", e.num_routed), ("router_prefix_hits", e.num_prefix_hits),
-                                ("router_prefix_hit_tokens", e.num_prefix_hit_tokens)):
+                                ("router_prefix_hit_tokens", e.num_prefix_hit_tokens),
+                                ("kv_offload_hits", stats.kv_offload_hits),
+                                ("kv_offload_saved_bytes", stats.kv_offload_saved_bytes),
+                                ("kv_offload_restored_bytes", stats.kv_offload_restored_bytes),
+                                ("kv_offload_restore_seconds", stats.kv_offload_restore_seconds)):
                 counters[name].add_metric([address], value)
             for reason in ("lost", "overloaded", "not_found"):
                 retries.add_metric([address, reason], e.num_retries.get(reason, 0))

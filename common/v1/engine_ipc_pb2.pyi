@@ -259,7 +259,7 @@ class Welcome(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., model_path: _Optional[str] = ..., tokenizer_files: _Optional[_Mapping[str, bytes]] = ..., lora_enabled: _Optional[bool] = ..., max_lora_rank: _Optional[int] = ..., max_loras: _Optional[int] = ..., lora_adapters: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., sampling_defaults: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., pooler: _Optional[_Union[Pooler, _Mapping]] = ..., quantization: _Optional[str] = ..., multimodal: _Optional[_Union[MultiModalInfo, _Mapping]] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_total", "kv_blocks_free", "num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "kv_offload_hits", "kv_offload_saved_bytes", "kv_offload_restored_bytes", "kv_offload_restore_seconds")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +267,10 @@ class EngineStats(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_SAVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_OFFLOAD_RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_total: int
@@ -274,7 +278,11 @@ class EngineStats(_message.Message):
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
+    kv_offload_hits: int
+    kv_offload_saved_bytes: int
+    kv_offload_restored_bytes: int
+    kv_offload_restore_seconds: float
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_offload_hits: _Optional[int] = ..., kv_offload_saved_bytes: _Optional[int] = ..., kv_offload_restored_bytes: _Optional[int] = ..., kv_offload_restore_seconds: _Optional[float] = ...) -> None: ...
 
 class OutputBatch(_message.Message):
     __slots__ = ("outputs", "stats", "token_request_ids", "token_ids", "token_num_cached_tokens")

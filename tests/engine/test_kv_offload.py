@@ -10,10 +10,12 @@ import logging
 from dataclasses import fields
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from common.sampling_params import SamplingParams
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.metrics import EngineMetrics
 from engine.models.loader import eos_token_ids, load_tokenizer, read_arch_config
 from helpers import assert_engine_idle
 
@@ -73,6 +75,11 @@ def test_an_evicted_prefix_is_restored_not_recomputed(bundled_path, prompts, kv_
     slot_bytes = core.model_runner.kv_offload.slot_bytes
     assert stats.kv_offload_restored_bytes == 4 * slot_bytes and stats.kv_offload_restore_s > 0
     assert stats.kv_offload_saved_bytes >= 4 * slot_bytes
+    registry = CollectorRegistry()
+    EngineMetrics("m", registry).record(stats, None)
+    assert registry.get_sample_value("pagedserve:kv_offload_hits_total", {"model_name": "m"}) == 4 * BLOCK
+    assert registry.get_sample_value("pagedserve:kv_offload_restored_bytes_total", {"model_name": "m"}) == \
+        4 * slot_bytes
     # Another ending of the same prefix hits the first tier now (the restored blocks are cached).
     hits = stats.num_prefix_cache_hits
     run(core, "sibling", prompts[1])
