@@ -280,7 +280,8 @@ class ModelRunner:
         copies."""
         n = sched.num_steady
         return (0 < n == len(sched.scheduled) and self.lora is None and self.workers is None
-                and not sched.blocks_to_copy and (self.graphs is None or n <= self.graphs.max_batch)
+                and not sched.blocks_to_copy and not sched.kv_restores
+                and (self.graphs is None or n <= self.graphs.max_batch)
                 and all_ahead(sched.steady_requests)
                 and not (self.vision is not None and any(r.rope_table is not None for r in sched.steady_requests)))
 
