@@ -92,6 +92,14 @@ class _LoraOp:
     msg: ipc.LoadLora | ipc.UnloadLora
 
 
+@dataclass(slots=True)
+class _AdminOp:
+    """Sleep, WakeUp or UpdateWeights, run by the main loop between steps (engine/sleep_mode.py)."""
+
+    frontend_id: str
+    msg: ipc.AdminOp
+
+
 class EngineProc:
     def __init__(self, core: EngineCore, address: str, model_name: str,
                  metrics: EngineMetrics | None = None, drain_timeout_s: float = 30.0,
@@ -111,6 +119,7 @@ class EngineProc:
         self.frontends: dict[str, _Frontend] = {}  # by frontend id; touched by the I/O thread only
         self.seen_frontends: OrderedDict[str, None] = OrderedDict()  # ids that said Hello, newest last; I/O thread
         self.stats = _stats_to_proto(core.stats())  # latest, replaced (never mutated) by the main loop
+        self.sleep_level = 0  # the core's, set by the main loop; the I/O thread reads it for Pong
         self.stopping = threading.Event()
         self.ctx = zmq.Context()
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -211,6 +220,8 @@ class EngineProc:
                 self._reject(item.core_id, str(e), ipc.RequestError.KIND_INVALID)
         elif isinstance(item, _LoraOp):
             self._lora_op(item)
+        elif isinstance(item, _AdminOp):
+            self._admin_op(item)
         elif isinstance(item, _AbortFrontend):
             self.core.abort_requests_with_prefix(f"{item.frontend_id}:")
         else:  # (engine-side ids to abort, whether a stop string ended them)
@@ -230,6 +241,27 @@ class EngineProc:
         result = ipc.LoraResult(op_id=msg.op_id, kind=kind, message=message, adapters=self.lora_adapters)
         self.push.send_multipart([op.frontend_id.encode(),
                                   ipc.EngineResponse(lora_result=result).SerializeToString()])
+
+    def _admin_op(self, op: _AdminOp) -> None:
+        msg, core = op.msg, self.core
+        outputs, ok, message = [], True, ""
+        try:
+            if msg.kind == ipc.AdminOp.KIND_SLEEP:
+                outputs = core.sleep(msg.level or 1)
+            elif msg.kind == ipc.AdminOp.KIND_WAKE_UP:
+                core.wake_up()
+            else:
+                outputs = core.update_weights(msg.model_path)
+        except InvalidRequest as e:
+            ok, message = False, str(e)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory on wake: the engine stays up, and says so
+            log.exception("admin operation %s failed", ipc.AdminOp.Kind.Name(msg.kind))
+            ok, message = False, f"the engine failed: {type(e).__name__}: {e}"
+        self.sleep_level, self.stats = core.sleep_level, _stats_to_proto(core.stats())  # the next Pong's
+        self._publish(outputs, None)  # a step that was in flight (async scheduling)
+        result = ipc.AdminResult(op_id=msg.op_id, ok=ok, message=message, sleep_level=self.sleep_level)
+        self.push.send_multipart([op.frontend_id.encode(),
+                                  ipc.EngineResponse(admin_result=result).SerializeToString()])
 
     def _publish(self, outputs: list[EngineCoreOutput], plain: PlainTokens | None) -> None:
         # One message per frontend per step: this runs in the step loop, for every request
@@ -317,7 +349,7 @@ class EngineProc:
             self._reply(identity, ipc.EngineResponse(pong=ipc.Pong(
                 seq=msg.ping.seq, stats=self.stats, engine_id=self.engine_id,
                 draining=self.drain_deadline is not None,  # frontends stop routing new requests here
-                lora_names=[a.name for a in self.lora_adapters],
+                lora_names=[a.name for a in self.lora_adapters], sleep_level=self.sleep_level,
                 frontends=[info_pb2.Peer(id=i, address=f.address) for i, f in self.frontends.items()])))
         elif frontend is None:
             log.warning("request from unknown frontend %s ignored (no Hello yet)", frontend_id)
@@ -327,6 +359,8 @@ class EngineProc:
             self.inputs.put(([f"{frontend_id}:{r}" for r in msg.abort.request_ids], msg.abort.stop_string))
         elif kind in ("load_lora", "unload_lora"):
             self.inputs.put(_LoraOp(frontend_id, getattr(msg, kind)))
+        elif kind == "admin":
+            self.inputs.put(_AdminOp(frontend_id, msg.admin))
         elif kind == "bye":
             log.info("frontend %s said bye", frontend_id)
             del self.frontends[frontend_id]

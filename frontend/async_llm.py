@@ -43,6 +43,7 @@ from frontend.pooling import PooledInput, PoolingState, require_task
 from frontend.tokenizer import Tokenizer
 
 log = logging.getLogger("pagedserve.frontend")
+ASLEEP = "the server is asleep (an admin put it to sleep: POST /wake_up wakes it); retry later"
 _ABORTED = object()  # queued by abort(): the caller asked to stop it
 _TIME_LIMIT = object()  # the request's time limit ran out
 _ERRORS = (EngineLost, EngineOverloaded, InvalidRequest)  # queued by the engine client (NotFound is one)
@@ -148,6 +149,8 @@ class AsyncLLM:
         processor = self.require_engine()
         if not self.pool.num_ready:
             raise Unavailable("no engine ready (every engine is draining or refused); retry shortly")
+        if self.pool.asleep:
+            raise Unavailable(ASLEEP)
         if generates:
             require_task(self.welcome.pooler, "generate")
         return processor
@@ -272,7 +275,7 @@ class AsyncLLM:
     def _no_engine(self, gen: Generation) -> Exception:
         if gen.lora_name and gen.lora_name not in self.pool.lora_adapters():  # unloaded since admit()
             return NotFound(f"the LoRA adapter `{gen.lora_name}` does not exist (any more)")
-        return Unavailable("no engine available; retry shortly")
+        return Unavailable(ASLEEP if self.pool.asleep else "no engine available; retry shortly")
 
     def abort(self, request_ids: list[str]) -> list[bool]:
         """Stop running requests by the caller's id; their streams end with reason "abort".

@@ -85,7 +85,8 @@ class EngineClient:
         self.said_bye = False  # to this (draining) engine: it forgot us
         self.peers: list = []  # frontends the engine knows, from the last Pong
         self.lora_adapters: dict[str, ipc.LoraAdapter] = {}  # the engine's adapters, by name
-        self._lora_ops: dict[str, asyncio.Future] = {}  # LoadLora/UnloadLora waiting, by op_id
+        self.sleep_level = 0  # the engine's (Pong, AdminResult): 0 awake; asleep, it gets no new requests
+        self._operations: dict[str, asyncio.Future] = {}  # LoadLora/UnloadLora/AdminOp waiting, by op_id
         self.connected = asyncio.Event()
         self.streams: dict[str, Inbox] = {}
         self._last_heard = 0.0
@@ -137,17 +138,18 @@ class EngineClient:
         await self._send(ipc.EngineRequest(add=add))
         self.num_added_since_stats += 1
 
-    async def lora_op(self, request: ipc.EngineRequest) -> asyncio.Future:
-        """Send a LoadLora or UnloadLora; the future gets its LoraResult (or EngineLost)."""
+    async def operation(self, request: ipc.EngineRequest) -> asyncio.Future:
+        """Send a LoadLora, UnloadLora or AdminOp; the future gets its LoraResult or AdminResult
+        (or EngineLost)."""
         op = getattr(request, request.WhichOneof("kind"))
         future = asyncio.get_running_loop().create_future()
-        self._lora_ops[op.op_id] = future
+        self._operations[op.op_id] = future
         try:
             await self._send(request)
         except EngineLost:
-            del self._lora_ops[op.op_id]
+            del self._operations[op.op_id]
             raise
-        future.add_done_callback(lambda _: self._lora_ops.pop(op.op_id, None))
+        future.add_done_callback(lambda _: self._operations.pop(op.op_id, None))
         return future
 
     async def say_bye(self) -> None:
@@ -200,6 +202,7 @@ class EngineClient:
             self.stats, self.peers = msg.pong.stats, list(msg.pong.frontends)
             self._learn_lora_names(msg.pong.lora_names)
             self.num_added_since_stats, self.draining = 0, msg.pong.draining
+            self.sleep_level = msg.pong.sleep_level
         elif kind == "outputs":
             self.stats, self.num_added_since_stats = msg.outputs.stats, 0
             # RequestOutputs (their stream converts them), then the plain tokens as
@@ -220,9 +223,14 @@ class EngineClient:
                 inbox.put(_ERROR_CLASSES.get(msg.error.kind, InvalidRequest)(msg.error.message))
         elif kind == "lora_result":
             self.lora_adapters = {a.name: a for a in msg.lora_result.adapters}
-            future = self._lora_ops.get(msg.lora_result.op_id)
+            future = self._operations.get(msg.lora_result.op_id)
             if future is not None and not future.done():
                 future.set_result(msg.lora_result)
+        elif kind == "admin_result":
+            self.sleep_level = msg.admin_result.sleep_level
+            future = self._operations.get(msg.admin_result.op_id)
+            if future is not None and not future.done():
+                future.set_result(msg.admin_result)
 
     def _learn_lora_names(self, names) -> None:
         """A Pong's list is the truth; it carries names only, so paths stay from what we know."""
@@ -284,7 +292,7 @@ class EngineClient:
     def _fail_streams(self, reason: str) -> None:
         for inbox in self.streams.values():
             inbox.put(EngineLost(reason))
-        for future in list(self._lora_ops.values()):
+        for future in list(self._operations.values()):
             if not future.done():
                 future.set_exception(EngineLost(reason))
 

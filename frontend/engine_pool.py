@@ -17,6 +17,8 @@ length, block size, vocabulary, eos ids) that every other engine must share: one
 disagrees is refused, with a log line that says why. An engine DNS no longer lists is
 drained (no new requests; running ones finish) and then dropped.
 
+An engine that sleeps (frontend/sleep.py) stays ready but gets no new requests until it wakes.
+
 LoRA: a request for an adapter goes only to engines that list it (their handshake, Pongs and
 LoraResults keep each client's list). An adapter loaded at run time through this frontend is
 loaded on every engine (frontend/lora.py), and again on an engine that joins or restarts
@@ -248,6 +250,13 @@ class EnginePool:
     def num_ready(self) -> int:
         return sum(1 for e in self.engines.values() if e.state is EngineState.READY)
 
+    @property
+    def asleep(self) -> bool:
+        """Every ready engine sleeps (frontend/sleep.py): new requests get Unavailable until one
+        wakes. An asleep engine still counts as ready for health: sleep is an admin's choice."""
+        ready = [e for e in self.engines.values() if e.state is EngineState.READY]
+        return bool(ready) and all(e.client.sleep_level for e in ready)
+
     def serving(self) -> list[PooledEngine]:
         """Engines that agree with the pool and answer (ready or draining)."""
         return [e for e in self.engines.values() if e.state in (EngineState.READY, EngineState.DRAINING)]
@@ -260,7 +269,7 @@ class EnginePool:
         whose hashes are in the engines' block keys."""
         now = time.monotonic()
         ready = [e for e in self.engines.values() if e.state is EngineState.READY and e.address not in exclude
-                 and (not lora_name or lora_name in e.client.lora_adapters)]
+                 and not e.client.sleep_level and (not lora_name or lora_name in e.client.lora_adapters)]
         candidates = [e for e in ready if e.breaker.available(now)] or ready
         if not candidates:
             return None
@@ -305,7 +314,7 @@ def _extra_keys(engines: list[PooledEngine], lora_name: str) -> tuple:
 
 async def _send_quietly(engine: PooledEngine, request: ipc.EngineRequest) -> None:
     try:
-        result = await asyncio.wait_for(await engine.client.lora_op(request), RESTORE_TIMEOUT_S)
+        result = await asyncio.wait_for(await engine.client.operation(request), RESTORE_TIMEOUT_S)
     except (Unavailable, asyncio.TimeoutError) as e:
         log.warning("could not restore a LoRA adapter on engine %s: %s", engine.address, e)
         return

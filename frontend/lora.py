@@ -25,12 +25,14 @@ from collections.abc import Collection
 from common.errors import InvalidRequest, Unavailable
 from common.v1 import engine_ipc_pb2 as ipc
 from frontend.engine_pool import EnginePool, PooledEngine
+from frontend.fan_out import fan_out
 from frontend.input_processor import NotFound
 
 log = logging.getLogger("pagedserve.frontend")
 LORA_OP_TIMEOUT_S = 120.0  # an engine reads the adapter's weights from disk
 _NAME = re.compile(r"[A-Za-z0-9._:@/+-]{1,128}")
 Kind = ipc.LoraResult.Kind
+_UNKNOWN = "the adapter's state there is unknown until its next heartbeat"
 
 
 async def load_lora(pool: EnginePool, name: str, path: str, base_names: Collection[str],
@@ -43,8 +45,8 @@ async def load_lora(pool: EnginePool, name: str, path: str, base_names: Collecti
     if not isinstance(path, str) or not path:
         raise InvalidRequest("lora_path: must be a non-empty path to a PEFT adapter folder on the engine")
     engines = _lora_engines(pool)
-    results = await _fan_out(engines, lambda op: ipc.EngineRequest(
-        load_lora=ipc.LoadLora(op_id=op, name=name, path=path)), timeout_s)
+    results = await fan_out(engines, lambda op: ipc.EngineRequest(
+        load_lora=ipc.LoadLora(op_id=op, name=name, path=path)), timeout_s, _UNKNOWN)
     kinds = [r.kind for _, r in results]
     failed = next((r for _, r in results if r.kind in (Kind.KIND_INVALID, Kind.KIND_NOT_FOUND)), None)
     if failed is not None:
@@ -63,8 +65,8 @@ async def unload_lora(pool: EnginePool, name: str, timeout_s: float = LORA_OP_TI
     if not isinstance(name, str) or not name:
         raise InvalidRequest("lora_name: must be a non-empty string")
     engines = _lora_engines(pool)
-    results = await _fan_out(engines, lambda op: ipc.EngineRequest(
-        unload_lora=ipc.UnloadLora(op_id=op, name=name)), timeout_s)
+    results = await fan_out(engines, lambda op: ipc.EngineRequest(
+        unload_lora=ipc.UnloadLora(op_id=op, name=name)), timeout_s, _UNKNOWN)
     pool.runtime_loras.pop(name, None)  # whatever happened, no engine should get it back
     invalid = next((r for _, r in results if r.kind in (Kind.KIND_INVALID, Kind.KIND_CONFLICT)), None)
     if invalid is not None:
@@ -85,22 +87,6 @@ def _lora_engines(pool: EnginePool) -> list[PooledEngine]:
     return engines
 
 
-async def _fan_out(engines: list[PooledEngine], make, timeout_s: float) -> list[tuple[PooledEngine, ipc.LoraResult]]:
-    """Send one operation to every engine and wait for all their answers."""
-    futures = [await e.client.lora_op(make(uuid.uuid4().hex)) for e in engines]
-    done, pending = await asyncio.wait(futures, timeout=timeout_s)
-    for future in pending:
-        future.cancel()
-    if pending:
-        silent = ", ".join(e.address for e, f in zip(engines, futures) if f in pending)
-        raise Unavailable(f"no answer from engine {silent} in {timeout_s:.0f}s; the adapter's state there is "
-                          "unknown until its next heartbeat")
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        raise errors[0]  # EngineLost: Unavailable
-    return [(e, f.result()) for e, f in zip(engines, futures)]
-
-
 def _error(result: ipc.LoraResult, default: str) -> InvalidRequest:
     cls = NotFound if result.kind == Kind.KIND_NOT_FOUND else InvalidRequest
     return cls(result.message or default)
@@ -109,6 +95,6 @@ def _error(result: ipc.LoraResult, default: str) -> InvalidRequest:
 async def _unload_quietly(engine: PooledEngine, name: str) -> None:
     try:
         request = ipc.EngineRequest(unload_lora=ipc.UnloadLora(op_id=uuid.uuid4().hex, name=name))
-        await asyncio.wait_for(await engine.client.lora_op(request), LORA_OP_TIMEOUT_S)
+        await asyncio.wait_for(await engine.client.operation(request), LORA_OP_TIMEOUT_S)
     except (Unavailable, asyncio.TimeoutError) as e:
         log.warning("could not undo a partial LoRA load on engine %s: %s", engine.address, e)

@@ -5,6 +5,9 @@ Health (grpc.health.v1): "" is SERVING while the process is up; the Generation a
 services are SERVING only while at least one engine is ready (connected, answering heartbeats,
 not draining), whichever task its model serves (a call for another task gets INVALID_ARGUMENT).
 
+An engine put to sleep (Admin service, POST /sleep) stays SERVING: sleep is an admin's choice, not
+a fault (a probe must not restart it); new calls get UNAVAILABLE until it wakes.
+
 Shutdown (SIGTERM or SIGINT) drains: both health statuses turn NOT_SERVING, new streams get
 UNAVAILABLE, running ones may finish for up to `drain_timeout_s`; then the server stops.
 A second signal cuts the drain short.
@@ -24,7 +27,8 @@ from grpc_reflection.v1alpha import reflection
 
 from common.process_args import freeze_startup_heap
 from common.v1 import embedding_pb2, embedding_pb2_grpc, generation_pb2, generation_pb2_grpc, info_pb2, info_pb2_grpc
-from common.v1 import tokenization_pb2, tokenization_pb2_grpc
+from common.v1 import admin_pb2, admin_pb2_grpc, tokenization_pb2, tokenization_pb2_grpc
+from frontend.admin_servicer import AdminService
 from frontend.async_llm import AsyncLLM
 from frontend.embedding_servicer import EmbeddingService
 from frontend.engine_pool import FRONTEND_ID, EnginePool
@@ -59,7 +63,7 @@ class FrontendConfig:
     log_prompts: bool = False
     http_port: int | None = 8000  # None: no HTTP API
     served_model_names: list[str] = field(default_factory=list)  # empty: the engine's model name
-    api_key: str | None = None  # guards the HTTP API's /v1 routes
+    api_key: str | None = None  # guards the HTTP API's /v1 and admin routes, and the gRPC Admin service
     allow_runtime_lora: bool = False  # the admin LoRA routes without an API key
     # Several frontend processes share the gRPC and HTTP ports (`serve --api-server-count`):
     # SO_REUSEPORT, so the kernel spreads new connections over them.
@@ -87,7 +91,7 @@ async def serve(config: FrontendConfig, stop: asyncio.Event | None = None) -> No
     health_servicer = health.aio.HealthServicer()
     llm = _async_llm(config, address, health_servicer, metrics)
     metrics.watch_pool(llm.pool)
-    _add_services(server, GrpcContext(llm, metrics, config.log_prompts), health_servicer)
+    _add_services(server, GrpcContext(llm, metrics, config.log_prompts), health_servicer, config.api_key)
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     for service in ENGINE_SERVICES:
@@ -160,17 +164,19 @@ def _async_llm(config: FrontendConfig, address: str, health_servicer, metrics: F
     return llm
 
 
-def _add_services(server, ctx: GrpcContext, health_servicer) -> None:
+def _add_services(server, ctx: GrpcContext, health_servicer, api_key: str | None) -> None:
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationService(ctx), server)
     tokenization_pb2_grpc.add_TokenizationServicer_to_server(TokenizationService(ctx), server)
     info_pb2_grpc.add_InfoServicer_to_server(InfoService(ctx), server)
     embedding_pb2_grpc.add_EmbeddingServicer_to_server(EmbeddingService(ctx), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminService(ctx.llm, api_key), server)
     names = [
         GENERATION_SERVICE,
         tokenization_pb2.DESCRIPTOR.services_by_name["Tokenization"].full_name,
         info_pb2.DESCRIPTOR.services_by_name["Info"].full_name,
         EMBEDDING_SERVICE,
+        admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name,
         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         reflection.SERVICE_NAME,
     ]

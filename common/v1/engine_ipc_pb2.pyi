@@ -10,7 +10,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineRequest(_message.Message):
-    __slots__ = ("hello", "add", "abort", "ping", "bye", "load_lora", "unload_lora")
+    __slots__ = ("hello", "add", "abort", "ping", "bye", "load_lora", "unload_lora", "admin")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class EngineRequest(_message.Message):
     BYE_FIELD_NUMBER: _ClassVar[int]
     LOAD_LORA_FIELD_NUMBER: _ClassVar[int]
     UNLOAD_LORA_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     add: AddRequest
     abort: AbortRequests
@@ -25,7 +26,8 @@ class EngineRequest(_message.Message):
     bye: Bye
     load_lora: LoadLora
     unload_lora: UnloadLora
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., bye: _Optional[_Union[Bye, _Mapping]] = ..., load_lora: _Optional[_Union[LoadLora, _Mapping]] = ..., unload_lora: _Optional[_Union[UnloadLora, _Mapping]] = ...) -> None: ...
+    admin: AdminOp
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., add: _Optional[_Union[AddRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., bye: _Optional[_Union[Bye, _Mapping]] = ..., load_lora: _Optional[_Union[LoadLora, _Mapping]] = ..., unload_lora: _Optional[_Union[UnloadLora, _Mapping]] = ..., admin: _Optional[_Union[AdminOp, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("frontend_id", "address")
@@ -137,6 +139,38 @@ class UnloadLora(_message.Message):
     name: str
     def __init__(self, op_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
+class AdminOp(_message.Message):
+    __slots__ = ("op_id", "kind", "level", "model_path")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_SLEEP: _ClassVar[AdminOp.Kind]
+        KIND_WAKE_UP: _ClassVar[AdminOp.Kind]
+        KIND_UPDATE_WEIGHTS: _ClassVar[AdminOp.Kind]
+    KIND_SLEEP: AdminOp.Kind
+    KIND_WAKE_UP: AdminOp.Kind
+    KIND_UPDATE_WEIGHTS: AdminOp.Kind
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    kind: AdminOp.Kind
+    level: int
+    model_path: str
+    def __init__(self, op_id: _Optional[str] = ..., kind: _Optional[_Union[AdminOp.Kind, str]] = ..., level: _Optional[int] = ..., model_path: _Optional[str] = ...) -> None: ...
+
+class AdminResult(_message.Message):
+    __slots__ = ("op_id", "ok", "message", "sleep_level")
+    OP_ID_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    op_id: str
+    ok: bool
+    message: str
+    sleep_level: int
+    def __init__(self, op_id: _Optional[str] = ..., ok: _Optional[bool] = ..., message: _Optional[str] = ..., sleep_level: _Optional[int] = ...) -> None: ...
+
 class StructuredOutputs(_message.Message):
     __slots__ = ("json", "json_object", "regex", "choice", "grammar", "starts_after")
     JSON_FIELD_NUMBER: _ClassVar[int]
@@ -172,18 +206,20 @@ class Bye(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineResponse(_message.Message):
-    __slots__ = ("welcome", "outputs", "pong", "error", "lora_result")
+    __slots__ = ("welcome", "outputs", "pong", "error", "lora_result", "admin_result")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LORA_RESULT_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_RESULT_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     outputs: OutputBatch
     pong: Pong
     error: RequestError
     lora_result: LoraResult
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., outputs: _Optional[_Union[OutputBatch, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., lora_result: _Optional[_Union[LoraResult, _Mapping]] = ...) -> None: ...
+    admin_result: AdminResult
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., outputs: _Optional[_Union[OutputBatch, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., lora_result: _Optional[_Union[LoraResult, _Mapping]] = ..., admin_result: _Optional[_Union[AdminResult, _Mapping]] = ...) -> None: ...
 
 class LoraResult(_message.Message):
     __slots__ = ("op_id", "kind", "message", "adapters")
@@ -325,20 +361,22 @@ class RequestOutput(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.PositionLogprobs, _Mapping]]] = ..., error: _Optional[str] = ..., pooled: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Pong(_message.Message):
-    __slots__ = ("seq", "stats", "frontends", "engine_id", "draining", "lora_names")
+    __slots__ = ("seq", "stats", "frontends", "engine_id", "draining", "lora_names", "sleep_level")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     LORA_NAMES_FIELD_NUMBER: _ClassVar[int]
+    SLEEP_LEVEL_FIELD_NUMBER: _ClassVar[int]
     seq: int
     stats: EngineStats
     frontends: _containers.RepeatedCompositeFieldContainer[_info_pb2.Peer]
     engine_id: str
     draining: bool
     lora_names: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., frontends: _Optional[_Iterable[_Union[_info_pb2.Peer, _Mapping]]] = ..., engine_id: _Optional[str] = ..., draining: _Optional[bool] = ..., lora_names: _Optional[_Iterable[str]] = ...) -> None: ...
+    sleep_level: int
+    def __init__(self, seq: _Optional[int] = ..., stats: _Optional[_Union[EngineStats, _Mapping]] = ..., frontends: _Optional[_Iterable[_Union[_info_pb2.Peer, _Mapping]]] = ..., engine_id: _Optional[str] = ..., draining: _Optional[bool] = ..., lora_names: _Optional[_Iterable[str]] = ..., sleep_level: _Optional[int] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("request_id", "message", "kind")

@@ -6,9 +6,10 @@ served by uvicorn on the frontend's own event loop beside grpc.aio.
     /v1/files, /v1/batches: batch jobs                   (frontend/http/files_api.py, batches_api.py)
     GET  /v1/models  /health  /version  /metrics      POST /tokenize  /detokenize
     POST /v1/load_lora_adapter  /v1/unload_lora_adapter   (frontend/http/lora_admin.py)
+    POST /sleep  /wake_up  /update_weights, GET /is_sleeping   (frontend/http/sleep_admin.py)
     POST /v1/embeddings  /score  /v1/rerank: pooling models   (frontend/http/pooling_api.py)
 
-`--api-key` guards /v1/* (Bearer, or Anthropic's x-api-key), as vLLM does. A body's `model`
+`--api-key` guards /v1/* and the sleep admin routes (Bearer, or Anthropic's x-api-key), as vLLM does. A body's `model`
 is a served name of the base model or a LoRA adapter's name; /v1/models lists both.
 """
 
@@ -43,6 +44,7 @@ from frontend.http.openai_api import chat_content, create_chat_completion, creat
 from frontend.http.pooling_api import add_pooling_routes
 from frontend.http.protocol import ChatMessage, DetokenizeRequest, TokenizeRequest
 from frontend.http.responses.routes import add_responses_routes
+from frontend.http.sleep_admin import ADMIN_PATHS, add_sleep_admin_routes
 from frontend.multimodal.parts import load_images
 
 log = logging.getLogger("pagedserve.http")
@@ -78,6 +80,7 @@ def build_app(ctx: HttpContext) -> FastAPI:
     app.add_middleware(AuthAndLog, api_key=ctx.api_key)
     _add_openai_routes(app, ctx)
     add_lora_admin_routes(app, ctx)
+    add_sleep_admin_routes(app, ctx)
     add_batch_routes(app, ctx)
     add_responses_routes(app, ctx)
     add_pooling_routes(app, ctx)
@@ -112,8 +115,8 @@ class AuthAndLog:
             await send(message)
 
         try:
-            if self.api_key is not None and path.startswith("/v1/") and not _authorized(Headers(scope=scope),
-                                                                                      self.api_key):
+            guarded = path.startswith("/v1/") or path in ADMIN_PATHS
+            if self.api_key is not None and guarded and not _authorized(Headers(scope=scope), self.api_key):
                 error = HTTPError(401, "missing or wrong API key (Authorization: Bearer KEY)",
                                   "authentication_error", code="invalid_api_key")
                 await error.response(path == "/v1/messages")(scope, receive, send_watched)

@@ -5,7 +5,8 @@
     unknown model, adapter or route 404  not_found_error (NotFound)
     admin route not allowed         403  permission_error
     EngineOverloaded                429  rate_limit_error (+ Retry-After)
-    Unavailable (no engine, drain)  503  service_unavailable_error
+    Unavailable (no engine, drain,  503  service_unavailable_error (+ Retry-After)
+      asleep)
     RequestFailed                   500  internal_error, with its message (the engine's fault)
     the client left mid-body        499  (logged only: nginx's "client closed request")
     anything else (a bug)           500  internal_error, a generic message; the trace goes to the log
@@ -42,7 +43,8 @@ class HTTPError(Exception):
         return {"type": "error", "error": error} if anthropic else {"error": error}
 
     def response(self, anthropic: bool = False) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 429 else None
+        # A retry may succeed later: the queue drains, an engine connects or wakes up.
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status in (429, 503) else None
         return JSONResponse(self.body(anthropic), status_code=self.status, headers=headers)
 
 

@@ -102,7 +102,7 @@ def test_client_learns_adapters_from_welcome_pong_result_and_errors():
             request_id="r1", kind=ipc.RequestError.KIND_NOT_FOUND, message="no adapter x")))
         [error] = inbox.items
         assert isinstance(error, NotFound)
-        future = await client.lora_op(ipc.EngineRequest(load_lora=ipc.LoadLora(op_id="op", name="x", path="/x")))
+        future = await client.operation(ipc.EngineRequest(load_lora=ipc.LoadLora(op_id="op", name="x", path="/x")))
         client._lose("test")
         with pytest.raises(Unavailable):
             await future
@@ -276,7 +276,7 @@ def test_not_enabled_and_silent_engines():
         with pytest.raises(Unavailable, match=f"no answer from engine {B}"):
             await load_lora(pool, "sql", "/ad", ["m"], timeout_s=0.05)
         await asyncio.sleep(0)  # done callbacks run on the next turn of the loop
-        assert pool.engines[B].client._lora_ops == {}  # the abandoned wait is dropped
+        assert pool.engines[B].client._operations == {}  # the abandoned wait is dropped
         await pool.close()
 
     asyncio.run(run())
