@@ -66,6 +66,13 @@ def bundled_hf_model(bundled_path):
 
 
 @pytest.fixture(scope="session")
+def weight_checkpoints(tmp_path_factory, bundled_tokenizer):
+    """The weight-update tests' checkpoints (tests/weight_checkpoints.py), built once a session."""
+    from weight_checkpoints import weight_checkpoints as build
+    return build(tmp_path_factory.mktemp("weights"), bundled_tokenizer)
+
+
+@pytest.fixture(scope="session")
 def hub():
     """A local Hugging Face Hub (tests/hub_server.py) for the session: give each test repos of
     its own names; faults (cut_after, claimed_size) want a file name of their own too."""

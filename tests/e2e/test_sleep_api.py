@@ -18,7 +18,6 @@ import pytest
 
 from common.v1 import admin_pb2, admin_pb2_grpc
 from grpc_client import generate_error, greedy, request
-from weight_checkpoints import weight_checkpoints
 
 KEY = "sleep-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -28,8 +27,8 @@ ENGINE = ["--model", "", "--num-kv-blocks", "8192", "--max-model-len", "512"]
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, bundled_tokenizer):
-    return weight_checkpoints(tmp_path_factory.mktemp("sleep-api"), bundled_tokenizer)
+def checkpoints(weight_checkpoints):
+    return weight_checkpoints
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from common.errors import InvalidRequest, Unavailable
 from common.sampling_params import SamplingParams
 from helpers import assert_engine_idle
 from pagedserve import LLM
-from weight_checkpoints import weight_checkpoints
 
 PROMPTS = ["The capital of France is", "Count: 1, 2, 3,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -24,8 +23,13 @@ def tokens(llm: LLM, params: SamplingParams = GREEDY) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, bundled_tokenizer):
-    return weight_checkpoints(tmp_path_factory.mktemp("weights"), bundled_tokenizer)
+def checkpoints(weight_checkpoints):
+    return weight_checkpoints
+
+
+@pytest.fixture(scope="module")
+def bundled(bundled_path):
+    return LLM(str(bundled_path), dtype="float32", num_kv_blocks=64, num_threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +39,8 @@ def reference(checkpoints):
 
 
 @pytest.mark.parametrize("level", [1, 2])
-def test_sleep_wake_keeps_greedy_output(bundled_path, level):
-    llm = LLM(str(bundled_path), dtype="float32", num_kv_blocks=64, num_threads=1)
+def test_sleep_wake_keeps_greedy_output(bundled, level):
+    llm = bundled
     before = tokens(llm)
     llm.sleep(level)
     runner = llm.engine.model_runner
