@@ -10,7 +10,7 @@ The engines' answers become one outcome, mapped like every other error:
     an engine refused (bad level, a checkpoint   InvalidRequest (400 / INVALID_ARGUMENT), its message;
       that does not fit, a missing path)           the engines that did it keep it (an update is not undone)
     no engine connected                          Unavailable (503 / UNAVAILABLE)
-    an engine silent for `timeout_s`, or lost    Unavailable
+    an engine silent for `timeout_s`, or lost    Unavailable (default ADMIN_TIMEOUT_S)
 
 While every engine sleeps, new requests get Unavailable (503 with Retry-After, gRPC UNAVAILABLE:
 AsyncLLM.require_ready); the requests they were running wait in the engines and finish after
@@ -41,7 +41,7 @@ class SleepState:
     level: int = 0
 
 
-async def sleep(pool: EnginePool, level: int, timeout_s: float = ADMIN_TIMEOUT_S) -> SleepState:
+async def sleep(pool: EnginePool, level: int, timeout_s: float | None = None) -> SleepState:
     """Put every engine to sleep at `level` (1: KV freed, weights in host memory; 2: both freed)."""
     if level not in (1, 2):
         raise InvalidRequest("level: 1 (free the KV cache, keep the weights in host memory) or 2 (free both)")
@@ -50,13 +50,13 @@ async def sleep(pool: EnginePool, level: int, timeout_s: float = ADMIN_TIMEOUT_S
     return sleep_state(pool)
 
 
-async def wake_up(pool: EnginePool, timeout_s: float = ADMIN_TIMEOUT_S) -> SleepState:
+async def wake_up(pool: EnginePool, timeout_s: float | None = None) -> SleepState:
     await _run(pool, ipc.AdminOp.KIND_WAKE_UP, timeout_s)
     log.info("awake")
     return sleep_state(pool)
 
 
-async def update_weights(pool: EnginePool, model_path: str, timeout_s: float = ADMIN_TIMEOUT_S) -> SleepState:
+async def update_weights(pool: EnginePool, model_path: str, timeout_s: float | None = None) -> SleepState:
     """Load the checkpoint at `model_path` (the engines' own path) on every engine."""
     if not isinstance(model_path, str) or not model_path:
         raise InvalidRequest("model_path: must be a non-empty path to a checkpoint on the engine")
@@ -70,12 +70,12 @@ def sleep_state(pool: EnginePool) -> SleepState:
     return SleepState(any(levels), max(levels, default=0))
 
 
-async def _run(pool: EnginePool, kind: int, timeout_s: float, **fields) -> None:
+async def _run(pool: EnginePool, kind: int, timeout_s: float | None, **fields) -> None:
     engines = pool.serving()
     if not engines:
         raise Unavailable("no engine connected; retry shortly")
     results = await fan_out(engines, lambda op: ipc.EngineRequest(admin=ipc.AdminOp(op_id=op, kind=kind, **fields)),
-                            timeout_s, _UNKNOWN)
+                            ADMIN_TIMEOUT_S if timeout_s is None else timeout_s, _UNKNOWN)
     failed = [(e, r) for e, r in results if not r.ok]
     if failed:
         done = len(results) - len(failed)
