@@ -24,35 +24,49 @@ BLOCK_SIZES = (16, 32)
 GROUP_TILES = (1, 2, 4, 8)  # query heads per decode CTA; larger groups take several CTAs
 SOURCES = ("cache", "decode", "decode_mma", "prefill", "layers")
 MMA_DTYPES = ("float16", "bfloat16")  # the tensor-core decode (decode_mma.cu) has no fp32 path
+# --kv-cache-dtype fp8: the cache's element type, and the model dtypes whose kernels read it
+# (an fp8 cache is widened to the model's dtype as it is staged; float32 models keep theirs).
+FP8 = "float8_e4m3fn"
+KV_CTYPES = {FP8: "fp8_e4m3_t"}
+FP8_MODEL_DTYPES = ("float16", "bfloat16")
 LAYER_KERNELS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul")
 
 
 @functools.cache
 def source(name: str) -> str:
-    """common.cuh + <name>.cu as one text: CuPy's disk cache keys on the text, so an
-    edit to the shared header must change it (an #include would not)."""
-    return (CSRC / "common.cuh").read_text() + "\n" + (CSRC / f"{name}.cu").read_text()
+    """fp8.cuh + common.cuh + <name>.cu as one text: CuPy's disk cache keys on the text, so an
+    edit to a shared header must change it (an #include would not)."""
+    return "\n".join((CSRC / f).read_text() for f in ("fp8.cuh", "common.cuh", f"{name}.cu"))
 
 
-def cache_expr() -> str:
-    return "reshape_and_cache"
+def _kv(kv_dtype: str | None) -> str:
+    """The trailing cache-type template argument: none for a cache in the model's dtype."""
+    return "" if kv_dtype is None else f", {KV_CTYPES[kv_dtype]}"
 
 
-def decode_expr(dtype: str, head_size: int, block_size: int, heads_per_cta: int, split: bool) -> str:
+def cache_expr(dtype: str | None = None, kv_dtype: str | None = None) -> str:
+    """The byte-moving write for a cache in the model's dtype (any dtype); the quantizing
+    one, templated on the model's dtype, for an fp8 cache."""
+    return "reshape_and_cache" if kv_dtype is None else f"reshape_and_cache_fp8<{CTYPES[dtype]}>"
+
+
+def decode_expr(dtype: str, head_size: int, block_size: int, heads_per_cta: int, split: bool,
+                kv_dtype: str | None = None) -> str:
     return (f"paged_decode<{CTYPES[dtype]}, {head_size}, {block_size}, {heads_per_cta}, "
-            f"{'true' if split else 'false'}>")
+            f"{'true' if split else 'false'}{_kv(kv_dtype)}>")
 
 
-def decode_mma_expr(dtype: str, head_size: int, block_size: int, split: bool) -> str:
-    return f"paged_decode_mma<{CTYPES[dtype]}, {head_size}, {block_size}, {'true' if split else 'false'}>"
+def decode_mma_expr(dtype: str, head_size: int, block_size: int, split: bool, kv_dtype: str | None = None) -> str:
+    return (f"paged_decode_mma<{CTYPES[dtype]}, {head_size}, {block_size}, {'true' if split else 'false'}"
+            f"{_kv(kv_dtype)}>")
 
 
 def reduce_expr(dtype: str, head_size: int) -> str:
     return f"paged_decode_reduce<{CTYPES[dtype]}, {head_size}>"
 
 
-def prefill_expr(dtype: str, head_size: int, block_size: int) -> str:
-    return f"paged_prefill<{CTYPES[dtype]}, {head_size}, {block_size}>"
+def prefill_expr(dtype: str, head_size: int, block_size: int, kv_dtype: str | None = None) -> str:
+    return f"paged_prefill<{CTYPES[dtype]}, {head_size}, {block_size}{_kv(kv_dtype)}>"
 
 
 def layer_expr(kernel: str, dtype: str) -> str:
@@ -60,19 +74,20 @@ def layer_expr(kernel: str, dtype: str) -> str:
 
 
 def all_instantiations() -> dict[str, list[str]]:
-    """Every instantiation the launchers can ask for, by source file."""
+    """Every instantiation the launchers can ask for, by source file (fp8 caches' included)."""
     decode, decode_mma, prefill = [], [], []
+    cache = [cache_expr()] + [cache_expr(dtype, FP8) for dtype in FP8_MODEL_DTYPES]
     for dtype in CTYPES:
+        kv_dtypes = (None, FP8) if dtype in FP8_MODEL_DTYPES else (None,)
         for d in HEAD_SIZES:
-            decode.append(reduce_expr(dtype, d))
-            for bs in BLOCK_SIZES:
-                prefill.append(prefill_expr(dtype, d, bs))
-                decode += [decode_expr(dtype, d, bs, g, split) for g in GROUP_TILES for split in (False, True)]
+            decode.append(reduce_expr(dtype, d))  # reads the float32 partials: any cache
+            for bs, kv in ((bs, kv) for bs in BLOCK_SIZES for kv in kv_dtypes):
+                prefill.append(prefill_expr(dtype, d, bs, kv))
+                decode += [decode_expr(dtype, d, bs, g, split, kv) for g in GROUP_TILES for split in (False, True)]
                 if dtype in MMA_DTYPES:
-                    decode_mma += [decode_mma_expr(dtype, d, bs, split) for split in (False, True)]
+                    decode_mma += [decode_mma_expr(dtype, d, bs, split, kv) for split in (False, True)]
     layers = [layer_expr(k, dtype) for k in LAYER_KERNELS for dtype in CTYPES]
-    return {"cache": [cache_expr()], "decode": decode, "decode_mma": decode_mma, "prefill": prefill,
-            "layers": layers}
+    return {"cache": cache, "decode": decode, "decode_mma": decode_mma, "prefill": prefill, "layers": layers}
 
 
 @functools.cache

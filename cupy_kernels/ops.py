@@ -7,7 +7,9 @@ so that a torch CUDA-graph capture records them like any torch kernel.
 
 Tensor layouts (all row-major):
 
-    kv_cache      [2, Hkv, num_blocks, block_size, D]   0 = K, 1 = V
+    kv_cache      [2, Hkv, num_blocks, block_size, D]   0 = K, 1 = V; q's dtype, or
+                                 float8_e4m3fn (--kv-cache-dtype fp8: written rounded to
+                                 e4m3, read widened to q's dtype; fp16/bf16 models)
     q / out       [T, Hq, D]     token rows may be strided (q is a view of a fused qkv);
                                  heads D apart, elements contiguous
     block_tables  [B, W] int32   physical block ids, padded; context_lens masks the tail
@@ -34,6 +36,20 @@ PREFILL_ROWS = 16  # query rows per prefill CTA (QROWS in prefill.cu)
 MAX_HEADS_PER_CTA = 8  # largest GROUP_TILES entry
 MMA_HEADS_PER_CTA = 16  # the tensor-core decode's CTA: the M rows of mma.sync (MMA_ROWS in decode_mma.cu)
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+FP8 = torch.float8_e4m3fn
+
+
+def kv_dtype_name(kv_cache: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """The kernels' cache type for a cache read or written with `dtype` values: None for a
+    cache in that dtype, kc.FP8 for an fp8 one (fp16/bf16 models only); anything else is an
+    error (the byte-moving cache write would scramble it silently)."""
+    if kv_cache.dtype == dtype:
+        return None
+    name = DTYPE_NAMES.get(dtype)
+    if kv_cache.dtype == FP8 and name in kc.FP8_MODEL_DTYPES:
+        return kc.FP8
+    raise ValueError(f"cupy kernels: a {kv_cache.dtype} KV cache with {dtype} values is not supported "
+                     f"(the cache is the model's dtype, or float8_e4m3fn with {' or '.join(kc.FP8_MODEL_DTYPES)})")
 
 _streams: dict[int, object] = {}
 
@@ -80,12 +96,20 @@ def _v_cache_ptr(kv_cache: torch.Tensor) -> np.uint64:
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-    """Write key/value [T, Hkv, D] into their slots of kv_cache; slot < 0 rows are skipped."""
+    """Write key/value [T, Hkv, D] into their slots of kv_cache; slot < 0 rows are skipped. An
+    fp8 cache gets each value rounded to e4m3 (kv_format.py's convention)."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
     assert slot_mapping.dtype == torch.int32 and kv_cache.is_contiguous(), "int32 slots, contiguous cache"
     key, value = _vector_rows(key), _vector_rows(value)
+    kv = kv_dtype_name(kv_cache, key.dtype)
+    if kv is not None:
+        args = (_ptr(key), _ptr(value), _ptr(kv_cache), _v_cache_ptr(kv_cache), _ptr(slot_mapping),
+                np.int64(key.stride(0)), np.int64(value.stride(0)), np.int32(num_kv_heads), np.int32(head_size),
+                np.int32(kv_cache.shape[2]), np.int32(kv_cache.shape[3]))
+        _launch("cache", kc.cache_expr(DTYPE_NAMES[key.dtype], kv), key.device, (num_tokens,), args)
+        return
     es = key.element_size()
     args = (_ptr(key), _ptr(value), _ptr(kv_cache), _v_cache_ptr(kv_cache), _ptr(slot_mapping),
             np.int64(key.stride(0) * es // 16), np.int64(value.stride(0) * es // 16),
@@ -132,6 +156,15 @@ def plan_decode(batch: int, num_kv_heads: int, group: int, max_context: int, num
     return DecodePlan(heads_per_cta, num_chunks, parts, tokens, tensor_cores)
 
 
+def decode_kernel(plan: DecodePlan, dtype: str, head_size: int, block_size: int, kv_dtype: str | None = None
+                  ) -> tuple[str, str]:
+    """(source, instantiation) of the decode launch for this plan, dtype and cache type."""
+    if plan.tensor_cores:
+        assert dtype in kc.MMA_DTYPES and plan.heads_per_cta == MMA_HEADS_PER_CTA, f"tensor cores: {dtype}, {plan}"
+        return "decode_mma", kc.decode_mma_expr(dtype, head_size, block_size, plan.split, kv_dtype)
+    return "decode", kc.decode_expr(dtype, head_size, block_size, plan.heads_per_cta, plan.split, kv_dtype)
+
+
 def decode_workspace_numel(batch: int, num_q_heads: int, head_size: int, plan: DecodePlan) -> int:
     """float32 elements of split-K scratch: partial out, max and sum per partition."""
     return 0 if not plan.split else batch * num_q_heads * plan.num_partitions * (head_size + 2)
@@ -166,11 +199,7 @@ def decode_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor,
             _ptr(kv_cache), _v_cache_ptr(kv_cache), _ptr(block_tables), np.int32(block_tables.stride(0)),
             _ptr(context_lens), np.int32(kv_cache.shape[2]), np.int32(group), np.int32(plan.num_chunks),
             np.int32(plan.partition_tokens), np.float32(scale * LOG2E), np.int32(window or 0), _sinks_ptr(sinks))
-    if plan.tensor_cores:
-        assert dtype in kc.MMA_DTYPES and plan.heads_per_cta == MMA_HEADS_PER_CTA, f"tensor cores: {dtype}, {plan}"
-        source, expr = "decode_mma", kc.decode_mma_expr(dtype, head_size, block_size, plan.split)
-    else:
-        source, expr = "decode", kc.decode_expr(dtype, head_size, block_size, plan.heads_per_cta, plan.split)
+    source, expr = decode_kernel(plan, dtype, head_size, block_size, kv_dtype_name(kv_cache, q.dtype))
     _launch(source, expr, q.device, (batch, num_kv_heads * plan.num_chunks, parts), args)
     if plan.split:
         args = (_ptr(out), part_out, part_max, part_sum, _ptr(context_lens), np.int32(parts),
@@ -224,7 +253,7 @@ def prefill_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor
             _ptr(batch.num_tokens), _ptr(batch.context_len), _ptr(batch.block_tables),
             np.int32(batch.block_tables.stride(0)), np.int32(kv_cache.shape[2]),
             np.int32(num_q_heads // num_kv_heads), np.float32(scale * LOG2E), np.int32(window or 0), _sinks_ptr(sinks))
-    expr = kc.prefill_expr(DTYPE_NAMES[q.dtype], head_size, block_size)
+    expr = kc.prefill_expr(DTYPE_NAMES[q.dtype], head_size, block_size, kv_dtype_name(kv_cache, q.dtype))
     _launch("prefill", expr, q.device, (batch.num_tiles, num_kv_heads), args)
 
 

@@ -1,7 +1,10 @@
 """Plain-torch references for each kernel, in float32, written for clarity over speed.
 
 Tests compare the kernels against these. Each gathers a sequence's keys position by
-position through its block table, so it shares no indexing code with the kernels.
+position through its block table, so it shares no indexing code with the kernels. An fp8
+cache (float8_e4m3fn) is read through torch's own e4m3 -> float32 conversion, not the
+kernels' (csrc/fp8.cuh); its writes are the cache format's quantizer (kv_format.py), which a
+test applies before `reshape_and_cache` here.
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ import torch
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> torch.Tensor:
     """A copy of kv_cache [2, Hkv, N, bs, D] with row t of key/value [T, Hkv, D] written at
-    slot_mapping[t] (skipped when negative)."""
+    slot_mapping[t] (skipped when negative). Rows go in as they are: for an fp8 cache, pass
+    them quantized already."""
     out = kv_cache.clone()
     block_size = kv_cache.shape[3]
     for t, slot in enumerate(slot_mapping.tolist()):
@@ -29,9 +33,12 @@ def gather_context(kv_cache: torch.Tensor, block_table: list[int], length: int, 
     blocks = torch.tensor([block_table[p // block_size] for p in range(first, length)], dtype=torch.long,
                           device=kv_cache.device)
     offsets = torch.arange(first, length, device=kv_cache.device) % block_size
-    k = kv_cache[0][:, blocks, offsets].float()
-    v = kv_cache[1][:, blocks, offsets].float()
-    return k, v
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    cache = kv_cache.view(torch.uint8) if fp8 else kv_cache  # indexing kernels need not cover float8
+    k, v = cache[0][:, blocks, offsets], cache[1][:, blocks, offsets]
+    if fp8:
+        k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
+    return k.float(), v.float()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, q_positions: torch.Tensor,

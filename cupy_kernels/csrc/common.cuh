@@ -1,11 +1,12 @@
 // Shared by every kernel: element types, 16-byte vector conversions, cp.async, the K/V tile
-// copy into shared memory, and a decode CTA's share of the grid.
+// copy into shared memory (an fp8 cache's widened to T on the way), and a decode CTA's share
+// of the grid.
 //
 // No CUDA header is included on purpose: NVRTC then compiles these sources the
 // same way on any image (a pip-installed cupy without toolkit headers too).
 // fp16/bf16 are plain 16-bit payloads converted with PTX or bit shifts.
 //
-// The launcher prepends this file to each .cu source, so that CuPy's on-disk
+// The launcher prepends this file (after fp8.cuh) to each .cu source, so that CuPy's on-disk
 // kernel cache (keyed by source text) sees every change here.
 
 typedef unsigned short u16;
@@ -154,6 +155,59 @@ __device__ __forceinline__ void cp_async_kv_rows(T (&kv)[2][N], int first, int e
     if (valid) off = cache_offset<D, BS>(kv_head, num_blocks, table[pos / BS], pos % BS) + c * VEC;
     cp_async16(&kv[0][row * ROW + c * VEC], k_cache + off, valid);
     cp_async16(&kv[1][row * ROW + c * VEC], v_cache + off, valid);
+  }
+}
+
+// An fp8 cache's 16 bytes (16 e4m3 values) widened to T at dst (16-byte aligned): exact,
+// as every e4m3 value is a float16, a bfloat16 and a float.
+template <typename T>
+__device__ __forceinline__ void store_fp8x16(T* dst, const uint4& v) {
+  const u32 words[4] = {v.x, v.y, v.z, v.w};
+  float f[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) f[i] = fp8_e4m3_to_float(words[i / 4] >> (8 * (i % 4)));
+#pragma unroll
+  for (int j = 0; j < 16; j += Pack<T>::N) *reinterpret_cast<uint4*>(dst + j) = Pack<T>::pack(f + j);
+}
+
+// stage_kv_rows: what cp_async_kv_rows does (same arguments, same shared layout of T rows),
+// for either cache. A cache in T goes through cp.async. An fp8 cache (kv_format.py) is widened
+// to T on the way, so every kernel computes after staging exactly as with a T cache; cp.async
+// cannot convert, so its bytes go through registers: each thread issues all its 16-byte loads
+// (K and V) first, then converts and stores them. The stores are synchronous; the kernels'
+// commit and wait calls around them are then no-ops.
+template <typename T, int D, int BS, int THREADS, int ROWS, int ROW, int N>
+__device__ __forceinline__ void stage_kv_rows(T (&kv)[2][N], int first, int end,
+                                              const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                                              const int* __restrict__ table, int kv_head, int num_blocks) {
+  cp_async_kv_rows<T, D, BS, THREADS, ROWS, ROW>(kv, first, end, k_cache, v_cache, table, kv_head, num_blocks);
+}
+
+template <typename T, int D, int BS, int THREADS, int ROWS, int ROW, int N>
+__device__ __forceinline__ void stage_kv_rows(T (&kv)[2][N], int first, int end,
+                                              const fp8_e4m3_t* __restrict__ k_cache,
+                                              const fp8_e4m3_t* __restrict__ v_cache,
+                                              const int* __restrict__ table, int kv_head, int num_blocks) {
+  static_assert(D % 16 == 0, "fp8 rows are read as 16-byte vectors");
+  constexpr int CHUNKS = D / 16, COPIES = ROWS * CHUNKS, ITERS = (COPIES + THREADS - 1) / THREADS;
+  uint4 k[ITERS], v[ITERS];
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int i = threadIdx.x + it * THREADS, pos = first + i / CHUNKS;
+    k[it] = v[it] = make_uint4(0u, 0u, 0u, 0u);  // rows at or past `end`: zeros, as cp.async fills
+    if (i < COPIES && pos < end) {
+      const long long off = cache_offset<D, BS>(kv_head, num_blocks, table[pos / BS], pos % BS) + (i % CHUNKS) * 16;
+      k[it] = *reinterpret_cast<const uint4*>(k_cache + off);
+      v[it] = *reinterpret_cast<const uint4*>(v_cache + off);
+    }
+  }
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int i = threadIdx.x + it * THREADS, at = (i / CHUNKS) * ROW + (i % CHUNKS) * 16;
+    if (i < COPIES) {
+      store_fp8x16(&kv[0][at], k[it]);
+      store_fp8x16(&kv[1][at], v[it]);
+    }
   }
 }
 

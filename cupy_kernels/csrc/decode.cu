@@ -45,15 +45,15 @@ struct DecodeSmem {
   float m[GMAX], l[GMAX], alpha[GMAX];
 };
 
-// Issue the cp.async copies of one tile's K and V rows (one commit group).
-template <typename T, int D, int BS, int GMAX>
+// Stage one tile's K and V rows (one cp.async commit group; an fp8 cache's widened to T).
+template <typename T, int D, int BS, int GMAX, typename KV>
 __device__ __forceinline__ void decode_load_tile(
     DecodeSmem<T, D, BS, GMAX>& sm, int stage, int tile_start, int end,
-    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
     const int* __restrict__ table, int kv_head, int num_blocks) {
   typedef DecodeShape<T, D, BS, GMAX> S;
-  cp_async_kv_rows<T, D, BS, DECODE_THREADS, S::TILE, S::ROW>(sm.kv[stage], tile_start, end, k_cache, v_cache, table,
-                                                              kv_head, num_blocks);
+  stage_kv_rows<T, D, BS, DECODE_THREADS, S::TILE, S::ROW>(sm.kv[stage], tile_start, end, k_cache, v_cache, table,
+                                                           kv_head, num_blocks);
   cp_async_commit();
 }
 
@@ -159,14 +159,15 @@ __device__ __forceinline__ void decode_combine(DecodeSmem<T, D, BS, GMAX>& sm,
   }
 }
 
-template <typename T, int D, int BS, int GMAX, bool SPLIT>
+// KV: the cache's element type, T's own or fp8_e4m3_t (widened to T as tiles are staged).
+template <typename T, int D, int BS, int GMAX, bool SPLIT, typename KV = T>
 __global__ void __launch_bounds__(DECODE_THREADS, 3) paged_decode(
     T* __restrict__ out,              // [B, Hq, D]            (single pass)
     float* __restrict__ part_out,     // [B, Hq, P, D]         (split)
     float* __restrict__ part_max,     // [B, Hq, P], base 2    (split)
     float* __restrict__ part_sum,     // [B, Hq, P]            (split)
     const T* __restrict__ q, long long q_stride,  // [B, Hq, D], rows q_stride elements apart
-    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
     const int* __restrict__ block_tables, int table_stride,  // [B, table_stride]
     const int* __restrict__ context_lens,                    // [B]
     int num_blocks, int group, int num_chunks, int partition_tokens, float scale_log2,

@@ -104,25 +104,27 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* smem)
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-// Issue the cp.async copies of one tile's K and V rows (one commit group).
-template <typename T, int D, int BS>
+// Stage one tile's K and V rows (one cp.async commit group; an fp8 cache's widened to T).
+template <typename T, int D, int BS, typename KV>
 __device__ __forceinline__ void mma_load_tile(MmaSmem<T, D>& sm, int stage, int tile_start, int end,
-                                              const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                                              const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
                                               const int* __restrict__ table, int kv_head, int num_blocks) {
   typedef MmaShape<T, D> S;
-  cp_async_kv_rows<T, D, BS, MMA_THREADS, S::TILE, S::ROW>(sm.kv[stage], tile_start, end, k_cache, v_cache, table,
-                                                           kv_head, num_blocks);
+  stage_kv_rows<T, D, BS, MMA_THREADS, S::TILE, S::ROW>(sm.kv[stage], tile_start, end, k_cache, v_cache, table,
+                                                        kv_head, num_blocks);
   cp_async_commit();
 }
 
-template <typename T, int D, int BS, bool SPLIT>
+// KV: the cache's element type, T's own or fp8_e4m3_t (widened to T as tiles are staged, so the
+// MMAs still see fp16/bf16 operands).
+template <typename T, int D, int BS, bool SPLIT, typename KV = T>
 __global__ void __launch_bounds__(MMA_THREADS, 3) paged_decode_mma(
     T* __restrict__ out,              // [B, Hq, D]            (single pass)
     float* __restrict__ part_out,     // [B, Hq, P, D]         (split)
     float* __restrict__ part_max,     // [B, Hq, P], base 2    (split)
     float* __restrict__ part_sum,     // [B, Hq, P]            (split)
     const T* __restrict__ q, long long q_stride,  // [B, Hq, D], rows q_stride elements apart
-    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
     const int* __restrict__ block_tables, int table_stride,  // [B, table_stride]
     const int* __restrict__ context_lens,                    // [B]
     int num_blocks, int group, int num_chunks, int partition_tokens, float scale_log2,

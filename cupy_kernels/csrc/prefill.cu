@@ -35,12 +35,12 @@ struct PrefillSmem {
   float alpha[QROWS], l[QROWS], m[QROWS];
 };
 
-template <typename T, int D, int BS>
+template <typename T, int D, int BS, typename KV>
 __device__ __forceinline__ void prefill_load_tile(PrefillSmem<T, D>& sm, int key0, int key_end,
-                                                  const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+                                                  const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
                                                   const int* __restrict__ table, int kv_head, int num_blocks) {
-  cp_async_kv_rows<T, D, BS, PREFILL_THREADS, KT, PrefillSmem<T, D>::ROW>(sm.kv, key0, key_end, k_cache, v_cache,
-                                                                          table, kv_head, num_blocks);
+  stage_kv_rows<T, D, BS, PREFILL_THREADS, KT, PrefillSmem<T, D>::ROW>(sm.kv, key0, key_end, k_cache, v_cache,
+                                                                       table, kv_head, num_blocks);
   cp_async_commit();
   cp_async_wait<0>();
 }
@@ -88,11 +88,12 @@ __device__ __forceinline__ void prefill_scores(PrefillSmem<T, D>& sm, int key0, 
   }
 }
 
-template <typename T, int D, int BS>
+// KV: the cache's element type, T's own or fp8_e4m3_t (widened to T as tiles are staged).
+template <typename T, int D, int BS, typename KV = T>
 __global__ void __launch_bounds__(PREFILL_THREADS, 4) paged_prefill(
     T* __restrict__ out, long long out_stride,      // [T, Hq, D], token rows out_stride apart
     const T* __restrict__ q, long long q_stride,    // [T, Hq, D], token rows q_stride apart
-    const T* __restrict__ k_cache, const T* __restrict__ v_cache,
+    const KV* __restrict__ k_cache, const KV* __restrict__ v_cache,
     const int* __restrict__ tile_chunk, const int* __restrict__ tile_row0,  // [num_tiles]
     const int* __restrict__ chunk_token_start, const int* __restrict__ chunk_num_tokens,
     const int* __restrict__ chunk_context_len,                               // [C]

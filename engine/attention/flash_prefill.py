@@ -25,6 +25,10 @@ gathered), and flash masks the rest (window_size_left = window - 1). Attention s
 (gpt-oss) scale each output row by sigmoid(lse - sink), from the log-sum-exp flash returns:
 e^lse / (e^lse + e^sink) is the share the sink leaves the keys.
 
+An fp8 cache (--kv-cache-dtype fp8) is widened to the query's dtype in the same gather (one
+copy that converts: every e4m3 value is exactly an fp16 and a bf16), so flash sees the cache's
+values as the kernels and the torch backend do.
+
 `PAGEDSERVE_CUPY_PREFILL=paged` keeps every chunk on `paged_prefill` (an A/B switch for
 `bench/gpu_session.sh`); float32 always takes it (FlashAttention has no fp32 path).
 """
@@ -92,13 +96,20 @@ def plan_flash_prefill(meta: AttentionMetadata, window: int | None = None) -> Fl
                             int(starts[0]), int(cu[0, -1]))
 
 
-def gather_contexts(kv_cache: torch.Tensor, plan: FlashPrefillPlan) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_contexts(kv_cache: torch.Tensor, plan: FlashPrefillPlan, dtype: torch.dtype | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunks' contexts from a [2, Hkv, num_blocks, block_size, D] cache as packed K and V,
-    [total_k, Hkv, D] each (contiguous), in one index_select over K and V together."""
+    [total_k, Hkv, D] each (contiguous) in `dtype` (None: the cache's), in one index_select
+    over K and V together and one copy (which converts an fp8 cache)."""
     two, heads, num_blocks, block_size, dim = kv_cache.shape
-    both = kv_cache.view(two, heads, num_blocks * block_size, dim).index_select(2, plan.key_slots)
-    both = both.permute(0, 2, 1, 3).contiguous()  # [2, total_k, Hkv, D]
-    return both[0], both[1]
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    flat = kv_cache.view(torch.uint8) if fp8 else kv_cache  # the bytes, for index_select's sake
+    both = flat.view(two, heads, num_blocks * block_size, dim).index_select(2, plan.key_slots)
+    if fp8:
+        both = both.view(torch.float8_e4m3fn)
+    both = both.permute(0, 2, 1, 3)  # [2, total_k, Hkv, D]
+    packed = torch.empty(both.shape, dtype=dtype or kv_cache.dtype, device=both.device).copy_(both)
+    return packed[0], packed[1]
 
 
 def flash_prefill(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, plan: FlashPrefillPlan,
@@ -106,7 +117,7 @@ def flash_prefill(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, pl
     """The chunks' rows of out [T, Hq, D] = causal attention of q's rows over their contexts
     (CUDA, fp16/bf16; the new tokens' K/V are in the cache already). `window`: the plan's
     (plan_flash_prefill(meta, window)); `sinks` float32 [Hq]: see the module's docstring."""
-    k, v = gather_contexts(kv_cache, plan)
+    k, v = gather_contexts(kv_cache, plan, q.dtype)
     rows = slice(plan.first_row, plan.first_row + plan.num_rows)
     q = q[rows]
     if q.stride(-1) != 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP8_DTYPES = (torch.float16, torch.bfloat16)  # the model dtypes whose kernels read an fp8 cache
 # ||out - ref|| / ||ref|| against a float32 reference (see the device METHOD notes).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 GQA = ((4, 4), (8, 2), (16, 2), (6, 2), (12, 1))  # (Hq, Hkv): group 1, 4, 8, 3, 12
@@ -29,10 +30,12 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what:
 
 
 class PagedContexts:
-    """A KV cache holding `context_lens` sequences in shuffled blocks, poison elsewhere."""
+    """A KV cache holding `context_lens` sequences in shuffled blocks, poison elsewhere; in
+    `kv_dtype` (float8_e4m3fn: an fp8 cache, NaN poison included) or else `dtype`."""
 
     def __init__(self, context_lens: list[int], num_kv_heads: int, head_size: int, block_size: int,
-                 dtype: torch.dtype, seed: int = 0, spare_blocks: int = 5) -> None:
+                 dtype: torch.dtype, seed: int = 0, spare_blocks: int = 5, kv_dtype: torch.dtype | None = None
+                 ) -> None:
         self.gen = torch.Generator("cuda").manual_seed(seed)
         self.block_size = block_size
         needed = [-(-n // block_size) for n in context_lens]
@@ -52,6 +55,8 @@ class PagedContexts:
         rows = [t + [self.poison_block] * (width - len(t)) for t in self.tables]
         self.block_tables = torch.tensor(rows, dtype=torch.int32, device="cuda")
         self.context_lens = torch.tensor(context_lens, dtype=torch.int32, device="cuda")
+        if kv_dtype is not None:  # randn values fit e4m3's range; NaN stays NaN
+            self.kv_cache = self.kv_cache.to(kv_dtype)
 
     def randn(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.randn(shape, device="cuda", generator=self.gen).to(dtype)

@@ -103,3 +103,29 @@ def test_chunks_built_one_by_one_get_the_plan_of_the_runners_padded_tables():
     meta.prefills = [type(c)(c.token_start, c.num_tokens, c.context_len, c.block_table.clone()) for c in meta.prefills]
     meta.prefill_block_tables = None  # as a caller that builds each chunk's table on its own
     assert torch.equal(plan_flash_prefill(meta).key_slots, runners.key_slots)
+
+
+def test_an_fp8_cache_is_gathered_widened_to_the_query_dtype():
+    """--kv-cache-dtype fp8: the gather reads the e4m3 cache the torch backend wrote and widens
+    it as it packs (exactly: the new keys come back as the backend's dequantized values), and
+    attending the packed rows gives the torch backend's prefill over the same fp8 cache."""
+    from engine.attention.kv_format import KvCacheFormat
+    fmt = KvCacheFormat("fp8", torch.float32)
+    backend = get_attention_backend("torch", HEADS, KV_HEADS, DIM, "cpu", dtype=torch.float32, kv_format=fmt)
+    block_size = 16
+    torch.manual_seed(0)
+    cache = torch.randn(backend.kv_cache_shape(BLOCKS, block_size)).to(torch.float8_e4m3fn)
+    meta = mixed_step(block_size, BLOCKS, torch.Generator().manual_seed(1), "cpu", CHUNKS)
+    num_tokens = meta.slot_mapping.numel()
+    q, k, v = torch.randn(num_tokens, HEADS + 2 * KV_HEADS, DIM).split([HEADS, KV_HEADS, KV_HEADS], dim=1)
+    backend.prepare(meta)
+    reference = backend.forward(q, k, v, cache, meta)
+    plan = plan_flash_prefill(meta)
+    packed_k, packed_v = gather_contexts(cache, plan, torch.float32)
+    assert packed_k.dtype == torch.float32 and packed_k.is_contiguous()
+    rows = slice(plan.first_row, plan.first_row + plan.num_rows)
+    new_keys = torch.cat([packed_k[end - n:end] for (n, _), end in zip(CHUNKS, plan.cu_seq_k[1:].tolist())])
+    assert torch.equal(new_keys, fmt.dequantize(fmt.quantize_rows(k[rows]), torch.float32))
+    assert not torch.equal(new_keys, k[rows])  # rounded to e4m3 on the way in
+    ours, _ = bottom_right_causal(q[rows], packed_k, packed_v, plan, backend.scale)
+    torch.testing.assert_close(ours, reference[rows], rtol=1e-5, atol=1e-5)

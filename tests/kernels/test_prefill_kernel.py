@@ -1,5 +1,6 @@
 """Paged prefill/extend attention against the float32 reference: chunks with and without
-a cached prefix, single-token and block-straddling chunks, behind leading decode rows."""
+a cached prefix, single-token and block-straddling chunks, behind leading decode rows; over a
+cache in the model's dtype and (fp16/bf16) over an fp8 one."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from gpu_skip import pytestmark  # noqa: F401  (skips this module without a GPU)
-from kernel_inputs import DTYPES, GQA, PagedContexts, assert_close, release_before, strided_qkv
+from kernel_inputs import DTYPES, FP8_DTYPES, GQA, PagedContexts, assert_close, release_before, strided_qkv
 from cupy_kernels import ops, reference
 
 # (new tokens, context length): a fresh prompt, extends over cached prefixes, one token.
@@ -40,21 +41,39 @@ def run_prefill(ctx: PagedContexts, num_q_heads: int, num_kv_heads: int, head_si
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", GQA[:4], ids=[f"{h}q{k}kv" for h, k in GQA[:4]])
 def test_prefill(dtype, head_size, block_size, heads):
+    check_prefill(dtype, head_size, block_size, heads)
+
+
+# fp8 ids ("fp16", "bf16", not "dtypeN"): gpu_session.sh's sanitizer filters keep their cases.
+@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_size", [64, 96, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", GQA[:4], ids=[f"{h}q{k}kv" for h, k in GQA[:4]])
+def test_prefill_fp8_cache(dtype, head_size, block_size, heads):
+    check_prefill(dtype, head_size, block_size, heads, torch.float8_e4m3fn)
+
+
+def check_prefill(dtype, head_size, block_size, heads, kv_dtype=None):
     num_q_heads, num_kv_heads = heads
-    ctx = PagedContexts([n for _, n in CHUNKS], num_kv_heads, head_size, block_size, dtype, seed=head_size)
+    ctx = PagedContexts([n for _, n in CHUNKS], num_kv_heads, head_size, block_size, dtype, seed=head_size,
+                        kv_dtype=kv_dtype)
     out, ref = run_prefill(ctx, num_q_heads, num_kv_heads, head_size, dtype)
     assert out[:LEADING_ROWS].isnan().all(), "wrote rows outside its chunks"
-    assert_close(out[LEADING_ROWS:], ref[LEADING_ROWS:], dtype, "prefill")
+    assert_close(out[LEADING_ROWS:], ref[LEADING_ROWS:], dtype, f"prefill, cache {ctx.kv_cache.dtype}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("window", [None, 1, 8, 40])
-def test_prefill_window_and_sinks(dtype, head_size, window):
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["kv_model", "kv_fp8"])
+def test_prefill_window_and_sinks(dtype, head_size, window, kv_dtype):
     """gpt-oss's attention: each query over the last `window` positions (blocks before the
     chunk's first window released: poisoned) and a sink per query head."""
+    if kv_dtype is not None and dtype not in FP8_DTYPES:
+        pytest.skip("an fp8 cache is read by fp16/bf16 kernels only")
     num_q_heads, num_kv_heads, block_size = 16, 2, 16
-    ctx = PagedContexts([n for _, n in CHUNKS], num_kv_heads, head_size, block_size, dtype, seed=head_size)
+    ctx = PagedContexts([n for _, n in CHUNKS], num_kv_heads, head_size, block_size, dtype, seed=head_size,
+                        kv_dtype=kv_dtype)
     if window:
         release_before(ctx, [context - new - window + 1 for new, context in CHUNKS])
     out, ref = run_prefill(ctx, num_q_heads, num_kv_heads, head_size, dtype, window, sinks_scale=2)
