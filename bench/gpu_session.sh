@@ -20,7 +20,8 @@
 #    MoE, Phi-3 and Gemma 3 families and multi-LoRA the same way (peft is in the image);
 # 4. `bench kernels` (python -m bench.kernels): copy bandwidth, decode bandwidth grid,
 #    fixed and launch costs -> kernels-<stamp>.json and .png;
-# 5. compute-sanitizer memcheck and racecheck over a few kernel tests, in the time left.
+# 5. compute-sanitizer memcheck and racecheck over a few kernel tests (an fp8 cache's too), in
+#    the time left.
 # It needs what the GPU image has (torch, cupy, transformers, pytest), no gguf, plus
 # llguidance for the e2e step (the engine imports it; carry its wheel, docs/kernels.md).
 # Afterwards: copy $OUT/kernels-*.json and $OUT/kernels-*.png into bench/results/ and
@@ -117,6 +118,12 @@ step memcheck 90 "$OUT/sanitizer.log" $SAN --tool memcheck $PYTEST tests/kernels
   tests/kernels/test_prefill_kernel.py tests/kernels/test_cache_kernel.py -k "8q2kv and 128 and dtype2 or reshape and dtype2 and 300"
 step racecheck 60 "$OUT/racecheck.log" $SAN --tool racecheck $PYTEST tests/kernels/test_decode_kernel.py \
   tests/kernels/test_prefill_kernel.py -k "8q2kv and 128 and 16 and dtype2"
+# The fp8 cache's kernels (--kv-cache-dtype fp8: staging through registers, the quantizing write).
+step memcheck-fp8 60 "$OUT/sanitizer-fp8.log" $SAN --tool memcheck $PYTEST tests/kernels/test_decode_kernel.py \
+  tests/kernels/test_prefill_kernel.py tests/kernels/test_cache_kernel.py \
+  -k "fp8_cache and bf16 and 8q2kv and -128- and (single or test_prefill) or reshape_and_cache_fp8 and 300 and bf16"
+step racecheck-fp8 45 "$OUT/racecheck-fp8.log" $SAN --tool racecheck $PYTEST tests/kernels/test_decode_kernel.py \
+  tests/kernels/test_prefill_kernel.py -k "fp8_cache and bf16 and 8q2kv and -16-128- and (single or test_prefill)"
 
 $PY - "$OUT" "$STEPS" <<'PYEOF' | tee -a "$OUT/summary.txt"
 import glob, json, sys
