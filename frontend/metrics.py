@@ -76,7 +76,8 @@ class _EnginePoolCollector:
         gauges = {name: GaugeMetricFamily(f"pagedserve:engine_{name}", doc, labels=["engine"]) for name, doc in (
             ("num_requests_running", "Requests running on this engine"),
             ("num_requests_waiting", "Requests waiting on this engine"),
-            ("kv_cache_usage_perc", "This engine's KV-cache usage, 0 to 1"))}
+            ("kv_cache_usage_perc", "This engine's KV-cache usage, 0 to 1"),
+            ("sleep_level", "0 while this engine is awake; asleep, its level (1 or 2: frontend/sleep.py)"))}
         counters = {name: CounterMetricFamily(f"pagedserve:{name}", doc, labels=["engine"]) for name, doc in (
             ("engine_prefix_cache_queries", "Prompt tokens this engine looked up in its prefix cache"),
             ("engine_prefix_cache_hits", "Of those, tokens its prefix cache served"),
@@ -94,7 +95,8 @@ class _EnginePoolCollector:
             for s in EngineState:
                 state.add_metric([address, s.value], 1 if e.state is s else 0)
             for name, value in (("num_requests_running", stats.num_running),
-                                ("num_requests_waiting", stats.num_waiting), ("kv_cache_usage_perc", view.kv_usage)):
+                                ("num_requests_waiting", stats.num_waiting), ("kv_cache_usage_perc", view.kv_usage),
+                                ("sleep_level", e.client.sleep_level)):
                 gauges[name].add_metric([address], value)
             for name, value in (("engine_prefix_cache_queries", stats.prefix_cache_queries),
                                 ("engine_prefix_cache_hits", stats.prefix_cache_hits),

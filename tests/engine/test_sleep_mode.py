@@ -104,3 +104,15 @@ def test_update_weights_refuses_what_does_not_fit(checkpoints, reference, tmp_pa
     with pytest.raises(InvalidRequest, match=match):
         llm.update_weights(path)
     assert tokens(llm) == reference["a"]  # the old weights keep serving
+
+
+def test_with_lora_level_1_only_and_no_update(checkpoints, reference):
+    """The adapters' layers wrap the live weights: a level-2 sleep or an update is refused, clearly."""
+    llm = LLM(str(checkpoints["a"]), enable_lora=True, max_lora_rank=8, **OPTIONS)
+    with pytest.raises(InvalidRequest, match="enable-lora"):
+        llm.sleep(2)
+    with pytest.raises(InvalidRequest, match="enable-lora"):
+        llm.update_weights(str(checkpoints["b"]))
+    llm.sleep(1)
+    llm.wake_up()
+    assert tokens(llm) == reference["a"]

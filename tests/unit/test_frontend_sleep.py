@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+from prometheus_client import CollectorRegistry
 
 from common.v1 import engine_ipc_pb2 as ipc
 from common.validation import PromptLimits
@@ -58,6 +59,7 @@ def serve(calls, api_key: str | None = "k", **fakes):
         app = build_app(HttpContext(llm, _METRICS, ["base"], api_key))
         try:
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                client.pool = pool
                 return await calls(client)
         finally:
             await pool.close()
@@ -81,6 +83,9 @@ def test_asleep_new_requests_get_503_with_retry_after():
                await client.post("/v1/messages", headers=KEY, json={
                    "model": "base", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
                await client.get("/health")]
+        registry = CollectorRegistry()
+        _METRICS.watch_pool(client.pool, registry)
+        assert registry.get_sample_value("pagedserve:engine_sleep_level", {"engine": A}) == 2
         out += [await client.post("/wake_up", headers=KEY), await client.get("/is_sleeping", headers=KEY)]
         return out
 
