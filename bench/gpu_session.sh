@@ -19,7 +19,8 @@
 #    and off, greedy against HF transformers on the same GPU; test_gpu_families.py: the
 #    MoE, Phi-3 and Gemma 3 families and multi-LoRA the same way (peft is in the image);
 # 4. `bench kernels` (python -m bench.kernels): copy bandwidth, decode bandwidth grid,
-#    fixed and launch costs -> kernels-<stamp>.json and .png;
+#    fixed and launch costs -> kernels-<stamp>.json and .png; then fewer shapes over an fp8
+#    cache (--kv-cache-dtype fp8) -> fp8/kernels-<stamp>.json, timed against the bf16 ones;
 # 5. compute-sanitizer memcheck and racecheck over a few kernel tests (an fp8 cache's too), in
 #    the time left.
 # It needs what the GPU image has (torch, cupy, transformers, pytest), no gguf, plus
@@ -111,6 +112,9 @@ step kernel-tests 240 "$OUT/kernel_tests.log" $PYTEST $XDIST --maxfail 40 \
   tests/kernels/test_{cache_kernel,decode_kernel,prefill_kernel,cupy_backend,gpu_flags,plan,reference,cuda_quant}.py
 step e2e 150 "$OUT/e2e.log" $PYTEST tests/kernels/test_gpu_e2e.py tests/kernels/test_gpu_families.py
 step bench 180 "$OUT/bench.log" $PY -m bench.kernels --output-dir "$OUT"
+# The same decode cases over an fp8 cache (fewer shapes), beside the bf16 ones in the summary.
+step bench-fp8 90 "$OUT/bench-fp8.log" $PY -m bench.kernels --kv-cache-dtype fp8 --batches 1,16,64,256 \
+  --contexts 1024,8192 --output-dir "$OUT/fp8"
 # One cudaMalloc per tensor, so that an out-of-bounds access lands outside any allocation.
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer) --error-exitcode 9 --print-limit 20"
@@ -151,6 +155,15 @@ g = fixed["gpu_us_per_call"]
 print(f"fixed cost (GPU)          {g:8.2f} us  target <= 10 us  {'ok' if g <= 10 else 'MISS'}")
 for k, v in fixed["host_us_per_launch"].items():
     print(f"host launch, {k:<21} {v:6.1f} us")
+fp8 = sorted(glob.glob(f"{out}/fp8/kernels-*.json"))
+if fp8:  # each fp8 case's time against the bf16 cache's, same kernel choice
+    base = {(d["heads"], d["batch"], d["context"]): d for d in rows}
+    print("\nfp8 cache         chosen us   achieved  bf16/fp8 time   mma: bf16/fp8 time")
+    for d in json.load(open(fp8[-1]))["results"]["decode"]:
+        b, k = base.get((d["heads"], d["batch"], d["context"])), d.get("heuristic")
+        if "pct" in d and b is not None and "pct" in b:
+            print(f"{d['heads']:<5} bs{d['batch']:<4} L{d['context']:<5} {d[k + '_us']:8.1f} {d['pct']:8.1f} %"
+                  f"  {b[k + '_us'] / d[k + '_us']:8.2f}x  {b['mma_us'] / d['mma_us']:12.2f}x")
 PYEOF
 }
 

@@ -4,8 +4,10 @@
 2. Decode attention: achieved bandwidth = (K + V actually read + q + out) / time, at
    batch 1..256 and context 128..8192, MHA (32 kv heads) and GQA 8:1 (4 kv heads),
    head 128, bf16, block 16; both the single-pass and split-K kernels, the heuristic's
-   choice marked. Calls are captured in a CUDA graph and replayed (no Python launch
-   gaps), rotating over input sets larger than L2 so that no call reads from cache.
+   choice marked. `--kv-cache-dtype fp8`: the same over an fp8 cache (one byte a value;
+   q and out stay bf16), whose bytes are what "achieved" counts. Calls are captured in a
+   CUDA graph and replayed (no Python launch gaps), rotating over input sets larger than L2
+   so that no call reads from cache.
 3. Fixed cost per call: the GPU time of a tiny decode (graph replays), and the host
    time of one launch passing data_ptr integers, __cuda_array_interface__ or DLPack.
 
@@ -35,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="most GiB of KV cache to allocate; larger cases are skipped (default: 16)")
     p.add_argument("--replays", type=int, default=7, help="timed graph replays per case (default: 7)")
     p.add_argument("--output-dir", default=None, help="where to write JSON and PNG (default: bench/results)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto",
+                   help="the decode cases' cache: auto (bf16, as q) or fp8 (e4m3; default: auto)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,13 +56,16 @@ def run(args: argparse.Namespace) -> int:
     cases = [(name, b, L) for name in HEADS for b in batches for L in contexts]
     rows = []
     for name, batch, context in tqdm(cases, desc="decode cases", unit="case"):
-        rows.append(decode_case(name, batch, context, props, args.pool_gb, args.replays, copy_gbs))
+        rows.append(decode_case(name, batch, context, props, args.pool_gb, args.replays, copy_gbs,
+                                args.kv_cache_dtype))
     results = {"copy_gb_s": copy_gbs, "decode": rows, "fixed_cost": fixed_costs(), "num_sms": props.multi_processor_count,
                "l2_mb": props.L2_cache_size / 2**20}
+    results["kv_cache_dtype"] = args.kv_cache_dtype
     report(results)
     path = write_result("kernels", {"machine": machine_info("cuda"), "results": results}, args.output_dir)
     from bench.plots import plot_kernels
-    chart = plot_kernels(rows, f"decode attention, {props.name}, bf16, head {HEAD_SIZE}", path.with_suffix(".png"))
+    cache = "bf16" if args.kv_cache_dtype == "auto" else "bf16 over an fp8 cache"
+    chart = plot_kernels(rows, f"decode attention, {props.name}, {cache}, head {HEAD_SIZE}", path.with_suffix(".png"))
     print(f"\nwrote {path} and {chart.name}")
     return 0
 
@@ -106,17 +113,19 @@ def graph_of(calls) -> object:
     return graph
 
 
-def decode_case(name: str, batch: int, context: int, props, pool_gb: float, replays: int, copy_gbs: float) -> dict:
+def decode_case(name: str, batch: int, context: int, props, pool_gb: float, replays: int, copy_gbs: float,
+                kv_cache_dtype: str = "auto") -> dict:
     """The decode kernel single pass and split-K, and the tensor-core one under its plan, on one
     shape; per-call time from graph replays over rotated inputs."""
     import torch
     from cupy_kernels import ops
     num_q_heads, num_kv_heads = HEADS[name]
-    elem = 2  # bf16
+    elem = 2  # bf16: q, out
+    kv_elem = 1 if kv_cache_dtype == "fp8" else elem
     blocks_per_seq = math.ceil(context / BLOCK_SIZE)
-    kv_bytes = 2 * batch * num_kv_heads * context * HEAD_SIZE * elem
+    kv_bytes = 2 * batch * num_kv_heads * context * HEAD_SIZE * kv_elem
     moved = kv_bytes + 2 * batch * num_q_heads * HEAD_SIZE * elem  # + q + out
-    block_bytes = 2 * num_kv_heads * BLOCK_SIZE * HEAD_SIZE * elem
+    block_bytes = 2 * num_kv_heads * BLOCK_SIZE * HEAD_SIZE * kv_elem
     sets = max(1, math.ceil(4 * props.L2_cache_size / kv_bytes))  # calls per graph: > 4x L2 in all
     if sets * batch * blocks_per_seq * block_bytes > pool_gb * 2**30:
         sets = int(pool_gb * 2**30 // (batch * blocks_per_seq * block_bytes))
@@ -126,6 +135,8 @@ def decode_case(name: str, batch: int, context: int, props, pool_gb: float, repl
     num_blocks = sets * batch * blocks_per_seq
     cache = torch.empty((2, num_kv_heads, num_blocks, BLOCK_SIZE, HEAD_SIZE), dtype=torch.bfloat16, device="cuda")
     cache.normal_()
+    if kv_cache_dtype == "fp8":
+        cache = cache.to(torch.float8_e4m3fn)
     perm = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(sets, batch, blocks_per_seq)
     lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     qs = torch.randn((sets, batch, num_q_heads, HEAD_SIZE), device="cuda").to(torch.bfloat16)
