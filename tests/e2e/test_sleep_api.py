@@ -21,6 +21,7 @@ from grpc_client import generate_error, greedy, request
 
 KEY = "sleep-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+KEY_METADATA = [("authorization", f"Bearer {KEY}")]
 PROMPT = "Once upon a time, in a small village,"
 # ~64 MiB of KV (8 KiB a block for this model in float32): a drop the RSS shows plainly
 ENGINE = ["--model", "", "--num-kv-blocks", "8192", "--max-model-len", "512"]
@@ -75,9 +76,14 @@ def test_admin_routes_need_the_key(server):
 
 @pytest.mark.parametrize("level", [1, 2])
 def test_sleep_refuses_new_requests_and_wakes_the_same(server, level):
+    """Level 1 over HTTP, level 2 over gRPC."""
     before, rss_awake = complete(server), rss_mib(server.engine_pid)
-    assert admin(server, "POST", f"/sleep?level={level}").json() == {"is_sleeping": True, "level": level}
-    assert admin(server, "POST", f"/sleep?level={level}").status_code == 200  # twice: still asleep
+    for _ in range(2):  # twice: still asleep
+        if level == 1:
+            assert admin(server, "POST", "/sleep?level=1").json() == {"is_sleeping": True, "level": 1}
+        else:
+            state = server.admin.Sleep(admin_pb2.SleepRequest(level=2), metadata=KEY_METADATA, timeout=120)
+            assert state.is_sleeping and state.level == 2
     assert rss_awake - rss_mib(server.engine_pid) > 40  # the 64 MiB KV cache went back to the system
     with pytest.raises(openai.APIStatusError) as info:
         complete(server)
@@ -86,10 +92,14 @@ def test_sleep_refuses_new_requests_and_wakes_the_same(server, level):
     error = generate_error(server, request(text=PROMPT, sampling=greedy(4)))
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert httpx.get(f"{server.http_url}/health", timeout=10).status_code == 200  # alive, only asleep
-    state = server.admin.IsSleeping(admin_pb2.IsSleepingRequest(), metadata=[("authorization", f"Bearer {KEY}")])
+    state = server.admin.IsSleeping(admin_pb2.IsSleepingRequest(), metadata=KEY_METADATA)
     assert state.is_sleeping and state.level == level
-    assert admin(server, "POST", "/wake_up").json() == {"is_sleeping": False, "level": 0}
-    assert admin(server, "POST", "/wake_up").status_code == 200  # twice: still awake
+    if level == 1:
+        assert admin(server, "POST", "/wake_up").json() == {"is_sleeping": False, "level": 0}
+        assert admin(server, "POST", "/wake_up").status_code == 200  # twice: still awake
+    else:
+        for _ in range(2):
+            assert not server.admin.WakeUp(admin_pb2.WakeUpRequest(), metadata=KEY_METADATA, timeout=120).is_sleeping
     assert complete(server) == before
     server.wait_kv_free()
 
@@ -135,7 +145,7 @@ def test_update_weights(server, checkpoints):
         assert complete(server) == before  # the old weights keep serving
     with pytest.raises(grpc.RpcError) as info:
         server.admin.UpdateWeights(admin_pb2.UpdateWeightsRequest(model_path="/no/such/model"),
-                                   metadata=[("authorization", f"Bearer {KEY}")])
+                                   metadata=KEY_METADATA)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     response = admin(server, "POST", "/update_weights", json={"model_path": str(checkpoints["b"])})
     assert response.status_code == 200, response.text
