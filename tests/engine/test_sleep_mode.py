@@ -56,9 +56,11 @@ def test_sleep_wake_keeps_greedy_output(bundled, level):
     assert_engine_idle(llm.engine)
 
 
-def test_sleep_mid_generation_loses_nothing(checkpoints, reference):
-    """Requests running when the engine falls asleep wait, then finish with the same tokens."""
-    core = LLM(str(checkpoints["a"]), **OPTIONS).engine
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_sleep_mid_generation_loses_nothing(checkpoints, async_scheduling):
+    """Requests running when the engine falls asleep wait, then finish with the same tokens;
+    with async scheduling, the step in flight at the sleep gives its tokens then."""
+    core = LLM(str(checkpoints["a"]), async_scheduling=async_scheduling, **OPTIONS).engine
     ids = [list(range(5, 5 + 7 * (i + 1))) for i in range(3)]
     want = {}
     for i, prompt in enumerate(ids):  # uninterrupted first
@@ -72,7 +74,9 @@ def test_sleep_mid_generation_loses_nothing(checkpoints, reference):
     for _ in range(4):  # prefills and a few decodes
         for out in core.step():
             got.setdefault(out.request_id[1:], []).extend(out.new_token_ids)
-    core.sleep(1)
+    assert (core._inflight is not None) == async_scheduling  # a step in flight at the sleep
+    for out in core.sleep(1):
+        got.setdefault(out.request_id[1:], []).extend(out.new_token_ids)
     assert core.stats().num_running == 0 and core.stats().num_waiting == 3
     assert not core.has_unfinished_requests() and core.step() == []
     core.wake_up()
