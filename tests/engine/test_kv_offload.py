@@ -1,8 +1,8 @@
 """The prefix cache's second tier (--kv-offload-gb) on the bundled model, in-process: a shared
 prefix evicted from a small KV pool comes back from the second tier instead of being
-recomputed, with the same greedy output; a directory that cannot hold the tier, or a disk too
-small for it, turns it off and serving goes on; a tier too small for the prefix restores what
-it holds."""
+recomputed, with the same greedy output; a store that fails later, a directory that cannot hold
+the tier, or a disk too small for it, turns it off and serving goes on; a tier too small for
+the prefix restores what it holds."""
 
 from __future__ import annotations
 
@@ -99,6 +99,19 @@ def test_a_tier_smaller_than_the_prefix_restores_what_it_holds(bundled_path, pro
     # The prefix's blocks were saved last block first, so the first two are the ones kept.
     assert core.stats().num_kv_offload_hits == 2 * BLOCK
     assert steps[0] == len(prompts[0]) - 2 * BLOCK
+    assert_engine_idle(core)
+
+
+def test_a_store_that_fails_later_turns_the_tier_off(bundled_path, prompts, caplog):
+    core = make_core(bundled_path, kv_offload_gb=0.05)
+    first, _, filler = prompts
+    reference = run(core, "first", first)
+    core.model_runner.kv_offload.close()  # its memory gone: the filler's saves fail
+    with caplog.at_level(logging.ERROR, logger="pagedserve.engine"):
+        run(core, "filler", filler, SamplingParams(temperature=0, max_tokens=1))
+    assert [r.message for r in caplog.records if "the second tier is off from here on" in r.message]
+    assert run(core, "again", first) == reference  # recomputed: nothing restored from the failed store
+    assert core.block_manager.offload is None and core.stats().num_kv_offload_hits == 0
     assert_engine_idle(core)
 
 
