@@ -376,11 +376,11 @@ class EngineCore:
         too) and schedule nothing until `wake_up`. Running requests are preempted: they wait, and
         recompute on wake (greedy output is unchanged). Returns the outputs of a step that was in
         flight. Asleep at this level already: nothing to do; InvalidRequest where it cannot."""
+        runner = check_level(self, level)
         if self.sleep_level == level:
             return []
         if self.sleep_level:
             raise InvalidRequest(f"level: the engine is asleep at level {self.sleep_level}; wake it up first")
-        runner = check_level(self, level)
         outputs = self._settle()
         num_preempted = self._forget_kv()
         put_to_sleep(runner, level)
