@@ -143,6 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
                     "perplexity on a fixed text of our own, KL divergence of the next-token distribution "
                     "(mean, p99), and greedy agreement on our QA prompts; then issue 49's rule for making "
                     "int8 the default. Writes JSON and a PNG."))
+    from bench.kv_cache_dtype import add_arguments as add_kv_cache
+    add_kv_cache(bench_kinds.add_parser(
+        "kv-cache", help="--kv-cache-dtype int8/fp8 against the unquantized cache (perplexity, capacity, speed)",
+        description="KV cache dtypes (auto, int8, fp8) of one GGUF model, in-process on CPU: perplexity on a "
+                    "fixed text of our own and its ratio to auto's, greedy agreement with auto, and at a fixed "
+                    "--kv-cache-memory-gb the peak of concurrent sequences and the output tok/s of a saturated "
+                    "batch, against issue 50's targets. Writes JSON and a PNG."))
     from bench.lora import add_arguments as add_lora
     add_lora(bench_kinds.add_parser(
         "lora", help="multi-LoRA throughput: 1, 4, 16 adapters in the mix against the base model",
@@ -270,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "bench" and args.bench == "cpu-arithmetic":
         from bench.cpu_arithmetic import run
+        return run(args)
+    if args.command == "bench" and args.bench == "kv-cache":
+        from bench.kv_cache_dtype import run
         return run(args)
     if args.command == "bench" and args.bench == "lora":
         from bench.lora import run
