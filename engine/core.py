@@ -35,7 +35,8 @@ from engine.models.source import adapter_path, model_files
 from engine.pooling import Pooler, resolve_pooler, sentence_transformers_max_len
 from engine.request import Request, RequestStatus
 from engine.scheduler import Scheduler
-from engine.sleep_mode import check_level, check_supported, load_checked, log_sleep, put_to_sleep, swap_model, wake
+from engine.sleep_mode import (check_level, check_supported, load_checked, log_sleep, put_to_sleep, signature,
+                               swap_model, wake)
 from engine.spec_decode.proposers import build_speculator
 from engine.stats import IterationStats, SpecDecodingStats
 from engine.structured_output.manager import StructuredOutputManager
@@ -135,6 +136,7 @@ class EngineCore:
         self._inflight: InflightStep | None = None  # the step launched and not yet resolved
         self.sleep_level = 0  # 0 awake; 1 or 2 asleep (sleep): nothing is scheduled
         self.weights_path = self.model_path  # where the live weights came from: level 2's wake reloads them
+        self._asleep_signature: dict | None = None  # the freed weights' names, shapes, dtypes (level 2)
         for name, path in (config.lora_modules or {}).items():  # a bad one stops the start, named
             self.load_lora(name, str(adapter_path(path, config.download_dir)))
 
@@ -383,6 +385,7 @@ class EngineCore:
             raise InvalidRequest(f"level: the engine is asleep at level {self.sleep_level}; wake it up first")
         outputs = self._settle()
         num_preempted = self._forget_kv()
+        self._asleep_signature = signature(runner.model) if level == 2 else None
         put_to_sleep(runner, level)
         self.sleep_level = level
         log_sleep(level, num_preempted)
@@ -392,24 +395,28 @@ class EngineCore:
         """Allocate the KV cache again (level 2: load the weights again, from `weights_path`);
         waiting requests run from the next step. Awake already: nothing to do."""
         if self.sleep_level:
-            wake(self.model_runner, self.sleep_level, self.weights_path)
+            wake(self.model_runner, self.weights_path)
             log.info("awake (was asleep at level %d)", self.sleep_level)
             self.sleep_level = 0
 
     def update_weights(self, path: str) -> list[EngineCoreOutput]:
         """Serve the weights at `path` (same architecture and shapes) from the next step: loaded
         and checked whole first, then swapped; InvalidRequest if they do not fit, and the old
-        weights keep serving. Running requests recompute their KV with the new weights."""
-        if self.sleep_level:
-            raise InvalidRequest("model_path: the engine is asleep; wake it up before updating its weights")
+        weights keep serving. Running requests recompute their KV with the new weights. Asleep
+        (an RL loop's order: sleep, train, update, wake): the new weights are loaded onto the
+        device now, and the wake allocates only the KV cache."""
         runner = check_supported(self, "update_weights")
         if runner.lora is not None:
             raise InvalidRequest("update_weights: not with --enable-lora yet: the adapters' layers wrap the "
                                  "live weights")
-        new = load_checked(runner, path)
-        outputs = self._settle()
-        self._forget_kv()
-        swap_model(runner, new)
+        live = self._asleep_signature if runner.model is None else signature(runner.model)
+        new = load_checked(runner, path, live)
+        outputs = []
+        if not self.sleep_level:  # asleep, the sleep did this
+            outputs = self._settle()
+            self._forget_kv()
+        swap_model(runner, new, asleep=bool(self.sleep_level))
+        self._asleep_signature = None
         self.weights_path = Path(path).expanduser()
         log.info("weights updated from %s", path)
         return outputs

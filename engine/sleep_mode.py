@@ -69,10 +69,11 @@ def put_to_sleep(runner: ModelRunner, level: int) -> None:
     free_memory(runner.device)
 
 
-def wake(runner: ModelRunner, level: int, weights_path: Path) -> None:
-    """Undo `put_to_sleep`: weights back (level 2: loaded from `weights_path`), KV caches
-    allocated the runner's own way, CUDA graphs captured again."""
-    if level == 2:
+def wake(runner: ModelRunner, weights_path: Path) -> None:
+    """Undo `put_to_sleep`: weights back (level 2: loaded from `weights_path`, unless an update
+    while asleep loaded them already), KV caches allocated the runner's own way, CUDA graphs
+    captured again."""
+    if runner.model is None:
         runner.model = runner.load_weights(weights_path)
     elif runner.device.type != "cpu":
         move_tensors(runner.model, runner.device)
@@ -80,9 +81,10 @@ def wake(runner: ModelRunner, level: int, weights_path: Path) -> None:
     _capture(runner)
 
 
-def load_checked(runner: ModelRunner, path: str) -> torch.nn.Module:
-    """`path`'s weights in a new model object, checked tensor by tensor against the live one;
-    InvalidRequest (naming the first difference) where they do not fit."""
+def load_checked(runner: ModelRunner, path: str, expected: dict[str, tuple]) -> torch.nn.Module:
+    """`path`'s weights in a new model object, checked tensor by tensor against `expected`
+    (the live weights' `signature`); InvalidRequest (naming the first difference) where they
+    do not fit."""
     folder = Path(path).expanduser() if isinstance(path, str) and path else None
     if folder is None or not folder.exists():
         raise InvalidRequest(f"model_path: {path!r} does not exist on the engine (a local model folder or "
@@ -98,7 +100,7 @@ def load_checked(runner: ModelRunner, path: str) -> torch.nn.Module:
         new = runner.load_weights(folder, arch)
     except Exception as e:  # noqa: BLE001 - a broken checkpoint (missing tensor, bad file): the caller's
         raise InvalidRequest(f"model_path: could not load {path!r} ({type(e).__name__}: {e})")
-    mismatch = first_mismatch(runner.model, new)
+    mismatch = first_mismatch(expected, signature(new))
     if mismatch is not None:
         del new
         free_memory(runner.device)
@@ -106,31 +108,38 @@ def load_checked(runner: ModelRunner, path: str) -> torch.nn.Module:
     return new
 
 
-def first_mismatch(live: torch.nn.Module, new: torch.nn.Module) -> str | None:
-    """The first tensor whose name, shape or dtype differs between the two models, in words."""
-    ours, theirs = live.state_dict(), new.state_dict()
+def signature(model: torch.nn.Module) -> dict[str, tuple]:
+    """Every tensor's name -> (shape, dtype): what an update must keep (kept through a level-2
+    sleep, which frees the model)."""
+    return {name: (list(t.shape), t.dtype) for name, t in model.state_dict().items()}
+
+
+def first_mismatch(ours: dict[str, tuple], theirs: dict[str, tuple]) -> str | None:
+    """The first tensor whose name, shape or dtype differs between two signatures, in words."""
     for name in ours.keys() - theirs.keys():
         return f"it has no {name}"
     for name in theirs.keys() - ours.keys():
         return f"it has {name}, which the live model has not"
-    for name, tensor in ours.items():
-        other = theirs[name]
-        if other.shape != tensor.shape:
-            return f"{name} is {list(other.shape)}, the live model's is {list(tensor.shape)}"
-        if other.dtype != tensor.dtype:
-            return f"{name} is {other.dtype}, the live model's is {tensor.dtype}"
+    for name, (shape, dtype) in ours.items():
+        other_shape, other_dtype = theirs[name]
+        if other_shape != shape:
+            return f"{name} is {other_shape}, the live model's is {shape}"
+        if other_dtype != dtype:
+            return f"{name} is {other_dtype}, the live model's is {dtype}"
     return None
 
 
-def swap_model(runner: ModelRunner, new: torch.nn.Module) -> None:
-    """Serve `new` from the next step on (no step runs now, and no request holds KV)."""
+def swap_model(runner: ModelRunner, new: torch.nn.Module, asleep: bool = False) -> None:
+    """Serve `new` from the next step on (no step runs now, and no request holds KV);
+    `asleep`: from the wake on, which captures the CUDA graphs."""
     runner.graphs = None
     runner._last_steady = None
     runner.model = new
     if runner.vision is not None:  # its encoder cache holds the old weights' embeddings
         runner.vision = VisionInputs(new, runner.device)
     free_memory(runner.device)
-    _capture(runner)
+    if not asleep:
+        _capture(runner)
 
 
 def move_tensors(model: torch.nn.Module, device: torch.device) -> None:

@@ -120,3 +120,17 @@ def test_with_lora_level_1_only_and_no_update(checkpoints, reference):
     llm.sleep(1)
     llm.wake_up()
     assert tokens(llm) == reference["a"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_update_weights_while_asleep(checkpoints, reference, level):
+    """An RL loop's order: sleep, (train), update, wake. A level-2 sleep freed the weights: the
+    update is checked against their names, shapes and dtypes, kept from before."""
+    llm = LLM(str(checkpoints["a"]), **OPTIONS)
+    llm.sleep(level)
+    with pytest.raises(InvalidRequest, match="does not fit the live model"):
+        llm.update_weights(str(checkpoints["wide"]))
+    llm.update_weights(str(checkpoints["b"]))
+    assert llm.engine.sleep_level == level and llm.engine.model_runner.kv_caches == []
+    llm.wake_up()
+    assert tokens(llm) == reference["b"]
