@@ -25,10 +25,10 @@ GROUP_TILES = (1, 2, 4, 8)  # query heads per decode CTA; larger groups take sev
 SOURCES = ("cache", "decode", "decode_mma", "prefill", "layers")
 MMA_DTYPES = ("float16", "bfloat16")  # the tensor-core decode (decode_mma.cu) has no fp32 path
 # --kv-cache-dtype fp8: the cache's element type, and the model dtypes whose kernels read it
-# (an fp8 cache is widened to the model's dtype as it is staged; float32 models keep theirs).
+# (an fp8 cache is widened to the model's dtype as it is staged: every dtype, exactly).
 FP8 = "float8_e4m3fn"
 KV_CTYPES = {FP8: "fp8_e4m3_t"}
-FP8_MODEL_DTYPES = ("float16", "bfloat16")
+FP8_MODEL_DTYPES = tuple(CTYPES)
 LAYER_KERNELS = ("rms_norm", "add_rms_norm", "rotary", "silu_and_mul")
 
 

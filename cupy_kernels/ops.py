@@ -9,7 +9,7 @@ Tensor layouts (all row-major):
 
     kv_cache      [2, Hkv, num_blocks, block_size, D]   0 = K, 1 = V; q's dtype, or
                                  float8_e4m3fn (--kv-cache-dtype fp8: written rounded to
-                                 e4m3, read widened to q's dtype; fp16/bf16 models)
+                                 e4m3, read widened to q's dtype)
     q / out       [T, Hq, D]     token rows may be strided (q is a view of a fused qkv);
                                  heads D apart, elements contiguous
     block_tables  [B, W] int32   physical block ids, padded; context_lens masks the tail
@@ -41,15 +41,15 @@ FP8 = torch.float8_e4m3fn
 
 def kv_dtype_name(kv_cache: torch.Tensor, dtype: torch.dtype) -> str | None:
     """The kernels' cache type for a cache read or written with `dtype` values: None for a
-    cache in that dtype, kc.FP8 for an fp8 one (fp16/bf16 models only); anything else is an
-    error (the byte-moving cache write would scramble it silently)."""
+    cache in that dtype, kc.FP8 for an fp8 one; anything else is an error (the byte-moving
+    cache write would scramble it silently)."""
     if kv_cache.dtype == dtype:
         return None
     name = DTYPE_NAMES.get(dtype)
     if kv_cache.dtype == FP8 and name in kc.FP8_MODEL_DTYPES:
         return kc.FP8
     raise ValueError(f"cupy kernels: a {kv_cache.dtype} KV cache with {dtype} values is not supported "
-                     f"(the cache is the model's dtype, or float8_e4m3fn with {' or '.join(kc.FP8_MODEL_DTYPES)})")
+                     f"(the cache is the model's dtype, or float8_e4m3fn with {', '.join(kc.FP8_MODEL_DTYPES)})")
 
 _streams: dict[int, object] = {}
 

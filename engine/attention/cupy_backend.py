@@ -21,10 +21,10 @@ Decode runs `paged_decode` (decode.cu, CUDA cores) by default; `PAGEDSERVE_CUPY_
 runs the tensor-core `paged_decode_mma` (decode_mma.cu) for fp16/bf16 caches instead, until
 a GPU measurement picks the default (docs/kernels.md).
 
---kv-cache-dtype fp8 (fp16/bf16 models): the same layout in float8_e4m3fn, one byte a value.
+--kv-cache-dtype fp8: the same layout in float8_e4m3fn, one byte a value.
 `reshape_and_cache` rounds each new value to e4m3; every read widens it back to the model's
 dtype (the kernels as they stage tiles, FlashAttention's gather as it copies), so the kernels
-and plans are the 16-bit ones. The int8 format (rows of D + 2 bytes) has no CUDA kernels.
+and plans are the model dtype's. The int8 format (rows of D + 2 bytes) has no CUDA kernels.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class CupyAttentionBackend:
         if head_dim not in kc.HEAD_SIZES:
             raise ValueError(f"attention_backend 'cupy': head size {head_dim} is not supported "
                              f"(supported: {', '.join(map(str, kc.HEAD_SIZES))}); use 'torch'")
-        check_kv_format(kv_format, dtype)
+        check_kv_format(kv_format)
         self.kv_format = kv_format
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -136,16 +136,9 @@ class CupyAttentionBackend:
         copy_kv_blocks([c.view(torch.uint8) if c.dtype == torch.float8_e4m3fn else c for c in kv_caches], pairs)
 
 
-def check_kv_format(kv_format: KvCacheFormat | None, dtype: torch.dtype) -> None:
-    """Refuse a cache format the CUDA kernels do not read: int8 (the CPU kernels' rows), and
-    fp8 under a float32 model (its kernels are compiled for fp16/bf16 models only)."""
-    if kv_format is None or not kv_format.quantized:
-        return
-    if kv_format.name == "int8":
+def check_kv_format(kv_format: KvCacheFormat | None) -> None:
+    """Refuse the cache format the CUDA kernels do not read: int8 (the CPU kernels' rows of
+    D + 2 bytes); fp8 is read under every model dtype."""
+    if kv_format is not None and kv_format.name == "int8":
         raise ValueError("attention_backend 'cupy': kv_cache_dtype 'int8' has no CUDA kernels; on CUDA use "
                          "kv_cache_dtype 'fp8' (e4m3), or attention_backend 'torch', which reads int8 anywhere")
-    from cupy_kernels import compile as kc
-    from cupy_kernels.ops import DTYPE_NAMES
-    if DTYPE_NAMES.get(dtype) not in kc.FP8_MODEL_DTYPES:
-        raise ValueError(f"attention_backend 'cupy': kv_cache_dtype 'fp8' needs a float16 or bfloat16 model, "
-                         f"not {dtype}; use --dtype float16/bfloat16, or attention_backend 'torch'")

@@ -26,7 +26,7 @@ gathered), and flash masks the rest (window_size_left = window - 1). Attention s
 e^lse / (e^lse + e^sink) is the share the sink leaves the keys.
 
 An fp8 cache (--kv-cache-dtype fp8) is widened to the query's dtype in the same gather (one
-copy that converts: every e4m3 value is exactly an fp16 and a bf16), so flash sees the cache's
+copy that converts: every e4m3 value is exactly an fp16 and a bf16 value), so flash sees the cache's
 values as the kernels and the torch backend do.
 
 `PAGEDSERVE_CUPY_PREFILL=paged` keeps every chunk on `paged_prefill` (an A/B switch for

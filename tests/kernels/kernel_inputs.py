@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FP8_DTYPES = (torch.float16, torch.bfloat16)  # the model dtypes whose kernels read an fp8 cache
+FP8_IDS = ["fp32", "fp16", "bf16"]  # DTYPES' ids in the fp8-cache tests (not "dtypeN": see gpu_session.sh)
 # ||out - ref|| / ||ref|| against a float32 reference (see the device METHOD notes).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 GQA = ((4, 4), (8, 2), (16, 2), (6, 2), (12, 1))  # (Hq, Hkv): group 1, 4, 8, 3, 12

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_skip import pytestmark  # noqa: F401  (skips this module without a GPU)
-from kernel_inputs import DTYPES, FP8_DTYPES, strided_qkv
+from kernel_inputs import DTYPES, FP8_IDS, strided_qkv
 from cupy_kernels import ops, reference
 from engine.attention.kv_format import KvCacheFormat
 
@@ -30,7 +30,7 @@ def test_reshape_and_cache(dtype, head_size, block_size, num_tokens):
     assert torch.equal(cache.view(torch.uint8), expected.view(torch.uint8))
 
 
-@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=FP8_IDS)
 @pytest.mark.parametrize("head_size", [64, 96, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("num_tokens", [1, 7, 300])

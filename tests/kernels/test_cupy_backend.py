@@ -3,7 +3,7 @@ int64 metadata as the runner builds it, decodes and prefill chunks in one step. 
 chunks go through FlashAttention (fp16/bf16) or cupy_kernels' paged_prefill (fp32, or
 PAGEDSERVE_CUPY_PREFILL=paged), decodes through paged_decode or, with
 PAGEDSERVE_CUPY_DECODE=mma, the tensor-core paged_decode_mma (fp16/bf16): all are checked, over a
-cache in the model's dtype and (fp16/bf16) over an fp8 one (--kv-cache-dtype fp8), where the two
+cache in the model's dtype and over an fp8 one (--kv-cache-dtype fp8), where the two
 backends must write the same bytes."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_matches_torch_backend(dtype, block_size, prefill, decode, attention, mo
 
 @pytest.mark.parametrize("decode", ["simt", "mma"])
 @pytest.mark.parametrize("prefill", ["flash", "paged"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("attention", ["plain", "window_sinks"])
 def test_fp8_cache_matches_torch_backend(dtype, block_size, prefill, decode, attention, monkeypatch):

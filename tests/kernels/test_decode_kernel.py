@@ -1,7 +1,7 @@
 """Paged decode attention (single pass and split-K) against the float32 reference: the CUDA-core
 kernel (decode.cu) and, for fp16/bf16, the tensor-core one (decode_mma.cu); each over a cache
-in the model's dtype and (fp16/bf16) over an fp8 one, which the reference reads through torch's
-own e4m3 conversion."""
+in the model's dtype and over an fp8 one, which the reference reads through torch's own e4m3
+conversion."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpu_skip import pytestmark  # noqa: F401  (skips this module without a GPU)
-from kernel_inputs import DTYPES, FP8_DTYPES, GQA, PagedContexts, assert_close, release_before, strided_qkv
+from kernel_inputs import DTYPES, FP8_IDS, GQA, PagedContexts, assert_close, release_before, strided_qkv
 from cupy_kernels import ops, reference
 
 
@@ -46,8 +46,8 @@ def test_decode(dtype, head_size, block_size, heads, split, tensor_cores):
     check_decode(dtype, head_size, block_size, heads, split, tensor_cores)
 
 
-# fp8 ids ("fp16", "bf16", not "dtypeN"): gpu_session.sh's sanitizer filters keep their cases.
-@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=["fp16", "bf16"])
+# fp8 ids ("fp32", "fp16", "bf16", not "dtypeN"): gpu_session.sh's sanitizer filters keep their cases.
+@pytest.mark.parametrize("dtype", DTYPES, ids=FP8_IDS)
 @pytest.mark.parametrize("head_size", [64, 96, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", MMA_GQA, ids=[f"{h}q{k}kv" for h, k in MMA_GQA])
@@ -116,7 +116,7 @@ def test_decode_window_and_sinks(dtype, head_size, split, tensor_cores, window):
     check_window_and_sinks(dtype, head_size, split, tensor_cores, window)
 
 
-@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=FP8_IDS)
 @pytest.mark.parametrize("head_size", [64, 128])
 @pytest.mark.parametrize("split", [0, 128], ids=["single", "split128"])
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["simt", "mma"])

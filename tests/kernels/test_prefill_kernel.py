@@ -1,6 +1,6 @@
 """Paged prefill/extend attention against the float32 reference: chunks with and without
 a cached prefix, single-token and block-straddling chunks, behind leading decode rows; over a
-cache in the model's dtype and (fp16/bf16) over an fp8 one."""
+cache in the model's dtype and over an fp8 one."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_skip import pytestmark  # noqa: F401  (skips this module without a GPU)
-from kernel_inputs import DTYPES, FP8_DTYPES, GQA, PagedContexts, assert_close, release_before, strided_qkv
+from kernel_inputs import DTYPES, FP8_IDS, GQA, PagedContexts, assert_close, release_before, strided_qkv
 from cupy_kernels import ops, reference
 
 # (new tokens, context length): a fresh prompt, extends over cached prefixes, one token.
@@ -44,8 +44,8 @@ def test_prefill(dtype, head_size, block_size, heads):
     check_prefill(dtype, head_size, block_size, heads)
 
 
-# fp8 ids ("fp16", "bf16", not "dtypeN"): gpu_session.sh's sanitizer filters keep their cases.
-@pytest.mark.parametrize("dtype", FP8_DTYPES, ids=["fp16", "bf16"])
+# fp8 ids ("fp32", "fp16", "bf16", not "dtypeN"): gpu_session.sh's sanitizer filters keep their cases.
+@pytest.mark.parametrize("dtype", DTYPES, ids=FP8_IDS)
 @pytest.mark.parametrize("head_size", [64, 96, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", GQA[:4], ids=[f"{h}q{k}kv" for h, k in GQA[:4]])
@@ -69,8 +69,6 @@ def check_prefill(dtype, head_size, block_size, heads, kv_dtype=None):
 def test_prefill_window_and_sinks(dtype, head_size, window, kv_dtype):
     """gpt-oss's attention: each query over the last `window` positions (blocks before the
     chunk's first window released: poisoned) and a sink per query head."""
-    if kv_dtype is not None and dtype not in FP8_DTYPES:
-        pytest.skip("an fp8 cache is read by fp16/bf16 kernels only")
     num_q_heads, num_kv_heads, block_size = 16, 2, 16
     ctx = PagedContexts([n for _, n in CHUNKS], num_kv_heads, head_size, block_size, dtype, seed=head_size,
                         kv_dtype=kv_dtype)
