@@ -201,8 +201,7 @@ def _layer_spans(kv_caches: list[torch.Tensor]) -> list[tuple[int, int]]:
 def _gather(kv_caches: list[torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
     """Blocks `ids` of every layer as [n, slot_bytes] uint8 rows, on the caches' device."""
     n = len(ids)
-    return torch.cat([c.index_select(2, ids).movedim(2, 0).contiguous().view(torch.uint8).reshape(n, -1)
-                      for c in kv_caches], dim=1)
+    return torch.cat([_bytes(c).index_select(2, ids).movedim(2, 0).reshape(n, -1) for c in kv_caches], dim=1)
 
 
 def _scatter(kv_caches: list[torch.Tensor], ids: torch.Tensor, rows: torch.Tensor,
@@ -210,14 +209,19 @@ def _scatter(kv_caches: list[torch.Tensor], ids: torch.Tensor, rows: torch.Tenso
     """The inverse of _gather: rows [n, slot_bytes] into blocks `ids` of every layer."""
     n = len(ids)
     rows = rows.to(kv_caches[0].device)
-    for cache, (offset, size) in zip(kv_caches, spans):
-        block_shape = (cache.shape[0], cache.shape[1], *cache.shape[3:])
-        part = rows[:, offset:offset + size].contiguous().view(cache.dtype).view(n, *block_shape)
+    for cache, (offset, size) in zip(map(_bytes, kv_caches), spans):
+        part = rows[:, offset:offset + size].reshape(n, cache.shape[0], cache.shape[1], *cache.shape[3:])
         cache.index_copy_(2, ids, part.movedim(0, 2))
 
 
 def _copy_blocks(kv_caches: list[torch.Tensor], pairs: list[tuple[int, int]]) -> None:
     src = torch.tensor([s for s, _ in pairs], device=kv_caches[0].device)
     dst = torch.tensor([d for _, d in pairs], device=kv_caches[0].device)
-    for cache in kv_caches:
+    for cache in map(_bytes, kv_caches):
         cache.index_copy_(2, dst, cache.index_select(2, src))
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as bytes, [2, Hkv, num_blocks, block_size, row x itemsize] uint8: every copy here
+    moves bytes, whatever the dtype (CPU torch has no index_copy_ for fp8)."""
+    return cache.view(torch.uint8)
