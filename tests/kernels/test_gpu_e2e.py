@@ -211,28 +211,41 @@ def test_quantized_checkpoint_on_cuda_runs_as_stored(tiny_llama, tmp_path, kind,
     assert sum(a[0] == b[0] for a, b in zip(ours, ref)) >= len(prompts) - 2
 
 
+def fp8_llm(folder, backend: str, graphs: bool):
+    from pagedserve import LLM
+    llm = LLM(str(folder), device="cuda", dtype="bfloat16", attention_backend=backend, kv_cache_dtype="fp8",
+              num_kv_blocks=256, max_model_len=512, max_num_seqs=8, cuda_graphs=graphs, async_scheduling=False)
+    runner = llm.engine.model_runner
+    assert runner.backend.name == backend and runner.kv_caches[0].dtype == torch.float8_e4m3fn
+    return llm
+
+
+@pytest.fixture(scope="module")
+def fp8_torch_reference(tiny_llama):
+    """The torch backend's greedy tokens and top-5 logprobs over an fp8 cache (bf16 model), two
+    runs (the second from the prefix cache)."""
+    from helpers import assert_no_leak, greedy_with_logprobs
+    folder, prompts, _ = tiny_llama
+    llm = fp8_llm(folder, "torch", graphs=False)
+    runs = [greedy_with_logprobs(llm, prompts, MAX_NEW) for _ in range(2)]
+    assert_no_leak(llm)
+    return runs
+
+
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
-def test_fp8_kv_cache_on_cupy_matches_the_torch_reference(tiny_llama, graphs):
+def test_fp8_kv_cache_on_cupy_matches_the_torch_reference(tiny_llama, fp8_torch_reference, graphs):
     """--kv-cache-dtype fp8 with a bf16 model: the cupy kernels (quantizing cache write, decode
     in CUDA graphs or eagerly, FlashAttention prefill over the widened cache) against the torch
     backend over the same fp8 format, the dequantizing reference: greedy tokens equal but for
     near ties (check_outputs_match: each side's token in the other's top 5), twice (the second
     run from the prefix cache), and no block leaked."""
     from helpers import assert_no_leak, check_outputs_match, greedy_with_logprobs
-    from pagedserve import LLM
     folder, prompts, _ = tiny_llama
-    results = {}
-    for backend in ("torch", "cupy"):
-        llm = LLM(str(folder), device="cuda", dtype="bfloat16", attention_backend=backend, kv_cache_dtype="fp8",
-                  num_kv_blocks=256, max_model_len=512, max_num_seqs=8, cuda_graphs=graphs and backend == "cupy",
-                  async_scheduling=False)
-        runner = llm.engine.model_runner
-        assert runner.backend.name == backend and runner.kv_caches[0].dtype == torch.float8_e4m3fn
-        replays = count_replays(runner)
-        results[backend] = [greedy_with_logprobs(llm, prompts, MAX_NEW) for _ in range(2)]
-        assert llm.engine.stats().num_prefix_cache_hits > 0
-        assert (replays[0] > 0) == (graphs and backend == "cupy")
-        assert_no_leak(llm)
-        del llm
+    llm = fp8_llm(folder, "cupy", graphs)
+    replays = count_replays(llm.engine.model_runner)
     for run in range(2):  # bf16 arithmetic in another order (flash, split-K) may break near ties
-        assert check_outputs_match(results["cupy"][run], results["torch"][run]) <= len(prompts) // 2
+        ours = greedy_with_logprobs(llm, prompts, MAX_NEW)
+        assert check_outputs_match(ours, fp8_torch_reference[run]) <= len(prompts) // 2
+    assert llm.engine.stats().num_prefix_cache_hits > 0
+    assert (replays[0] > 0) == graphs
+    assert_no_leak(llm)
