@@ -150,15 +150,25 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 constexpr int kHeadTile = 3;  // 3 heads x 4 rows: 12 accumulators + operands in 16 ymm
 
 // s[h, t] = scale_k[t] * (q[h] . k[t]) for HT heads and the block's n rows (R bytes apart).
+// Brings the next block's K and V rows (next_k/next_v, or null) into L1 on the way, each row's
+// first and last bytes (a row of D + 2 bytes spans two lines), spread over the loop as the
+// float kernel does: blocks are scattered and hardware prefetchers stop at page boundaries.
 template <int HT>
 void scores_tile(const float* q, const int8_t* k, int64_t n, int64_t D, int64_t R, const float* ks, float* s,
-                 int64_t pad) {
+                 int64_t pad, const int8_t* next_k, const int8_t* next_v) {
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
     __m256 a[HT][4];
     for (int h = 0; h < HT; ++h)
       for (int j = 0; j < 4; ++j) a[h][j] = _mm256_setzero_ps();
     for (int64_t c = 0; c < D; c += 8) {
+      if (next_k && (c == 0 || c + 8 >= D)) {
+        const int64_t at = c == 0 ? 0 : R - 1;
+        for (int j = 0; j < 4; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(next_k + (t + j) * R + at), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next_v + (t + j) * R + at), _MM_HINT_T0);
+        }
+      }
       __m256 qv[HT];
       for (int h = 0; h < HT; ++h) qv[h] = _mm256_loadu_ps(q + h * D + c);
       for (int j = 0; j < 4; ++j) {
@@ -202,13 +212,57 @@ inline void values_tile(const float* w, int64_t pad, const int8_t* v, int64_t n,
 }
 #endif  // __AVX2__
 
-// Online-softmax update of one head with n scores (exp in libm: one call per key and head, a
-// small share next to the D-long dot products); leaves probabilities in s.
+#ifdef __AVX2__
+inline float hmax(__m256 a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp(x) for x <= 0: paged_attention.cpp's exp8 (Cephes' expf, ~1 ulp; 0 far below zero). A
+// scalar exp per key and head cost as much as the int8 dot products themselves.
+inline __m256 exp8(__m256 x) {
+  constexpr float kPoly[] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f, 4.1665795894E-2f,
+                             1.6666665459E-1f, 5.0000001201E-1f};
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lo);
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(kPoly[0]);
+  for (int i = 1; i < 6; ++i) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(kPoly[i]));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(tiny, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+#endif
+
+// Online-softmax update of one head with n scores: probabilities relative to the new running
+// max in s; returns the factor for the old sums.
 inline float softmax_update(float* s, int64_t n, float& m, float& l) {
   float block_max = -std::numeric_limits<float>::infinity(), sum = 0.f;
-  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
-  const float m_new = std::max(m, block_max), alpha = std::exp(m - m_new);
-  for (int64_t t = 0; t < n; ++t) sum += (s[t] = std::exp(s[t] - m_new));
+  int64_t t = 0;
+#ifdef __AVX2__
+  __m256 vmax = _mm256_set1_ps(block_max);
+  for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + t));
+  block_max = hmax(vmax);
+#endif
+  for (; t < n; ++t) block_max = std::max(block_max, s[t]);
+  const float m_new = std::max(m, block_max), alpha = std::exp(m - m_new);  // 0 on the first block
+  t = 0;
+#ifdef __AVX2__
+  const __m256 vm = _mm256_set1_ps(m_new);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), vm));
+    _mm256_storeu_ps(s + t, p);
+    vsum = _mm256_add_ps(vsum, p);
+  }
+  sum = hsum(vsum);
+#endif
+  for (; t < n; ++t) sum += (s[t] = std::exp(s[t] - m_new));
   m = m_new;
   l = l * alpha + sum;
   return alpha;
@@ -219,8 +273,9 @@ struct Scratch {
   std::vector<float> ks, vs;  // one block's key and value scales
 };
 
-// One block of n rows for all G heads of a kv head.
-void attend_block(Scratch& sc, const int8_t* k, const int8_t* v, int64_t n, int64_t G, int64_t D, int64_t pad) {
+// One block of n rows for all G heads of a kv head (the first head tile prefetches the next block).
+void attend_block(Scratch& sc, const int8_t* k, const int8_t* v, int64_t n, int64_t G, int64_t D, int64_t pad,
+                  const int8_t* next_k, const int8_t* next_v) {
   const int64_t R = D + kScaleBytes;
   for (int64_t t = 0; t < n; ++t) sc.ks[t] = row_scale(k + t * R, D), sc.vs[t] = row_scale(v + t * R, D);
   for (int64_t g = 0; g < G;) {
@@ -228,13 +283,15 @@ void attend_block(Scratch& sc, const int8_t* k, const int8_t* v, int64_t n, int6
     const float* q = sc.q.data() + g * D;
 #ifdef __AVX2__
     const int64_t tile = std::min<int64_t>(kHeadTile, G - g);
+    const int8_t *nk = g ? nullptr : next_k, *nv = g ? nullptr : next_v;
     switch (tile) {
-      case 1: scores_tile<1>(q, k, n, D, R, sc.ks.data(), s, pad); break;
-      case 2: scores_tile<2>(q, k, n, D, R, sc.ks.data(), s, pad); break;
-      default: scores_tile<3>(q, k, n, D, R, sc.ks.data(), s, pad); break;
+      case 1: scores_tile<1>(q, k, n, D, R, sc.ks.data(), s, pad, nk, nv); break;
+      case 2: scores_tile<2>(q, k, n, D, R, sc.ks.data(), s, pad, nk, nv); break;
+      default: scores_tile<3>(q, k, n, D, R, sc.ks.data(), s, pad, nk, nv); break;
     }
 #else
     const int64_t tile = 1;
+    (void)next_k, (void)next_v;
     for (int64_t t = 0; t < n; ++t) {
       float dot = 0.f;
       for (int64_t c = 0; c < D; ++c) dot += static_cast<float>(k[t * R + c]) * q[c];
@@ -296,9 +353,11 @@ void attend_range(const Shape& sh, const int8_t* cache, const int64_t* table, in
     const int64_t skip = std::max<int64_t>(0, start - i * bs);  // rows before the window
     const int64_t n = std::min(bs, len - i * bs) - skip;
     const int64_t offset = table[i] * block_bytes + skip * R;
+    const int64_t next = i + 1 < end_block ? table[i + 1] * block_bytes : -1;
     if (i + 2 < end_block) prefetch_l2(k_head + table[i + 2] * block_bytes, v_head + table[i + 2] * block_bytes,
                                        block_bytes);
-    attend_block(sc, k_head + offset, v_head + offset, n, sh.G, sh.D, pad);
+    attend_block(sc, k_head + offset, v_head + offset, n, sh.G, sh.D, pad, next < 0 ? nullptr : k_head + next,
+                 next < 0 ? nullptr : v_head + next);
   }
 }
 
