@@ -59,7 +59,5 @@ def get_attention_backend(name: str, num_heads: int, num_kv_heads: int, head_dim
             raise ValueError(f"attention_backend 'cupy' needs cupy and a CUDA GPU (sm_80+): {reason}; "
                              "install the gpu extra (pip install 'pagedserve[gpu]') or use 'torch'")
         from engine.attention.cupy_backend import CupyAttentionBackend
-        if kv_format.quantized:  # the CUDA kernels take the format as a keyword (their fp8 side)
-            return CupyAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, kv_format=kv_format)
-        return CupyAttentionBackend(num_heads, num_kv_heads, head_dim, dtype)
+        return CupyAttentionBackend(num_heads, num_kv_heads, head_dim, dtype, kv_format=kv_format)
     raise ValueError(f"attention_backend: {name!r} is not available (available: auto, torch, cpu, cupy)")

@@ -157,11 +157,13 @@ def test_bad_int8_cache_is_refused():
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 20])
-def test_backend_matches_torch_backend(dtype, window):
+@pytest.mark.parametrize("window,sinks", [(None, False), (20, False), (None, True)])
+def test_backend_matches_torch_backend(dtype, window, sinks):
     """A step of decodes and prefill chunks on an int8 cache: the cpu backend's C++ write and
-    decode against the torch backend's quantize and dequantizing reads; the same cache bits."""
+    decode against the torch backend's quantize and dequantizing reads; the same cache bits.
+    With gpt-oss's sinks too (prefill chunks take the torch backend's path with them)."""
     heads, kv_heads, dim, num_blocks, block_size, padding = 12, 4, 64, 100, 16, 3
+    sink = torch.linspace(-2.0, 3.0, heads) if sinks else None
     fmt = kv_cache_format("int8", dtype)
     outs, caches = [], []
     for name in ("torch", "cpu"):
@@ -173,7 +175,7 @@ def test_backend_matches_torch_backend(dtype, window):
         fused = torch.randn(meta.slot_mapping.numel() + padding, heads + 2 * kv_heads, dim).to(dtype)
         q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
         backend.prepare(meta)
-        outs.append(backend.forward(q, k, v, cache, meta, sliding_window=window).float())
+        outs.append(backend.forward(q, k, v, cache, meta, sliding_window=window, sinks=sink).float())
         caches.append(cache)
     assert torch.equal(caches[0], caches[1])
     assert relative_error(outs[1], outs[0]) <= 2 * TOLERANCE[dtype]
