@@ -150,23 +150,22 @@ inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 constexpr int kHeadTile = 3;  // 3 heads x 4 rows: 12 accumulators + operands in 16 ymm
 
 // s[h, t] = scale_k[t] * (q[h] . k[t]) for HT heads and the block's n rows (R bytes apart).
-// Brings the next block's K and V rows (next_k/next_v, or null) into L1 on the way, each row's
-// first and last bytes (a row of D + 2 bytes spans two lines), spread over the loop as the
-// float kernel does: blocks are scattered and hardware prefetchers stop at page boundaries.
+// Brings the next block's K and V rows (next_k/next_v, or null) into L1 on the way, spread over
+// the loop as the float kernel does: blocks are scattered and hardware prefetchers stop at page
+// boundaries. A block's rows are contiguous, so 4 rows are 4R bytes: 5 lines at D = 64.
 template <int HT>
-void scores_tile(const float* q, const int8_t* k, int64_t n, int64_t D, int64_t R, const float* ks, float* s,
-                 int64_t pad, const int8_t* next_k, const int8_t* next_v) {
+void scores_tile(const float* q, const int8_t* k, int64_t n, int64_t D, int64_t R, float* s, int64_t pad,
+                 const int8_t* next_k, const int8_t* next_v) {
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
     __m256 a[HT][4];
     for (int h = 0; h < HT; ++h)
       for (int j = 0; j < 4; ++j) a[h][j] = _mm256_setzero_ps();
     for (int64_t c = 0; c < D; c += 8) {
-      if (next_k && (c == 0 || c + 8 >= D)) {
-        const int64_t at = c == 0 ? 0 : R - 1;
-        for (int j = 0; j < 4; ++j) {
-          _mm_prefetch(reinterpret_cast<const char*>(next_k + (t + j) * R + at), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next_v + (t + j) * R + at), _MM_HINT_T0);
+      if (next_k && c < 16) {  // rows t..t+3 of the next block: 4R contiguous bytes, 3 lines now, 2 next
+        for (int64_t at = c == 0 ? 0 : 192; at < (c == 0 ? 192 : 4 * R); at += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(next_k + t * R + at), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next_v + t * R + at), _MM_HINT_T0);
         }
       }
       __m256 qv[HT];
@@ -176,7 +175,8 @@ void scores_tile(const float* q, const int8_t* k, int64_t n, int64_t D, int64_t 
         for (int h = 0; h < HT; ++h) a[h][j] = _mm256_fmadd_ps(kv, qv[h], a[h][j]);
       }
     }
-    const __m128 scales = _mm_loadu_ps(ks + t);
+    const __m128 scales = _mm_setr_ps(row_scale(k + t * R, D), row_scale(k + (t + 1) * R, D),
+                                      row_scale(k + (t + 2) * R, D), row_scale(k + (t + 3) * R, D));
     for (int h = 0; h < HT; ++h)
       _mm_storeu_ps(s + h * pad + t, _mm_mul_ps(hsum4(a[h][0], a[h][1], a[h][2], a[h][3]), scales));
   }
@@ -187,11 +187,13 @@ void scores_tile(const float* q, const int8_t* k, int64_t n, int64_t D, int64_t 
       const __m256 kv = load8(k + t * R + c);
       for (int h = 0; h < HT; ++h) a[h] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q + h * D + c), a[h]);
     }
-    for (int h = 0; h < HT; ++h) s[h * pad + t] = hsum(a[h]) * ks[t];
+    const float scale = row_scale(k + t * R, D);
+    for (int h = 0; h < HT; ++h) s[h * pad + t] = hsum(a[h]) * scale;
   }
 }
 
-// acc[h, c:c+8CT] = acc * alpha[h] + sum_t w[h, t] v[t, c:c+8CT], w = p * scale_v (folded in).
+// acc[h, c:c+8CT] = acc * alpha[h] + sum_t p[h, t] scale_v[t] v[t, c:c+8CT] (the scale folded
+// into the probability, read from the row as it is reached).
 template <int HT, int CT>
 inline void values_tile(const float* w, int64_t pad, const int8_t* v, int64_t n, int64_t D, int64_t R,
                         const float* alpha, float* acc, int64_t c) {
@@ -201,7 +203,8 @@ inline void values_tile(const float* w, int64_t pad, const int8_t* v, int64_t n,
       a[h][j] = _mm256_mul_ps(_mm256_loadu_ps(acc + h * D + c + 8 * j), _mm256_set1_ps(alpha[h]));
   for (int64_t t = 0; t < n; ++t) {
     __m256 wh[HT];
-    for (int h = 0; h < HT; ++h) wh[h] = _mm256_broadcast_ss(w + h * pad + t);
+    const float scale = row_scale(v + t * R, D);
+    for (int h = 0; h < HT; ++h) wh[h] = _mm256_set1_ps(w[h * pad + t] * scale);
     for (int j = 0; j < CT; ++j) {
       const __m256 vv = load8(v + t * R + c + 8 * j);
       for (int h = 0; h < HT; ++h) a[h][j] = _mm256_fmadd_ps(wh[h], vv, a[h][j]);
@@ -270,14 +273,12 @@ inline float softmax_update(float* s, int64_t n, float& m, float& l) {
 
 struct Scratch {
   std::vector<float> q, scores, acc, m, l, alpha;
-  std::vector<float> ks, vs;  // one block's key and value scales
 };
 
 // One block of n rows for all G heads of a kv head (the first head tile prefetches the next block).
 void attend_block(Scratch& sc, const int8_t* k, const int8_t* v, int64_t n, int64_t G, int64_t D, int64_t pad,
                   const int8_t* next_k, const int8_t* next_v) {
   const int64_t R = D + kScaleBytes;
-  for (int64_t t = 0; t < n; ++t) sc.ks[t] = row_scale(k + t * R, D), sc.vs[t] = row_scale(v + t * R, D);
   for (int64_t g = 0; g < G;) {
     float *s = sc.scores.data() + g * pad, *acc = sc.acc.data() + g * D;
     const float* q = sc.q.data() + g * D;
@@ -285,9 +286,9 @@ void attend_block(Scratch& sc, const int8_t* k, const int8_t* v, int64_t n, int6
     const int64_t tile = std::min<int64_t>(kHeadTile, G - g);
     const int8_t *nk = g ? nullptr : next_k, *nv = g ? nullptr : next_v;
     switch (tile) {
-      case 1: scores_tile<1>(q, k, n, D, R, sc.ks.data(), s, pad, nk, nv); break;
-      case 2: scores_tile<2>(q, k, n, D, R, sc.ks.data(), s, pad, nk, nv); break;
-      default: scores_tile<3>(q, k, n, D, R, sc.ks.data(), s, pad, nk, nv); break;
+      case 1: scores_tile<1>(q, k, n, D, R, s, pad, nk, nv); break;
+      case 2: scores_tile<2>(q, k, n, D, R, s, pad, nk, nv); break;
+      default: scores_tile<3>(q, k, n, D, R, s, pad, nk, nv); break;
     }
 #else
     const int64_t tile = 1;
@@ -295,14 +296,10 @@ void attend_block(Scratch& sc, const int8_t* k, const int8_t* v, int64_t n, int6
     for (int64_t t = 0; t < n; ++t) {
       float dot = 0.f;
       for (int64_t c = 0; c < D; ++c) dot += static_cast<float>(k[t * R + c]) * q[c];
-      s[t] = dot * sc.ks[t];
+      s[t] = dot * row_scale(k + t * R, D);
     }
 #endif
-    for (int64_t h = 0; h < tile; ++h) {
-      float* sh = s + h * pad;
-      sc.alpha[g + h] = softmax_update(sh, n, sc.m[g + h], sc.l[g + h]);
-      for (int64_t t = 0; t < n; ++t) sh[t] *= sc.vs[t];
-    }
+    for (int64_t h = 0; h < tile; ++h) sc.alpha[g + h] = softmax_update(s + h * pad, n, sc.m[g + h], sc.l[g + h]);
 #ifdef __AVX2__
     const float* alpha = sc.alpha.data() + g;
     for (int64_t c = 0; c < D;) {
@@ -319,8 +316,10 @@ void attend_block(Scratch& sc, const int8_t* k, const int8_t* v, int64_t n, int6
     }
 #else
     for (int64_t c = 0; c < D; ++c) acc[c] *= sc.alpha[g];
-    for (int64_t t = 0; t < n; ++t)
-      for (int64_t c = 0; c < D; ++c) acc[c] += s[t] * static_cast<float>(v[t * R + c]);
+    for (int64_t t = 0; t < n; ++t) {
+      const float w = s[t] * row_scale(v + t * R, D);
+      for (int64_t c = 0; c < D; ++c) acc[c] += w * static_cast<float>(v[t * R + c]);
+    }
 #endif
     g += tile;
   }
@@ -349,6 +348,8 @@ void attend_range(const Shape& sh, const int8_t* cache, const int64_t* table, in
   std::fill(sc.acc.begin(), sc.acc.end(), 0.f);
   std::fill(sc.m.begin(), sc.m.end(), -std::numeric_limits<float>::infinity());
   std::fill(sc.l.begin(), sc.l.end(), 0.f);
+  for (int64_t i = first_block; i < std::min(first_block + 2, end_block); ++i)  // the loop prefetches from 2 on
+    prefetch_l2(k_head + table[i] * block_bytes, v_head + table[i] * block_bytes, block_bytes);
   for (int64_t i = first_block; i < end_block; ++i) {
     const int64_t skip = std::max<int64_t>(0, start - i * bs);  // rows before the window
     const int64_t n = std::min(bs, len - i * bs) - skip;
@@ -415,7 +416,7 @@ void decode_impl(const at::Tensor& q, const at::Tensor& kv_cache, const int64_t*
     Scratch sc;
     const int64_t pad = (bs + 7) / 8 * 8;
     sc.q.resize(G * D), sc.scores.resize(G * pad), sc.acc.resize(G * D);
-    sc.m.resize(G), sc.l.resize(G), sc.alpha.resize(G), sc.ks.resize(bs), sc.vs.resize(bs);
+    sc.m.resize(G), sc.l.resize(G), sc.alpha.resize(G);
     for (int64_t i; (i = next_item.fetch_add(1)) < num_items;) {
       const Item& it = items[i];
       const T* qh = qp + it.b * q.stride(0) + it.head * G * D;
