@@ -75,7 +75,8 @@ void quantize_row(const float* x, int64_t D, int8_t* out) {
 #ifdef __AVX2__
   const __m256 vs = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
   for (; c + 8 <= D; c += 8) {
-    __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + c), vs), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + c), vs),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);  // half to even
     __m256i i32 = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
     __m128i i16 = _mm_packs_epi32(_mm256_castsi256_si128(i32), _mm256_extracti128_si256(i32, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(out + c), _mm_packs_epi16(i16, i16));
