@@ -62,6 +62,8 @@ def put_to_sleep(runner: ModelRunner, level: int) -> None:
     runner.kv_caches = []
     runner.graphs = None  # captured over the caches' and weights' addresses
     runner._last_steady = None  # rows of requests that were preempted since
+    if runner.kv_offload is not None:  # the sleep forgot its index (reset_prefix_cache)
+        runner.kv_offload.release_pages()
     if level == 2:
         runner.model = None
     elif runner.device.type != "cpu":

@@ -84,6 +84,13 @@ class KVOffloadStore:
         rows = self.host.index_select(0, torch.tensor([s for s, _ in restores]))
         _scatter(kv_caches, torch.tensor([b for _, b in restores]), rows, self.layers)
 
+    def release_pages(self) -> None:
+        """Give the saved blocks' memory back (a sleep, which forgets the index): the file's
+        pages leave this process's RSS; the mapping stays for the blocks saved after the wake.
+        Pinned memory (CUDA) stays pinned: it is host memory, which a sleep keeps."""
+        if self._mapping is not None:
+            self._mapping.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         self.host = torch.empty(0, 0, dtype=torch.uint8)
         if self._mapping is not None:

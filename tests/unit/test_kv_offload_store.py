@@ -58,3 +58,20 @@ def test_a_slot_saved_and_restored_in_one_step_is_copied_from_its_block(tmp_path
 def test_a_size_under_one_block_is_no_store(tmp_path, caplog):
     assert open_store(caches(torch.float32, 4), 1e-9, str(tmp_path)) is None
     assert "holds no block" in caplog.text
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
+
+
+def test_release_pages_gives_the_saved_blocks_memory_back(tmp_path):
+    kv = [torch.ones(2, HKV, NUM_BLOCKS, 1024, 1024, dtype=torch.uint8)]  # 4 MiB a block
+    store = open_store(kv, 64 / 1024, str(tmp_path))  # 16 slots: 64 MiB of file
+    store.copy(kv, [(b % NUM_BLOCKS, b) for b in range(store.num_slots)], [])
+    full = _rss_file_kib()
+    store.release_pages()  # what a sleep does
+    assert full - _rss_file_kib() > 48 * 1024
+    store.copy(kv, [], [(3, 0)])  # still usable after the wake: the dropped pages read back
+    assert torch.equal(kv[0][:, :, 0], torch.ones_like(kv[0][:, :, 0]))
+    store.close()
