@@ -39,9 +39,10 @@ from engine.models.loader import DTYPES, linear_formats, load_model, read_arch_c
 from engine.models.multimodal import MultiModalStep
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.pooling import Pooler, pool
+from engine.prompt_rows import pool_jobs, prompt_jobs, score_prompts
 from engine.request import Request
 from engine.sampled_rows import group_by_request, sampling_rows
-from engine.sampler import Sampler, prompt_logprobs
+from engine.sampler import Sampler
 from engine.sampling_batch import SamplingBatch
 from engine.step_rows import (DecodeInputs, ForwardRow, SteadyRows, all_ahead, all_plain_greedy, as_decodes,
                               forward_order, forward_row, num_leading_decodes, padded, prefill_inputs)
@@ -50,7 +51,6 @@ from engine.vision import VisionInputs
 log = logging.getLogger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
-PROMPT_LOGPROBS_ROWS = 512  # prompt positions scored per LM-head call
 
 
 @dataclass(slots=True)
@@ -67,12 +67,6 @@ class StepPlan:
     pool_slices: list[tuple[int, int]] = field(default_factory=list)  # hidden rows [a, b) of pooling requests
     mm: MultiModalStep | None = None  # image embeddings and M-RoPE positions (engine/vision.py)
     kv_offload: tuple[list, list] | None = None  # second-tier saves and restores, before the copies
-
-
-@dataclass(slots=True)
-class _PromptJob:
-    request: Request
-    first_position: int  # the row at position p scores prompt token p + 1
 
 
 class ModelRunner:
@@ -234,11 +228,11 @@ class ModelRunner:
         steady_requests = sched.steady_requests[:num_steady]
         order = forward_order(sched.scheduled[num_steady:], self.lora is not None)
         sampling = steady + [s for s in order if s.num_samples]
-        jobs, slices = self._prompt_jobs(order, first_row=num_steady)
+        jobs, slices = prompt_jobs(order, first_row=num_steady)
         rows = [forward_row(s) for s in order]
         if self.lora is not None:
             self.lora.assign_slots([s.request.lora_name for s in order], rows)
-        pooling, pool_slices = self._pool_jobs(order, first_row=num_steady)
+        pooling, pool_slices = pool_jobs(order, first_row=num_steady)
         plan = StepPlan(list(sched.blocks_to_copy), rows, slices, bool(sampling),
                         self._steady_rows(steady, steady_requests), pool_slices)
         if sched.kv_saves or sched.kv_restores:
@@ -247,7 +241,7 @@ class ModelRunner:
             plan.mm = self.vision.step(order, num_steady, steady_requests,
                                        None if plan.steady is None else plan.steady.positions)
         prompt_logits, logits, greedy, pooled_hidden = self.run_plan(plan)
-        prompt_lps = self._score_prompts(jobs, prompt_logits)
+        prompt_lps = score_prompts(jobs, prompt_logits)
         if not sampling:
             return ModelRunnerOutput(prompt_logprobs=prompt_lps, model_s=time.perf_counter() - start,
                                      pooled=self._pool(pooling, pooled_hidden))
@@ -392,55 +386,12 @@ class ModelRunner:
         if pairs:
             self.block_tables.invalidate()
 
-    @staticmethod
-    def _score_prompts(jobs: list[_PromptJob], logits: list[torch.Tensor]) -> dict[str, list[dict[int, float]]]:
-        out: dict[str, list[dict[int, float]]] = {}
-        for job, scores in zip(jobs, logits):
-            r, first = job.request, job.first_position
-            targets = r.prompt_token_ids[first + 1:first + 1 + scores.shape[0]]
-            out.setdefault(r.request_id, []).extend(prompt_logprobs(scores, targets, r.sampling_params.prompt_logprobs))
-        return out
-
-    @staticmethod
-    def _pool_jobs(order: list[ScheduledRequest], first_row: int) -> tuple[list[Request], list[tuple[int, int]]]:
-        """Pooling requests (task embed) and the hidden rows each computes this step: its
-        whole prompt (after any cached prefix), in one step. Row offsets as in `_prompt_jobs`."""
-        requests, slices, row = [], [], first_row
-        for s in order:
-            if s.request.pooling is not None:
-                requests.append(s.request)
-                slices.append((row, row + s.num_new_tokens))
-            row += s.num_new_tokens
-        return requests, slices
-
     def _pool(self, requests: list[Request], hidden: list[torch.Tensor]) -> dict[str, list[float]]:
         """Each pooling request's vector (a decoder pools its last token: engine/pooling.py)."""
         if not requests:
             return {}
         pooler = self.pooler
         return {r.request_id: pool(h, pooler.mode, pooler.normalize).tolist() for r, h in zip(requests, hidden)}
-
-    def _prompt_jobs(self, order: list[ScheduledRequest], first_row: int
-                     ) -> tuple[list[_PromptJob], list[tuple[int, int]]]:
-        """The hidden rows to score for requests that asked for prompt_logprobs: their
-        chunk's rows, not only the last one, in slices that bound the [rows, vocab] logits.
-        Row offsets are the same in `_prepare`'s packing and the decode graph's (one token
-        each); `order` starts at row `first_row`, after the steady decodes."""
-        jobs, slices = [], []
-        if all(s.request.sampling_params.prompt_logprobs is None for s in order):
-            return jobs, slices
-        row = first_row
-        for s in order:
-            r = s.request
-            if r.needs_prompt_logprobs:
-                # The row at position p scores prompt token p+1; the last prompt row samples.
-                start = r.num_computed_tokens
-                num_rows = min(start + s.num_new_tokens, r.num_prompt_tokens - 1) - start
-                for first in range(0, max(num_rows, 0), PROMPT_LOGPROBS_ROWS):
-                    jobs.append(_PromptJob(r, start + first))
-                    slices.append((row + first, row + min(num_rows, first + PROMPT_LOGPROBS_ROWS)))
-            row += s.num_new_tokens
-        return jobs, slices
 
     def _prepare(self, rows: list[ForwardRow], steady: SteadyRows | None):
         """The flat step inputs of the steady decodes then `rows`, single-token rows first:
