@@ -232,3 +232,13 @@ class Oracle:
 
     def release(self, request_ids):
         pass
+
+
+def frontend_metrics():
+    """The process's one FrontendMetrics, for tests that build apps in-process: its series
+    register in prometheus' global registry, so a second instance fails. Kept on the
+    frontend.metrics module, which is imported once however test modules are named."""
+    import frontend.metrics as metrics
+    if not hasattr(metrics, "_tests_instance"):
+        metrics._tests_instance = metrics.FrontendMetrics()
+    return metrics._tests_instance

@@ -21,7 +21,10 @@ from torch import nn
 
 
 def available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """oneDNN can pack bf16 weights here: its reorder refuses a CPU without AVX512-BW/VL/DQ or
+    AVX-NE-CONVERT (an AVX2-only VM), where F.linear keeps the plain weight."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 class PackedLinear(nn.Linear):

@@ -14,12 +14,12 @@ from frontend.engine_pool import EnginePool
 from frontend.http.app import build_app
 from frontend.http.context import HttpContext
 from frontend.input_processor import InputProcessor
-from frontend.metrics import FrontendMetrics
 from frontend.router import RoundRobin
+from helpers import frontend_metrics
 from tests.unit.test_frontend_lora import A, FakeEngine, Kind, welcome
 
 KEY = {"Authorization": "Bearer k"}
-_METRICS = FrontendMetrics()  # one per process: its gauges register globally
+_METRICS = frontend_metrics()
 
 
 def serve(calls, api_key: str | None = "k", allow: bool = False, kinds=(), **facts):

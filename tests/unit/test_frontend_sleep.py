@@ -17,12 +17,12 @@ from frontend.engine_pool import EnginePool
 from frontend.http.app import build_app
 from frontend.http.context import HttpContext
 from frontend.input_processor import InputProcessor
-from frontend.metrics import FrontendMetrics
 from frontend.router import RoundRobin
+from helpers import frontend_metrics
 
 A, B = "tcp://127.0.0.1:1", "tcp://127.0.0.1:2"
 KEY = {"Authorization": "Bearer k"}
-_METRICS = FrontendMetrics()  # one per process: its gauges register globally
+_METRICS = frontend_metrics()
 
 
 class AdminFake:
