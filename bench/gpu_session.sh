@@ -258,7 +258,8 @@ quick_session() {  # a short lease: this change's correctness, then its A/Bs, ea
   first_steps || { finish; return 1; }
   step kernel-tests 180 "$res/kernel-tests.log" $PY -m pytest -q -rfE -p no:cacheprovider \
     tests/kernels/test_layer_kernel.py tests/kernels/test_cupy_backend.py tests/kernels/test_gpu_e2e.py \
-    tests/kernels/test_gpu_families.py tests/kernels/test_gpu_vision.py
+    tests/kernels/test_gpu_families.py tests/kernels/test_gpu_vision.py tests/kernels/test_gpu_sleep.py \
+    tests/kernels/test_gpu_kv_offload.py
   step gpu-busy 60 "$res/gpu-busy.log" $PY "${busy[@]}"
   step gpu-busy-eager 60 "$res/gpu-busy-eager.log" $PY "${busy[@]}" --no-layer-kernels
   step gpu-busy-mma 60 "$res/gpu-busy-mma.log" env PAGEDSERVE_CUPY_DECODE=mma $PY "${busy[@]}"
