@@ -25,7 +25,8 @@ def test_auto_must_come_first_as_the_baseline(capsys):
 def test_report_and_chart(tmp_path, capsys):
     results = {name: {"kv_bytes_per_token": b, "perplexity": p, "perplexity_ratio": p / 20.0,
                       "greedy_vs_auto": {"exact": 1.0, "leading": 1.0}, "num_kv_blocks": blocks,
-                      "peak_running": peak, "capacity_ratio": peak / 4, "output_tok_s": tok_s,
+                      "max_concurrency": peak, "peak_running": peak + 3, "capacity_ratio": peak / 4,
+                      "output_tok_s": tok_s,
                       "throughput_ratio": tok_s / 10.0, "num_preemptions": 0}
                for name, b, p, blocks, peak, tok_s in (("auto", 23040, 20.0, 100, 4, 10.0),
                                                        ("int8", 11880, 20.1, 194, 8, 14.0))}
