@@ -45,7 +45,8 @@
 # 5. step 2 again with --no-async-scheduling (no HF), then with `--attention-backend torch`;
 # 6. in the time left, `bench gpu-busy` on a random llama-3-8b (weights built on the GPU).
 # quick: the GPU tests of the layer kernels, the cupy backend (both prefill paths), test_gpu_e2e.py,
-# test_gpu_families.py and test_gpu_vision.py (Qwen2.5-VL, Qwen3-VL, Gemma 3 with images); `bench gpu-busy` with the fused layer kernels, with --no-layer-kernels and with the
+# test_gpu_families.py, test_gpu_vision.py (Qwen2.5-VL, Qwen3-VL, Gemma 3 with images), test_gpu_sleep.py and
+# test_gpu_kv_offload.py (sleep and the second tier on CUDA); `bench gpu-busy` with the fused layer kernels, with --no-layer-kernels and with the
 # tensor-core decode (PAGEDSERVE_CUPY_DECODE=mma); one server over gRPC and HTTP, one with
 # --api-server-count 4 over HTTP, one with --async-admission-steps 0 over gRPC; one offline
 # run. The same workload as throughput.
@@ -191,7 +192,7 @@ sizes() {  # the workload: the H100's, or a tiny one for a CPU (the *-cpu modes 
 
 first_steps() {  # imports (stop at once if they fail: a missing wheel), then the model folder
   step imports 60 "$res/imports.log" $PY -c "import llguidance, zmq, grpc_health, grpc_reflection, fastapi, uvicorn
-import engine.llm, frontend.server; print('imports ok')"
+import pagedserve.llm, frontend.server; print('imports ok')"
   if ! grep -q "imports ok" "$res/imports.log"; then
     cat "$res/imports.log" >> "$OUT/summary.txt"; return 1
   fi
