@@ -38,7 +38,7 @@ placeholder is never dereferenced. A sequence thus holds at most
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from common.multimodal import image_block_keys
@@ -370,18 +370,24 @@ class BlockManager:
 
     def _cached_prefix(self, token_ids: Sequence[int], extra_keys: tuple, max_blocks: int) -> list[int]:
         """Cached blocks for up to `max_blocks` leading full blocks, each hit verified."""
-        bs = self.block_size
         block_ids: list[int] = []
-        parent = ROOT_HASH
-        for i in range(max_blocks):
-            tokens, keys = tuple(token_ids[i * bs:(i + 1) * bs]), image_block_keys(extra_keys, i, bs)
-            block_hash = hash_block(parent, tokens, keys)
+        for block_hash, parent, tokens, keys in self._prompt_blocks(token_ids, extra_keys, 0, max_blocks, ROOT_HASH):
             block_id = self._cached.get(block_hash)
             if block_id is None or not self._blocks[block_id].matches(parent, tokens, keys):
                 break
             block_ids.append(block_id)
-            parent = block_hash
         return block_ids
+
+    def _prompt_blocks(self, token_ids: Sequence[int], extra_keys: tuple, first: int, end: int,
+                       parent: int | None) -> Iterator[tuple[int, int | None, tuple[int, ...], tuple]]:
+        """(hash, parent hash, tokens, extra keys) of the prompt's full blocks first..end-1, the
+        chain going on from `parent`: what a lookup in either tier checks."""
+        bs = self.block_size
+        for i in range(first, end):
+            tokens, keys = tuple(token_ids[i * bs:(i + 1) * bs]), image_block_keys(extra_keys, i, bs)
+            block_hash = hash_block(parent, tokens, keys)
+            yield block_hash, parent, tokens, keys
+            parent = block_hash
 
     def _offloaded(self, token_ids: Sequence[int], extra_keys: tuple, cached: Sequence[int],
                    max_blocks: int) -> list[int]:
@@ -390,7 +396,13 @@ class BlockManager:
         if self.offload is None or len(cached) >= max_blocks:
             return []
         parent = self._blocks[cached[-1]].block_hash if cached else ROOT_HASH
-        return self.offload.match(token_ids, extra_keys, self.block_size, len(cached), max_blocks, parent)
+        hashes = []
+        for block_hash, parent, tokens, keys in self._prompt_blocks(token_ids, extra_keys, len(cached), max_blocks,
+                                                                   parent):
+            if self.offload.lookup(block_hash, parent, tokens, keys) is None:
+                break
+            hashes.append(block_hash)
+        return hashes
 
     def _offloaded_to_restore(self, token_ids: Sequence[int], extra_keys: tuple, computed: list[int],
                               num_cached_tokens: int | None) -> list[int]:

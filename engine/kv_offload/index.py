@@ -19,11 +19,7 @@ used (a hit or a repeated save counts as a use).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
-
-from common.multimodal import image_block_keys
-from common.prefix_hash import hash_block
 
 
 @dataclass(slots=True)
@@ -52,8 +48,6 @@ class OffloadIndex:
         self._pinned: set[int] = set()
         self._saves: list[tuple[int, int]] = []  # (block_id, slot), this step
         self._restores: list[tuple[int, int]] = []  # (slot, block_id), this step
-        self.num_saved_blocks = 0  # totals since start, for tests and logs
-        self.num_restored_blocks = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -74,7 +68,6 @@ class OffloadIndex:
             return None
         self._entries[block_hash] = OffloadEntry(slot, parent_hash, token_ids, extra_keys)
         self._saves.append((block_id, slot))
-        self.num_saved_blocks += 1
         return slot
 
     def lookup(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...], extra_keys: tuple) -> int | None:
@@ -83,20 +76,6 @@ class OffloadIndex:
         if entry is None or not entry.matches(parent_hash, token_ids, extra_keys):
             return None
         return entry.slot
-
-    def match(self, token_ids: Sequence[int], extra_keys: tuple, block_size: int, first_block: int,
-              max_blocks: int, parent_hash: int) -> list[int]:
-        """Hashes of the prompt's blocks first_block.. (chained on from `parent_hash`) that this
-        tier holds, each verified, stopping at the first miss or at `max_blocks`. Changes nothing."""
-        bs, hashes = block_size, []
-        for i in range(first_block, max_blocks):
-            tokens, keys = tuple(token_ids[i * bs:(i + 1) * bs]), image_block_keys(extra_keys, i, bs)
-            block_hash = hash_block(parent_hash, tokens, keys)
-            if self.lookup(block_hash, parent_hash, tokens, keys) is None:
-                break
-            hashes.append(block_hash)
-            parent_hash = block_hash
-        return hashes
 
     def hold(self, block_hash: int) -> int:
         """Pin the slot of `block_hash` (found by `lookup`) until this step's copies are taken,
@@ -111,7 +90,6 @@ class OffloadIndex:
         the next forward; holds the slot until then. Returns the slot."""
         slot = self.hold(block_hash)
         self._restores.append((slot, block_id))
-        self.num_restored_blocks += 1
         return slot
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
